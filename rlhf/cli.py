@@ -1,0 +1,114 @@
+"""The `rlhf` command line. Heavy imports happen inside each command, so `--help` is instant."""
+
+import argparse
+import sys
+from pathlib import Path
+
+from rlhf.errors import RLHFError
+
+
+def _config_show(args) -> int:
+    from rlhf.config import format_config, load_config
+
+    print(format_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def _config_docs(args) -> int:
+    from rlhf.config import reference_markdown
+
+    print(reference_markdown(), end="")
+    return 0
+
+
+def _make_tiny_model(args) -> int:
+    from rlhf.config.tiny import TinyModelConfig
+    from rlhf.models.tiny import make_tiny_model
+
+    spec = TinyModelConfig(
+        arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+        num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
+        tie_embeddings=args.tie_embeddings, max_position_embeddings=args.max_position,
+        seed=args.seed)
+    out = make_tiny_model(spec, Path(args.out), overwrite=args.overwrite)
+    print(f"wrote {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}, "
+          f"vocab {spec.vocab_size}) to {out}")
+    return 0
+
+
+def _make_dataset(args) -> int:
+    from rlhf.data.arith import ArithTask, write_arith_dataset
+
+    task = ArithTask(ops=args.ops, max_value=args.max_value, terms=args.terms)
+    n = write_arith_dataset(Path(args.out), task=task, n=args.n, seed=args.seed, kind=args.kind,
+                            overwrite=args.overwrite)
+    print(f"wrote {n} {args.kind} rows to {args.out}")
+    return 0
+
+
+def _doctor(args) -> int:
+    from rlhf.doctor import run_doctor
+
+    return run_doctor()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlhf", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    config = commands.add_parser("config", help="inspect job configurations")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    show = config_commands.add_parser(
+        "show", help="validate a config and print it resolved (defaults and overrides applied)")
+    show.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
+    show.add_argument("overrides", nargs="*", metavar="section.key=value",
+                      help="overrides, e.g. actor.parallel.tp=2 actor.optim.lr=1e-6")
+    show.set_defaults(run=_config_show)
+    docs = config_commands.add_parser("docs", help="print the configuration reference (Markdown)")
+    docs.set_defaults(run=_config_docs)
+
+    tiny = commands.add_parser(
+        "make-tiny-model", help="write a random-init Hugging Face model folder and its tokenizer")
+    tiny.add_argument("out", help="folder to create")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--hidden", type=int, default=128)
+    tiny.add_argument("--heads", type=int, default=4)
+    tiny.add_argument("--kv-heads", type=int, default=2)
+    tiny.add_argument("--intermediate", type=int, default=256)
+    tiny.add_argument("--vocab", type=int, default=512)
+    tiny.add_argument("--max-position", type=int, default=512)
+    tiny.add_argument("--tie-embeddings", action="store_true")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    tiny.set_defaults(run=_make_tiny_model)
+
+    data = commands.add_parser("make-dataset", help="write a synthetic JSONL dataset")
+    data.add_argument("task", choices=["arith"], help="arith: integer arithmetic with exact answers")
+    data.add_argument("out", help="JSONL file to write")
+    data.add_argument("--n", type=int, required=True, help="number of rows")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--kind", choices=["rl", "sft"], default="rl",
+                      help="rl: prompt + ground_truth; sft: also the answer text to imitate")
+    data.add_argument("--ops", default="+-", help="operators to draw from, e.g. '+-*'")
+    data.add_argument("--max-value", type=int, default=20, help="largest operand")
+    data.add_argument("--terms", type=int, default=2, help="operands per problem")
+    data.add_argument("--overwrite", action="store_true", help="replace an existing file")
+    data.set_defaults(run=_make_dataset)
+
+    doctor = commands.add_parser("doctor", help="check that torch, vLLM, Ray and transformers load")
+    doctor.set_defaults(run=_doctor)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except RLHFError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

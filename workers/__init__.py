@@ -1,0 +1,1 @@
+"""Worker roles (actor, critic, reference, reward model) that live in Ray actors."""
