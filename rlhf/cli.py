@@ -41,7 +41,7 @@ def _make_dataset(args) -> int:
 
     task = ArithTask(ops=args.ops, max_value=args.max_value, terms=args.terms)
     n = write_arith_dataset(Path(args.out), task=task, n=args.n, seed=args.seed, kind=args.kind,
-                            overwrite=args.overwrite)
+                            split=args.split, overwrite=args.overwrite)
     print(f"wrote {n} {args.kind} rows to {args.out}")
     return 0
 
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--kind", choices=["rl", "sft"], default="rl",
                       help="rl: prompt + ground_truth; sft: also the answer text to imitate")
+    data.add_argument("--split", choices=["all", "train", "val"], default="all",
+                      help="train/val: only problems of that split (a fixed hash of the prompt "
+                           "puts one in five in val), so train and val files never overlap")
     data.add_argument("--ops", default="+-", help="operators to draw from, e.g. '+-*'")
     data.add_argument("--max-value", type=int, default=20, help="largest operand")
     data.add_argument("--terms", type=int, default=2, help="operands per problem")

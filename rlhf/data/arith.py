@@ -1,0 +1,138 @@
+"""Synthetic integer-arithmetic task: prompts with exact answers, written as JSONL datasets.
+
+Prompt format: the expression with no spaces followed by "=", e.g. "12+7-3=". The answer
+(ground truth and SFT response) is just the integer in decimal, e.g. "16" or "-4", so an
+exact-match reward can check it. Operands are drawn from 0..max_value; "*" binds tighter
+than "+" and "-", as in Python. With the byte-level tokenizer every digit is its own
+token, so a default prompt ("12+7=") is about 6 tokens.
+"""
+
+import hashlib
+import json
+import os
+import random
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlhf.errors import ConfigError, RLHFError
+
+ARITH_OPS = "+-*"
+MAX_TERMS = 6
+DATA_SOURCE = "arith"
+SPLITS = ("all", "train", "val")
+# One problem in VAL_SHARE goes to the held-out split, chosen by a hash of its prompt, so a
+# train file and a val file never share a problem whatever seeds they were drawn with.
+VAL_SHARE = 5
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArithTask:
+    """Which problems to draw: operators, operand range and operands per problem."""
+
+    ops: str = "+-"
+    """Operators to draw from: a non-empty subset of "+-*"."""
+    max_value: int = 20
+    """Largest operand; operands are drawn uniformly from 0..max_value."""
+    terms: int = 2
+    """Operands per problem (2 to 6)."""
+
+    def __post_init__(self):
+        bad = sorted(set(self.ops) - set(ARITH_OPS))
+        if not self.ops or bad:
+            raise ConfigError(f"ops must be a non-empty subset of {ARITH_OPS!r}, got {self.ops!r}; "
+                              f"use e.g. ops='+-'")
+        if self.max_value < 1:
+            raise ConfigError(f"max_value must be at least 1, got {self.max_value}")
+        if not 2 <= self.terms <= MAX_TERMS:
+            raise ConfigError(f"terms must be between 2 and {MAX_TERMS}, got {self.terms}")
+
+
+def evaluate(operands: list[int], ops: list[str]) -> int:
+    """Exact value of operands[0] ops[0] operands[1] ..., with "*" before "+" and "-"."""
+    # Fold each run of products into one term, then add the signed terms left to right.
+    terms, signs = [operands[0]], [1]
+    for op, value in zip(ops, operands[1:]):
+        if op == "*":
+            terms[-1] *= value
+        else:
+            terms.append(value)
+            signs.append(1 if op == "+" else -1)
+    return sum(sign * term for sign, term in zip(signs, terms))
+
+
+def _draw_problem(task: ArithTask, rng: random.Random) -> dict:
+    operands = [rng.randint(0, task.max_value) for _ in range(task.terms)]
+    ops = [rng.choice(task.ops) for _ in range(task.terms - 1)]
+    expr = str(operands[0]) + "".join(op + str(value) for op, value in zip(ops, operands[1:]))
+    return {"prompt": f"{expr}=", "ground_truth": str(evaluate(operands, ops))}
+
+
+def problem_split(prompt: str) -> str:
+    """'val' or 'train': a fixed function of the prompt text."""
+    digest = hashlib.sha256(prompt.encode()).digest()
+    return "val" if int.from_bytes(digest[:4], "little") % VAL_SHARE == 0 else "train"
+
+
+def generate_problems(task: ArithTask, *, n: int, seed: int, split: str = "all") -> list[dict]:
+    """n problems {"prompt": "12+7-3=", "ground_truth": "16"}; the same seed gives the same list.
+
+    split "train" or "val" keeps only problems of that split (see problem_split).
+    """
+    if n < 1:
+        raise ConfigError(f"n must be at least 1, got {n}")
+    if split not in SPLITS:
+        raise ConfigError(f"split must be one of {', '.join(SPLITS)}; got {split!r}")
+    rng = random.Random(seed)
+    problems = []
+    for _ in range(1000 * n):
+        problem = _draw_problem(task, rng)
+        if split == "all" or problem_split(problem["prompt"]) == split:
+            problems.append(problem)
+            if len(problems) == n:
+                return problems
+    raise ConfigError(f"could not draw {n} {split} problems from ops={task.ops!r}, "
+                      f"max_value={task.max_value}, terms={task.terms}; widen the task")
+
+
+def sample_text(task: ArithTask, *, n: int, seed: int) -> list[str]:
+    """Plain arithmetic text for tokenizer training: prompts and answers as separate strings."""
+    # Kept apart so BPE never learns merges across the prompt/response boundary (e.g. "=-").
+    texts = []
+    for problem in generate_problems(task, n=n, seed=seed):
+        texts += [problem["prompt"], problem["ground_truth"]]
+    return texts
+
+
+def write_arith_dataset(out: Path, *, task: ArithTask, n: int, seed: int, kind: str = "rl",
+                        split: str = "all", overwrite: bool = False) -> int:
+    """Write n JSONL rows to out atomically and return n.
+
+    kind "rl": prompt, ground_truth, data_source; kind "sft" adds response (the answer text).
+    split "train" / "val" draws only problems of that split, so the two never overlap.
+    """
+    if kind not in ("rl", "sft"):
+        raise ConfigError(f"kind must be 'rl' or 'sft', got {kind!r}")
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise RLHFError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+    if out.is_dir():
+        raise RLHFError(f"{out} is a folder; give a file path for the JSONL dataset")
+    rows = generate_problems(task, n=n, seed=seed, split=split)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Write beside the target and rename, so readers never see a half-written file.
+    # (A named "x"-mode file rather than mkstemp keeps the usual umask permissions.)
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            for row in rows:
+                record = {"prompt": row["prompt"], "ground_truth": row["ground_truth"],
+                          "data_source": DATA_SOURCE}
+                if kind == "sft":
+                    record["response"] = row["ground_truth"]
+                f.write(json.dumps(record) + "\n")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return len(rows)

@@ -1,0 +1,129 @@
+"""Build a tiny random-init Hugging Face model folder (weights, config, tokenizer) from a spec.
+
+The folder loads with `AutoModelForCausalLM.from_pretrained`, in vLLM and in the project's
+own engine, so tests and the quickstart need no model hub. Weights are float32 and a pure
+function of the spec: the same spec gives bit-identical tensors.
+"""
+
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
+                          PretrainedConfig, Qwen2Config, Qwen3Config)
+
+from rlhf.config.tiny import VLLM_CPU_HEAD_SIZES, TinyModelConfig
+from rlhf.errors import RLHFError
+from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
+
+INIT_STD = 0.02
+# Norm scales and biases get small random offsets instead of HF's ones/zeros, so a weight
+# mapping that drops or swaps them changes the logits and tests can catch it.
+NORM_JITTER = 0.1
+
+
+def _hf_config(spec: TinyModelConfig, *, bos_id: int, eos_id: int, pad_id: int) -> PretrainedConfig:
+    common = dict(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_embeddings, rms_norm_eps=1e-6, hidden_act="silu",
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32")
+    if spec.arch == "llama":
+        return LlamaConfig(**common, head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
+    if spec.arch == "qwen2":
+        # Qwen2 always has q/k/v biases; its head size is implied by hidden / heads.
+        return Qwen2Config(**common, use_sliding_window=False, sliding_window=None)
+    if spec.arch == "qwen3":
+        # Real Qwen3 models decouple head_dim from hidden / heads, so it is always written.
+        return Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=False,
+                           use_sliding_window=False, sliding_window=None)
+    if spec.arch == "mistral":
+        return MistralConfig(**common, head_dim=spec.head_dim, sliding_window=None)
+    raise AssertionError(f"unhandled arch {spec.arch!r}")  # TinyModelConfig validates arch
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int) -> None:
+    # Our own init with a private generator: independent of transformers' init code and of
+    # the global RNG, so the weights depend on the spec alone.
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in model.named_parameters():  # a tied weight is listed once
+        if name.endswith(".bias"):
+            param.normal_(0.0, INIT_STD, generator=gen)
+        elif param.dim() == 1:  # RMSNorm scales
+            param.normal_(1.0, NORM_JITTER, generator=gen)
+        else:
+            param.normal_(0.0, INIT_STD, generator=gen)
+
+
+def _write_model(spec: TinyModelConfig, folder: Path) -> None:
+    tokenizer = train_tiny_tokenizer(vocab_size=spec.vocab_size, seed=spec.seed)
+    tokenizer.model_max_length = spec.max_position_embeddings
+    ids = dict(bos_id=tokenizer.bos_token_id, eos_id=tokenizer.eos_token_id,
+               pad_id=tokenizer.pad_token_id)
+    config = _hf_config(spec, **ids)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _init_weights(model, spec.seed)
+    # Written by hand rather than with model.save_pretrained, which draws a progress bar.
+    state_dict = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    if spec.tie_embeddings:
+        del state_dict["lm_head.weight"]  # a tied checkpoint stores the embedding once
+    save_file(state_dict, folder / "model.safetensors", metadata={"format": "pt"})
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(folder)
+    GenerationConfig(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"],
+                     pad_token_id=ids["pad_id"]).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def _check_target(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise RLHFError(f"{out_dir} exists and is not a folder; choose another output path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise RLHFError(f"{out_dir} already exists and is not empty; pass --overwrite "
+                        f"(overwrite=True) to replace it")
+
+
+def _move_into_place(new: Path, out_dir: Path) -> None:
+    if not out_dir.exists():
+        new.rename(out_dir)
+        return
+    # Swap the complete new folder in, then delete the old one.
+    old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+    out_dir.rename(old)
+    try:
+        new.rename(out_dir)
+    except BaseException:
+        old.rename(out_dir)  # put the previous model back
+        raise
+    shutil.rmtree(old)
+
+
+def make_tiny_model(spec: TinyModelConfig, out_dir: Path, *, overwrite: bool = False) -> Path:
+    """Write a random-init model folder for spec to out_dir, atomically; return out_dir.
+
+    A non-empty out_dir is replaced only with overwrite=True, once the new folder is complete.
+    """
+    out_dir = Path(out_dir)
+    _check_target(out_dir, overwrite)
+    if spec.head_dim not in VLLM_CPU_HEAD_SIZES:
+        print(f"warning: head size {spec.head_dim} (hidden_size / num_heads) is not one that "
+              f"vLLM's CPU attention supports {VLLM_CPU_HEAD_SIZES}; the model works in "
+              f"transformers, but vLLM on CPU will refuse it", file=sys.stderr)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # A sibling folder, so the final rename stays on one file system.
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        _write_model(spec, tmp)
+        _move_into_place(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
