@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The README's main command. Installs into ./.venv on first use, builds the tiny model and the
+# arithmetic data under outputs/quickstart/ if they are missing, validates the job config, and
+# runs the job.
+#
+#   bash examples/quickstart.sh [section.key=value ...]    # overrides go to the job config
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+bash examples/install.sh
+rlhf=.venv/bin/rlhf
+config=configs/quickstart.yaml
+out=outputs/quickstart
+step() { printf '\n[quickstart %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+step "validating $config"
+"$rlhf" config show "$config" "$@" >/dev/null
+
+if [ ! -f "$out/model/config.json" ]; then
+  step "building the tiny model in $out/model"
+  "$rlhf" make-tiny-model "$out/model"
+fi
+dataset() {  # FILE KIND SPLIT N
+  if [ ! -f "$1" ]; then
+    step "writing $4 $3 rows ($2) to $1"
+    "$rlhf" make-dataset arith "$1" --kind "$2" --split "$3" --n "$4" --seed 0
+  fi
+}
+dataset "$out/data/train.jsonl" rl train 2000
+dataset "$out/data/val.jsonl" rl val 200
+dataset "$out/data/sft_train.jsonl" sft train 2000
+
+step "resolved job config"
+"$rlhf" config show "$config" "$@"
+
+step "ready: model, data and config are in place"
+echo "PPO training itself ('rlhf train') is not built yet; this command will run it once it is."
