@@ -1,0 +1,182 @@
+"""Pack ragged sequences into one token stream per micro-batch (THD layout) for varlen attention.
+
+Sequences are concatenated without padding; `cu_seqlens` (int32, n+1) bounds them as
+flash-attn's varlen API expects, and `position_ids` restart at 0 for every sequence.
+Empty sequences keep their slot (a repeated `cu_seqlens` entry) so row i stays sample i.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rlhf.data.ragged import Ragged
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class Packed:
+    """Sequences concatenated into one stream, bounded by `cu_seqlens`."""
+
+    tokens: Tensor  # (T,) usually token ids; (T, *feature_dims) is allowed
+    cu_seqlens: Tensor  # (n+1,) int32, cu_seqlens[0] == 0, cu_seqlens[-1] == T
+    position_ids: Tensor  # (T,) int64, 0..len_i-1 inside sequence i
+    max_seqlen: int  # longest sequence, 0 when there are none
+
+    @property
+    def num_seqs(self) -> int:
+        return self.cu_seqlens.numel() - 1
+
+    @property
+    def seq_lens(self) -> Tensor:
+        """Sequence lengths, (n,) int64."""
+        cu = self.cu_seqlens.long()
+        return cu[1:] - cu[:-1]
+
+
+@dataclass(frozen=True)
+class PackedSequences(Packed):
+    """Prompt-then-response sequences in one stream; `response_mask` marks the response tokens."""
+
+    response_mask: Tensor  # (T,) bool, True on response tokens
+    prompt_lens: Tensor  # (n,) int64
+    response_lens: Tensor  # (n,) int64
+
+
+def _as_ragged(seqs: Sequence[Tensor] | Ragged, what: str) -> Ragged:
+    if isinstance(seqs, Ragged):
+        return seqs
+    try:
+        return Ragged.from_list(seqs)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from e
+
+
+def _offsets(lengths: Tensor) -> Tensor:
+    return F.pad(lengths.cumsum(0), (1, 0))  # (n+1,) int64
+
+
+def _cu_seqlens(offsets: Tensor) -> Tensor:
+    total = int(offsets[-1])
+    if total > _INT32_MAX:
+        raise ValueError(
+            f"{total} tokens do not fit int32 cu_seqlens; use a smaller micro-batch token budget"
+        )
+    return offsets.to(torch.int32)
+
+
+def _position_ids(offsets: Tensor) -> Tensor:
+    lengths = offsets[1:] - offsets[:-1]
+    total = int(offsets[-1])
+    starts_T = torch.repeat_interleave(offsets[:-1], lengths, output_size=total)
+    return torch.arange(total, device=offsets.device) - starts_T  # (T,)
+
+
+def _max_len(lengths: Tensor) -> int:
+    return int(lengths.max()) if lengths.numel() else 0
+
+
+def pack(seqs: Sequence[Tensor] | Ragged) -> Packed:
+    """Concatenate sequences into one stream with int32 `cu_seqlens` and restarting positions."""
+    rows = _as_ragged(seqs, "pack")
+    return Packed(
+        tokens=rows.values,
+        cu_seqlens=_cu_seqlens(rows.offsets),
+        position_ids=_position_ids(rows.offsets),
+        max_seqlen=_max_len(rows.lengths),
+    )
+
+
+def unpack(values_T: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
+    """Split a per-token tensor (T, *feature_dims) back into per-sequence views."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise ValueError(f"unpack: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    try:
+        rows = Ragged(values_T, cu_seqlens.to(device=values_T.device, dtype=torch.int64))
+    except ValueError as e:
+        raise ValueError(f"unpack: values_T does not match cu_seqlens: {e}") from e
+    return rows.to_list()
+
+
+def pack_prompt_response(
+    prompts: Ragged | Sequence[Tensor], responses: Ragged | Sequence[Tensor]
+) -> PackedSequences:
+    """Pack sequence i as prompts[i] followed by responses[i]; either part may be empty."""
+    p, r = _as_ragged(prompts, "prompts"), _as_ragged(responses, "responses")
+    if len(p) != len(r):
+        raise ValueError(f"{len(p)} prompts but {len(r)} responses; pass one response per prompt")
+    pv, rv = p.values, r.values
+    if pv.shape[1:] != rv.shape[1:] or pv.dtype != rv.dtype or pv.device != rv.device:
+        raise ValueError(
+            f"prompts are {pv.dtype} {tuple(pv.shape[1:])} on {pv.device} but responses are "
+            f"{rv.dtype} {tuple(rv.shape[1:])} on {rv.device}; cast both to one dtype and device"
+        )
+    prompt_lens, response_lens = p.lengths, r.lengths
+    seq_lens = prompt_lens + response_lens
+    offsets = _offsets(seq_lens)
+    total = int(offsets[-1])
+    position_ids = _position_ids(offsets)
+    # Response tokens are those at or past their sequence's prompt length.
+    prompt_len_T = torch.repeat_interleave(prompt_lens, seq_lens, output_size=total)
+    response_mask = position_ids >= prompt_len_T
+    tokens = pv.new_empty((total, *pv.shape[1:]))
+    tokens[~response_mask] = pv  # boolean-mask assignment fills positions in stream order
+    tokens[response_mask] = rv
+    return PackedSequences(
+        tokens=tokens,
+        cu_seqlens=_cu_seqlens(offsets),
+        position_ids=position_ids,
+        max_seqlen=_max_len(seq_lens),
+        response_mask=response_mask,
+        prompt_lens=prompt_lens,
+        response_lens=response_lens,
+    )
+
+
+def shifted_targets(packed: Packed) -> tuple[Tensor, Tensor]:
+    """Next token inside the same sequence for every position: (targets_T, valid_T).
+
+    Logits at position t predict token t+1, so `log p(tokens[t+1])` is
+    `log_softmax(logits_TV).gather(-1, targets_T[:, None])[:, 0]`, meaningful only where
+    `valid_T`, which is False at each sequence's last position (targets are 0 there).
+    """
+    tokens_T = packed.tokens
+    if tokens_T.dim() != 1:
+        raise ValueError(f"shifted_targets needs 1-D token ids, got shape {tuple(tokens_T.shape)}")
+    cu = packed.cu_seqlens.long().to(tokens_T.device)
+    lengths = cu[1:] - cu[:-1]
+    valid_T = torch.ones_like(tokens_T, dtype=torch.bool)
+    valid_T[cu[1:][lengths > 0] - 1] = False  # last position of every non-empty sequence
+    targets_T = torch.where(valid_T, torch.roll(tokens_T, -1), torch.zeros_like(tokens_T))
+    return targets_T, valid_T
+
+
+def response_values(
+    values_T: Tensor, packed: PackedSequences, *, next_token: bool = False
+) -> Ragged:
+    """Per-token values (T, *feature_dims) of the response tokens, as one row per sequence.
+
+    With `next_token=True`, values_T[t] scores token t+1 (log-probs computed against
+    `shifted_targets`), so each response token's value is read one position earlier.
+    """
+    if values_T.shape[0] != packed.tokens.shape[0]:
+        raise ValueError(
+            f"values_T has {values_T.shape[0]} positions but the packed stream has "
+            f"{packed.tokens.shape[0]}"
+        )
+    mask_T = packed.response_mask.to(values_T.device)
+    if next_token and mask_T.numel():
+        if bool(((packed.prompt_lens == 0) & (packed.response_lens > 0)).any()):
+            raise ValueError(
+                "next_token=True needs a non-empty prompt before every non-empty response: no "
+                "position predicts a sequence's first token (start prompts with a BOS token)"
+            )
+        # Safe to roll: every sequence starts with a prompt token, so nothing crosses sequences.
+        mask_T = torch.roll(mask_T, -1)
+    offsets = _offsets(packed.response_lens).to(values_T.device)
+    return Ragged(values_T[mask_T], offsets)
