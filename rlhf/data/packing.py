@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from rlhf.data.ragged import Ragged
+from rlhf.data.ragged import Ragged, offsets_from_lengths
 
 _INT32_MAX = 2**31 - 1
 
@@ -55,10 +54,6 @@ def _as_ragged(seqs: Sequence[Tensor] | Ragged, what: str) -> Ragged:
         return Ragged.from_list(seqs)
     except ValueError as e:
         raise ValueError(f"{what}: {e}") from e
-
-
-def _offsets(lengths: Tensor) -> Tensor:
-    return F.pad(lengths.cumsum(0), (1, 0))  # (n+1,) int64
 
 
 def _cu_seqlens(offsets: Tensor) -> Tensor:
@@ -118,7 +113,7 @@ def pack_prompt_response(
         )
     prompt_lens, response_lens = p.lengths, r.lengths
     seq_lens = prompt_lens + response_lens
-    offsets = _offsets(seq_lens)
+    offsets = offsets_from_lengths(seq_lens)
     total = int(offsets[-1])
     position_ids = _position_ids(offsets)
     # Response tokens are those at or past their sequence's prompt length.
@@ -178,5 +173,5 @@ def response_values(
             )
         # Safe to roll: every sequence starts with a prompt token, so nothing crosses sequences.
         mask_T = torch.roll(mask_T, -1)
-    offsets = _offsets(packed.response_lens).to(values_T.device)
+    offsets = offsets_from_lengths(packed.response_lens).to(values_T.device)
     return Ragged(values_T[mask_T], offsets)

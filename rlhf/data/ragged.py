@@ -17,7 +17,8 @@ from torch import Tensor
 IndexLike = Union[Sequence[int], Sequence[bool], Tensor, np.ndarray, range]
 
 
-def _offsets_from_lengths(lengths: Tensor) -> Tensor:
+def offsets_from_lengths(lengths: Tensor) -> Tensor:
+    """Row lengths (B,) -> offsets (B+1,) starting at 0."""
     return F.pad(lengths.cumsum(0), (1, 0))  # (B+1,) int64
 
 
@@ -92,7 +93,7 @@ class Ragged:
                     "dim and the same trailing dims, dtype and device (cast them or pass dtype=)"
                 )
         lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
-        return cls._trusted(torch.cat(rows), _offsets_from_lengths(lengths).to(r0.device))
+        return cls._trusted(torch.cat(rows), offsets_from_lengths(lengths).to(r0.device))
 
     def to_list(self) -> list[Tensor]:
         """The rows as a list of tensors (views into `values`)."""
@@ -125,7 +126,7 @@ class Ragged:
         """Gather rows in any order (repeats allowed); indices are ints or a boolean mask."""
         idx = as_index(indices, len(self)).to(self.offsets.device)
         lengths = self.lengths[idx]
-        offsets = _offsets_from_lengths(lengths)
+        offsets = offsets_from_lengths(lengths)
         total = int(offsets[-1])
         # Token j of output row k comes from input position starts[k] + (j - offsets[k]).
         shift = self.offsets[:-1][idx] - offsets[:-1]
@@ -158,7 +159,7 @@ class Ragged:
                     "make them match"
                 )
         lengths = torch.cat([p.lengths for p in parts])
-        return cls._trusted(torch.cat([p.values for p in parts]), _offsets_from_lengths(lengths))
+        return cls._trusted(torch.cat([p.values for p in parts]), offsets_from_lengths(lengths))
 
     def equal(self, other: object) -> bool:
         """Same rows, dtype and values (exact comparison; for tests and `Batch.union`)."""
