@@ -1,0 +1,23 @@
+"""Typed job configuration: frozen dataclasses, YAML loading with overrides, checks, reference.
+
+`load_config(path, overrides)` is the entry point; it rejects unknown keys and inconsistent
+values with a ConfigError that names the dotted key, before any process starts.
+"""
+
+from rlhf.config.checks import check_config
+from rlhf.config.loader import config_from_dict, config_to_dict, format_config, load_config
+from rlhf.config.reference import reference_markdown
+from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, OptimizerConfig, ParallelConfig,
+                               RewardConfig, RewardFunctionConfig, TrainRoleConfig)
+from rlhf.config.schema import (AlgorithmConfig, DataConfig, JobConfig, ModelConfig, RayConfig,
+                                RolloutConfig, TrainerConfig)
+from rlhf.config.tiny import TinyModelConfig
+from rlhf.errors import ConfigError
+
+__all__ = [
+    "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "ForwardRoleConfig",
+    "JobConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RayConfig",
+    "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig",
+    "TrainRoleConfig", "check_config", "config_from_dict", "config_to_dict", "format_config",
+    "load_config", "reference_markdown",
+]

@@ -1,0 +1,159 @@
+"""Checks that span sections or need the model's shape; `load_config` runs them all.
+
+Every problem is reported at once, each naming its dotted key(s) and the fix. Model-shape
+checks read model.path/config.json when the folder exists, else model.tiny, else are skipped.
+"""
+
+from collections.abc import Iterator
+
+from rlhf.config.model_facts import ModelFacts, read_model_facts
+from rlhf.config.roles import ForwardRoleConfig, TrainRoleConfig
+from rlhf.config.schema import GROUP_ESTIMATORS, JobConfig
+from rlhf.config.tiny import VLLM_CPU_HEAD_SIZES
+from rlhf.errors import ConfigError
+
+
+def check_config(cfg: JobConfig) -> None:
+    """Raise one ConfigError listing every cross-section problem of `cfg`; return if none."""
+    policy = read_model_facts(cfg.model.path, cfg.model.tiny, "model.path")
+    problems = [
+        *_check_inputs(cfg),
+        *_check_rollout(cfg, policy),
+        *_check_training(cfg),
+    ]
+    for name, role, facts in _active_roles(cfg, policy):
+        problems += _check_role(cfg, name, role, facts)
+        problems += _check_role_batches(cfg, name, role)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in the config:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
+
+
+def _active_roles(cfg: JobConfig, policy: ModelFacts | None):
+    """(name, role config, model facts) of every role this job will create."""
+    roles = [("actor", cfg.actor, policy)]
+    if cfg.algorithm.use_critic:
+        critic = policy
+        if cfg.critic.model_path is not None:
+            critic = read_model_facts(cfg.critic.model_path, None, "critic.model_path")
+        roles.append(("critic", cfg.critic, critic))
+    if cfg.algorithm.use_ref:
+        roles.append(("ref", cfg.ref, policy))
+    if cfg.reward.model_path is not None:
+        reward = read_model_facts(cfg.reward.model_path, None, "reward.model_path")
+        roles.append(("reward", cfg.reward, reward))
+    return roles
+
+
+def _check_inputs(cfg: JobConfig) -> Iterator[str]:
+    if not cfg.data.train_files:
+        yield "data.train_files is empty; list the training JSONL file(s)"
+    if not cfg.reward.functions and cfg.reward.model_path is None:
+        yield ("reward.functions is empty and reward.model_path is null; give at least one "
+               "reward function (e.g. [{path: 'pkg.module:function'}]) or a reward model")
+    if cfg.trainer.val_every > 0 and not cfg.data.val_files:
+        yield (f"trainer.val_every={cfg.trainer.val_every} needs data.val_files; list the "
+               f"validation file(s) or set trainer.val_every=0")
+
+
+def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
+    rollout, algo = cfg.rollout, cfg.algorithm
+    actor_world = cfg.role_world_size(cfg.actor)
+    if actor_world % rollout.tp:
+        yield (f"rollout.tp={rollout.tp} does not divide the actor's {actor_world} ranks; "
+               f"choose a divisor of {actor_world}")
+    if cfg.trainer.device == "cpu" and rollout.tp != 1:
+        yield f"rollout.tp={rollout.tp} but trainer.device is cpu, where vLLM runs with tp 1"
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
+        yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses of the same "
+               f"prompt: set rollout.n to at least 2 (got {rollout.n})")
+    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.temperature == 0 and rollout.n > 1:
+        yield ("rollout.temperature=0 (greedy) makes the rollout.n responses of a prompt "
+               "identical, so group advantages are all zero; use a temperature above 0")
+    if policy is None:
+        return
+    sequence = cfg.data.max_prompt_length + rollout.max_new_tokens
+    if sequence > policy.max_position_embeddings:
+        yield (f"data.max_prompt_length + rollout.max_new_tokens = {sequence} exceeds the "
+               f"model's max_position_embeddings {policy.max_position_embeddings} "
+               f"({policy.source}); shorten one of them")
+    if policy.num_heads % rollout.tp:
+        yield (f"rollout.tp={rollout.tp} does not divide the model's {policy.num_heads} "
+               f"attention heads ({policy.source})")
+    if cfg.trainer.device == "cpu" and policy.head_dim not in VLLM_CPU_HEAD_SIZES:
+        yield (f"model head size {policy.head_dim} ({policy.source}) has no vLLM CPU kernel "
+               f"(trainer.device is cpu); use one of {list(VLLM_CPU_HEAD_SIZES)}")
+
+
+def _check_training(cfg: JobConfig) -> Iterator[str]:
+    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.use_critic else [])
+    for name, role in roles:
+        if role.optim.warmup_steps >= cfg.trainer.total_steps:
+            yield (f"{name}.optim.warmup_steps={role.optim.warmup_steps} must be below "
+                   f"trainer.total_steps={cfg.trainer.total_steps}; shorten the warmup")
+
+
+def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
+                facts: ModelFacts | None) -> Iterator[str]:
+    plan = role.parallel
+    world = cfg.role_world_size(role)
+    where = (f"{name}.world_size={world}" if role.placement == "separate" else
+             f"the shared pool of {world} ranks (trainer.nnodes * trainer.ranks_per_node)")
+    if world % (plan.tp * plan.pp):
+        yield (f"{name}.parallel.tp * {name}.parallel.pp = {plan.tp * plan.pp} does not divide "
+               f"{where}; change the plan or the number of ranks")
+    if role.dtype == "float16" and cfg.trainer.device == "cpu":
+        yield f"{name}.dtype=float16 is not supported on cpu; use float32, bfloat16 or auto"
+    sequence = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    if role.max_tokens_per_micro_batch < sequence:
+        yield (f"{name}.max_tokens_per_micro_batch={role.max_tokens_per_micro_batch} is below "
+               f"data.max_prompt_length + rollout.max_new_tokens = {sequence}, so a whole "
+               f"sequence may not fit; raise it to at least {sequence}")
+    if facts is not None:
+        yield from _check_plan_vs_model(name, role, facts)
+
+
+def _check_plan_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFacts) -> Iterator[str]:
+    plan, src = role.parallel, facts.source
+    for what, count in (("attention heads", facts.num_heads), ("kv heads", facts.num_kv_heads),
+                        ("MLP intermediate size", facts.intermediate_size)):
+        if count % plan.tp:
+            yield (f"{name}.parallel.tp={plan.tp} does not divide the model's {count} {what} "
+                   f"({src}); choose a divisor")
+    stages = plan.pp * plan.vpp
+    if facts.num_layers < stages:
+        yield (f"{name}.parallel.pp * {name}.parallel.vpp = {stages} exceeds the model's "
+               f"{facts.num_layers} layers ({src}); every virtual stage needs a layer")
+    if plan.layers_per_stage is not None and sum(plan.layers_per_stage) != facts.num_layers:
+        yield (f"{name}.parallel.layers_per_stage sums to {sum(plan.layers_per_stage)} but the "
+               f"model has {facts.num_layers} layers ({src})")
+
+
+def _check_role_batches(cfg: JobConfig, name: str, role: ForwardRoleConfig) -> Iterator[str]:
+    plan = role.parallel
+    world = cfg.role_world_size(role)
+    if world % (plan.tp * plan.pp):
+        return  # reported by _check_role; DP size is undefined
+    dp = world // (plan.tp * plan.pp)
+    n, batch = cfg.rollout.n, cfg.data.train_batch_size
+    if not isinstance(role, TrainRoleConfig):
+        if batch * n % dp:
+            yield (f"data.train_batch_size * rollout.n = {batch * n} samples do not split evenly "
+                   f"over the {dp} data-parallel ranks of {name}")
+        return
+    mini = role.ppo_mini_batch_size
+    if batch % mini:
+        yield (f"data.train_batch_size={batch} is not divisible by {name}.ppo_mini_batch_size="
+               f"{mini}; make the mini-batch a divisor of the batch")
+        return
+    if mini * n % dp:
+        yield (f"{name}.ppo_mini_batch_size * rollout.n = {mini * n} samples do not split evenly "
+               f"over the {dp} data-parallel ranks of {name}")
+        return
+    per_rank = mini * n // dp
+    if role.micro_batch_size is not None and per_rank % role.micro_batch_size:
+        yield (f"{name}.micro_batch_size={role.micro_batch_size} does not divide the {per_rank} "
+               f"samples of a mini-batch on one data-parallel rank "
+               f"({name}.ppo_mini_batch_size * rollout.n / {dp})")

@@ -1,0 +1,37 @@
+"""`rlhf config show` and `rlhf config docs` through the CLI entry point."""
+
+from pathlib import Path
+
+from rlhf.cli import main
+from rlhf.config import config_from_dict, load_config, reference_markdown
+from rlhf.config.yaml_io import parse_yaml
+
+QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
+
+
+def test_config_show_prints_the_resolved_yaml(capsys):
+    assert main(["config", "show", str(QUICKSTART), "actor.optim.lr=2e-6"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model:\n")
+    cfg = config_from_dict(parse_yaml(out))
+    assert cfg == load_config(QUICKSTART, ["actor.optim.lr=2e-6"])
+    assert cfg.actor.optim.lr == 2e-6
+
+
+def test_config_show_rejects_a_bad_config_without_traceback(capsys):
+    assert main(["config", "show", str(QUICKSTART), "actor.optim.learning_rate=1e-6"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: unknown key 'actor.optim.learning_rate'")
+    assert "Traceback" not in captured.err
+
+
+def test_config_show_reports_a_missing_file(capsys, tmp_path):
+    assert main(["config", "show", str(tmp_path / "absent.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "absent.yaml" in err and "Traceback" not in err
+
+
+def test_config_docs_prints_the_reference(capsys):
+    assert main(["config", "docs"]) == 0
+    assert capsys.readouterr().out == reference_markdown()
