@@ -9,8 +9,11 @@ from rlhf.errors import RLHFError
 
 def _config_show(args) -> int:
     from rlhf.config import format_config, load_config
+    from rlhf.rewards import check_reward_functions
 
-    print(format_config(load_config(args.config, args.overrides)), end="")
+    cfg = load_config(args.config, args.overrides)
+    check_reward_functions([fn.path for fn in cfg.reward.functions])
+    print(format_config(cfg), end="")
     return 0
 
 
@@ -59,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="inspect job configurations")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_commands.add_parser(
-        "show", help="validate a config and print it resolved (defaults and overrides applied)")
+        "show", help="validate a config (and load its reward functions), print it resolved")
     show.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
     show.add_argument("overrides", nargs="*", metavar="section.key=value",
                       help="overrides, e.g. actor.parallel.tp=2 actor.optim.lr=1e-6")

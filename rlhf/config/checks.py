@@ -49,7 +49,7 @@ def _active_roles(cfg: JobConfig, policy: ModelFacts | None):
 
 def _check_inputs(cfg: JobConfig) -> Iterator[str]:
     if not cfg.data.train_files:
-        yield "data.train_files is empty; list the training JSONL file(s)"
+        yield "data.train_files is empty; list the training JSONL or Parquet file(s)"
     if not cfg.reward.functions and cfg.reward.model_path is None:
         yield ("reward.functions is empty and reward.model_path is null; give at least one "
                "reward function (e.g. [{path: 'pkg.module:function'}]) or a reward model")

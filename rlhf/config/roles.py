@@ -172,7 +172,7 @@ class RewardConfig(ForwardRoleConfig):
     timeout_s: float = 10.0
     """Seconds one reward-function call may take before it counts as an error."""
     num_workers: int = 2
-    """Worker processes that run the reward functions in parallel."""
+    """Reward worker processes; 0 = run them in the calling process, without timeouts (debug)."""
     on_error: Literal["raise", "fallback"] = "raise"
     """On an exception or timeout: raise (stop training) or score fallback_score."""
     fallback_score: float = 0.0
@@ -186,4 +186,4 @@ class RewardConfig(ForwardRoleConfig):
                 raise ConfigError(f"functions lists {path!r} twice; merge the entries' weights")
         if self.timeout_s <= 0:
             raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
-        require_min(self, 1, "num_workers")
+        require_min(self, 0, "num_workers")

@@ -159,12 +159,12 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Prompt datasets (JSONL files) and how they are batched."""
+    """Prompt datasets (JSONL or Parquet files) and how they are batched."""
 
     train_files: tuple[str, ...] = ()
-    """Training JSONL files (a path or a list of paths); required."""
+    """Training files, JSONL or Parquet (a path or a list of paths); required."""
     val_files: tuple[str, ...] = ()
-    """Validation JSONL files; needed when trainer.val_every > 0."""
+    """Validation files, JSONL or Parquet; needed when trainer.val_every > 0."""
     prompt_key: str = "prompt"
     """Field of each row that holds the prompt."""
     ground_truth_key: str = "ground_truth"
@@ -274,7 +274,7 @@ class JobConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantage estimation, KL regularisation and the clipped policy/value losses."""
     data: DataConfig = field(default_factory=DataConfig)
-    """Prompt datasets (JSONL files) and batch sizes."""
+    """Prompt datasets (JSONL or Parquet files) and batch sizes."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """The training loop, its devices and its outputs."""
     ray: RayConfig = field(default_factory=RayConfig)

@@ -35,3 +35,20 @@ def test_config_show_reports_a_missing_file(capsys, tmp_path):
 def test_config_docs_prints_the_reference(capsys):
     assert main(["config", "docs"]) == 0
     assert capsys.readouterr().out == reference_markdown()
+
+
+def test_config_show_loads_the_reward_functions(capsys, tmp_path):
+    reward = tmp_path / "reward.py"
+    reward.write_text("def score(*, prompt, response, ground_truth, extra):\n    return 1.0\n")
+    assert main(["config", "show", str(QUICKSTART),
+                 f"reward.functions=[{{path: '{reward}:score'}}]"]) == 0
+    capsys.readouterr()
+    assert main(["config", "show", str(QUICKSTART),
+                 f"reward.functions=[{{path: '{reward}:scor'}}]"]) == 2
+    err = capsys.readouterr().err
+    assert "reward.functions[0].path" in err and "did you mean" in err and "Traceback" not in err
+    missing = tmp_path / "absent.py"
+    assert main(["config", "show", str(QUICKSTART),
+                 f"reward.functions=[{{path: 'rlhf.rewards.arith:exact_match'}}, "
+                 f"{{path: '{missing}:score'}}]"]) == 2
+    assert "reward.functions[1].path" in capsys.readouterr().err

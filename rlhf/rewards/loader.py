@@ -1,0 +1,139 @@
+"""Load a reward function from 'package.module:function' or 'path/to/file.py:function'."""
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from rlhf.errors import ConfigError, RLHFError
+from rlhf.rewards.protocol import EXPECTED_SIGNATURE, REWARD_KWARGS
+
+_FORMS = "'package.module:function' or 'path/to/file.py:function'"
+
+
+def load_reward_function(spec: str) -> Callable:
+    """The callable named by spec, checked to accept the reward keyword arguments.
+
+    A file path is relative to the working directory; a module must be importable.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not (sep and target and name):
+        raise RLHFError(f"reward function {spec!r}: expected {_FORMS}")
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    module = _load_file(spec, Path(target)) if is_file else _import_module(spec, target)
+    if not hasattr(module, name):
+        raise RLHFError(f"reward function {spec!r}: {target} has no attribute {name!r}"
+                        f"{_close_names(module, name)}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise RLHFError(f"reward function {spec!r}: {name} is a {type(fn).__name__}, "
+                        f"not a function; expected {EXPECTED_SIGNATURE}")
+    check_signature(fn, spec)
+    return fn
+
+
+def check_reward_functions(specs: list[str]) -> None:
+    """Load every reward function now, so a bad one is reported before any process starts.
+
+    Raises ConfigError naming the config key (reward.functions[i].path) of each bad entry.
+    """
+    problems = []
+    for i, spec in enumerate(specs):
+        try:
+            load_reward_function(spec)
+        except RLHFError as e:
+            problems.append(f"reward.functions[{i}].path: {e}")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of exc without the frames of importlib and of rlhf.rewards' own machinery."""
+    ours = (__file__, importlib.__file__, str(Path(__file__).with_name("worker.py")))
+    report = traceback.TracebackException.from_exception(exc)
+    report.stack = traceback.StackSummary.from_list(
+        [frame for frame in report.stack
+         if not frame.filename.startswith("<frozen") and frame.filename not in ours])
+    return "".join(report.format()).rstrip()
+
+
+def _import_module(spec: str, target: str) -> ModuleType:
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (target == e.name or target.startswith(e.name + ".")):
+            raise RLHFError(
+                f"reward function {spec!r}: module {target!r} not found ({e}); install it, put "
+                f"its folder on PYTHONPATH, or give a file path such as "
+                f"'path/to/{target.rsplit('.', 1)[-1]}.py:function'") from None
+        raise RLHFError(f"reward function {spec!r}: importing {target!r} failed because it "
+                        f"imports a missing module:\n{user_traceback(e)}") from None
+    except Exception as e:  # user code runs at import; show what went wrong in it
+        raise RLHFError(f"reward function {spec!r}: importing {target!r} failed:\n"
+                        f"{user_traceback(e)}") from None
+
+
+def _load_file(spec: str, path: Path) -> ModuleType:
+    if path.suffix != ".py":
+        raise RLHFError(f"reward function {spec!r}: {str(path)!r} is not a .py file; "
+                        f"expected {_FORMS}")
+    if not path.is_file():
+        raise RLHFError(f"reward function {spec!r}: file {str(path)!r} does not exist "
+                        f"(relative paths start at the working directory {str(Path.cwd())!r})")
+    resolved = path.resolve()
+    # A name of its own per file, so user files called e.g. "reward.py" never collide with
+    # each other or with installed modules; registered so pickling and dataclasses work.
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    module_name = f"_rlhf_reward_file_{resolved.stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[module_name]
+        if not isinstance(e, Exception):
+            raise
+        raise RLHFError(f"reward function {spec!r}: running {str(path)!r} failed:\n"
+                        f"{user_traceback(e)}") from None
+    return module
+
+
+def _close_names(module: ModuleType, name: str) -> str:
+    candidates = [n for n, v in vars(module).items()
+                  if callable(v) and not n.startswith("_") and not inspect.isclass(v)]
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+    if close:
+        return f"; did you mean {', '.join(close)}?"
+    if candidates:
+        return f"; its functions are {', '.join(sorted(candidates)[:10])}"
+    return "; it defines no public functions"
+
+
+def check_signature(fn: Callable, spec: str) -> None:
+    """Raise RLHFError unless fn can be called as fn(prompt=, response=, ground_truth=, extra=)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some builtins and C callables have no signature to check: trust them
+    params = signature.parameters.values()
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    by_keyword = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    missing = [k for k in REWARD_KWARGS if k not in by_keyword and not takes_kwargs]
+    required_extra = [p.name for p in params if p.default is p.empty and p.name not in
+                      REWARD_KWARGS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if missing or required_extra:
+        problems = []
+        if missing:
+            problems.append(f"does not accept {', '.join(missing)} as keyword arguments")
+        if required_extra:
+            problems.append(f"requires {', '.join(required_extra)}, which is never passed")
+        raise RLHFError(f"reward function {spec!r} has signature {signature} and "
+                        f"{' and '.join(problems)}; expected {EXPECTED_SIGNATURE} "
+                        f"(a trailing **kwargs also accepts them)")
