@@ -1,0 +1,217 @@
+"""`ModelArgs`: the architecture of a Llama-family model, read from a Hugging Face config.json.
+
+Covers model_type llama, qwen2, qwen3 and mistral. Every field the decoder needs is resolved
+here, with the defaults transformers itself applies when a key is absent, so the model code
+never looks at the raw config. Anything we do not implement is refused with the key named.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlhf.errors import RLHFError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+# transformers' defaults when config.json omits the key (per model_type).
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_SLIDING_WINDOW = 4096  # Mistral/Qwen config classes default to a 4096-token window
+_DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2/Qwen3: layers from this index on use the window
+_QWEN3_DEFAULT_HEAD_DIM = 128
+
+
+@dataclass(frozen=True, kw_only=True)
+class Llama3RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float
+    """Divisor of the low frequencies."""
+    low_freq_factor: float
+    """Wavelengths above original_max_position_embeddings / low_freq_factor get divided."""
+    high_freq_factor: float
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int
+    """Context length of pre-training, in tokens."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Shape and options of a Llama-family decoder; see `from_hf_config` / `from_pretrained`."""
+
+    model_type: str
+    """One of llama, qwen2, qwen3, mistral (names the HF architecture on export)."""
+    vocab_size: int
+    """Rows of the embedding and of the LM head."""
+    hidden_size: int
+    """Width of the residual stream."""
+    intermediate_size: int
+    """Width of the SwiGLU MLP."""
+    num_layers: int
+    """Decoder layers in the whole model (a pipeline stage builds a range of them)."""
+    num_heads: int
+    """Query heads."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention); divides num_heads."""
+    head_dim: int
+    """Size of one attention head."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = _DEFAULT_ROPE_THETA
+    """RoPE base."""
+    rope_scaling: Llama3RopeScaling | None = None
+    """None for plain RoPE."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the model accepts."""
+    tie_word_embeddings: bool = False
+    """The LM head shares the embedding matrix."""
+    qkv_bias: bool = False
+    """q_proj, k_proj and v_proj have biases (qwen2; llama/qwen3 attention_bias)."""
+    o_bias: bool = False
+    """o_proj has a bias (llama/qwen3 attention_bias)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on queries and keys before RoPE (qwen3)."""
+    mlp_bias: bool = False
+    """gate/up/down projections have biases (llama mlp_bias)."""
+    score_bias: bool = False
+    """The value head ("score") has a bias (HF *ForTokenClassification default)."""
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise RLHFError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise RLHFError(f"num_attention_heads ({self.num_heads}) must be divisible by "
+                            f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise RLHFError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> ModelArgs:
+        """Read `folder`/config.json."""
+        path = Path(folder) / "config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise RLHFError(f"{path} not found; point at a Hugging Face model folder") from None
+        except (OSError, ValueError) as exc:
+            raise RLHFError(f"cannot read {path}: {exc}") from None
+        return cls.from_hf_config(config)
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
+        """Resolve a config.json dict, applying transformers' defaults for absent keys."""
+        model_type = config.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise RLHFError(f"model_type {model_type!r} is not supported; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise RLHFError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU) is")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads"):
+            if not isinstance(config.get(key), int):
+                raise RLHFError(f"config.json needs an integer {key}, got {config.get(key)!r}")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        max_pos = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
+        _check_sliding_window(config, model_type, max_pos)
+        theta, scaling = _rope(config, max_pos)
+        attention_bias = bool(config.get("attention_bias", False))
+        architectures = config.get("architectures") or [""]
+        return cls(
+            model_type=model_type,
+            vocab_size=config["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=_head_dim(config, model_type, hidden, heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            # HF: Qwen2 always has q/k/v biases and never an o_proj bias; Mistral has none.
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+            o_bias=model_type in ("llama", "qwen3") and attention_bias,
+            qk_norm=model_type == "qwen3",
+            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias", False)),
+            score_bias=(architectures[0].endswith("ForTokenClassification")
+                        and bool(config.get("token_classification_bias", True))),
+        )
+
+
+def _head_dim(config: dict[str, Any], model_type: str, hidden: int, heads: int) -> int:
+    if config.get("head_dim") is not None:
+        return config["head_dim"]
+    if model_type == "qwen3" and "head_dim" not in config:
+        return _QWEN3_DEFAULT_HEAD_DIM  # Qwen3Config's default, not hidden / heads
+    if hidden % heads:
+        raise RLHFError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) "
+                        f"and config.json has no head_dim")
+    return hidden // heads
+
+
+def _check_sliding_window(config: dict[str, Any], model_type: str, max_pos: int) -> None:
+    """Refuse a sliding window that could change attention: we only implement full attention."""
+    if model_type == "llama":
+        return
+    if model_type == "mistral":
+        window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
+        layers_with_window = list(range(config["num_hidden_layers"]))
+    else:  # qwen2/qwen3 use the window only with use_sliding_window, on "sliding_attention" layers
+        if not config.get("use_sliding_window", False):
+            return
+        window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
+        first = config.get("max_window_layers", _DEFAULT_MAX_WINDOW_LAYERS)
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= first else "full_attention"
+            for i in range(config["num_hidden_layers"])]
+        layers_with_window = [i for i, kind in enumerate(types) if kind == "sliding_attention"]
+    if window is None or window >= max_pos or not layers_with_window:
+        return
+    where = ("all layers" if len(layers_with_window) == config["num_hidden_layers"]
+             else f"layers {layers_with_window}")
+    raise RLHFError(
+        f"sliding_window={window} is active ({model_type}, {where}) and smaller than "
+        f"max_position_embeddings={max_pos}, but sliding-window attention is not implemented. "
+        f"If your sequences never exceed {window} tokens, set max_position_embeddings to "
+        f"{window} in config.json (the window then never applies)")
+
+
+def _rope(config: dict[str, Any], max_pos: int) -> tuple[float, Llama3RopeScaling | None]:
+    """(theta, scaling) from rope_parameters (transformers 5) or legacy rope_scaling/rope_theta."""
+    # Same precedence as transformers: a legacy rope_scaling dict wins over rope_parameters.
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise RLHFError(f"per-layer-type rope_parameters ({', '.join(params)}) are not supported")
+    theta = float(params.get("rope_theta", config.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise RLHFError(f"partial_rotary_factor={partial} is not supported; only 1.0 (RoPE on the "
+                        f"whole head)")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise RLHFError(f"rope_parameters.rope_type {rope_type!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return theta, None
+    missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor") if k not in params]
+    if missing:
+        raise RLHFError(f"rope_type 'llama3' needs rope_parameters.{', '.join(missing)}")
+    # transformers prefers a top-level original_max_position_embeddings (Phi-3 style) if present.
+    original = config.get("original_max_position_embeddings",
+                          params.get("original_max_position_embeddings", max_pos))
+    scaling = Llama3RopeScaling(
+        factor=float(params["factor"]), low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(original))
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        raise RLHFError(f"rope_parameters.high_freq_factor ({scaling.high_freq_factor}) must be "
+                        f"greater than low_freq_factor ({scaling.low_freq_factor})")
+    return theta, scaling

@@ -1,0 +1,227 @@
+"""Hugging Face safetensors folders <-> `CausalLM` / `ValueModel` parameters.
+
+Our parameter names are HF's, so the mapping is the identity with three exceptions: a tied
+LM head is stored once as the embedding, a value head ("score") may be absent from a
+causal-LM folder (then it is initialised fresh), and a value model ignores `lm_head.weight`.
+Loading reads each tensor, or only the slice a parallel plan asks for, straight from the files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from rlhf.errors import RLHFError
+from rlhf.models.transformer import CausalLM, ValueModel
+
+# A fresh value head is drawn from normal(0, VALUE_HEAD_INIT_STD), the usual HF initializer_range,
+# by a CPU generator seeded with `value_head_seed`: the same on every device and TP layout.
+VALUE_HEAD_INIT_STD = 0.02
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Files copied next to the weights by save_hf_folder (tokenizer, chat template, generation).
+_SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+               "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
+_HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+
+# (dim, start, stop): read tensor[start:stop] along dim instead of the whole tensor.
+SliceSpec = tuple[int, int, int]
+ShardFn = Callable[[str, tuple[int, ...]], SliceSpec | None]
+Model = CausalLM | ValueModel
+
+
+def load_hf_weights(model: Model, folder: str | Path, *, shard_fn: ShardFn | None = None,
+                    value_head_seed: int = 0) -> list[str]:
+    """Copy the checkpoint in `folder` into `model`'s (materialised) parameters.
+
+    `shard_fn(param_name, full_shape)` may return (dim, start, stop) to read only that slice.
+    Layers, embedding or head absent from `model` (a pipeline stage) are skipped. Returns the
+    parameters the checkpoint lacked and that were initialised instead (a fresh value head).
+    """
+    folder = Path(folder)
+    files = _tensor_files(folder)
+    full_shapes = _full_model_shapes(model)
+    _check_unexpected(model, files, full_shapes, folder)
+    plan, fresh = _plan(model, files, folder)
+    params = dict(model.named_parameters())
+    for file, pairs in plan.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name, source in pairs:
+                _copy(params[name], _read(f, source, name, shard_fn), name, source)
+    gen = torch.Generator().manual_seed(value_head_seed)
+    for name in fresh:  # sorted: score.bias (zeros) then score.weight (random)
+        full = torch.zeros(full_shapes[name])
+        if name.endswith("weight"):
+            full.normal_(0.0, VALUE_HEAD_INIT_STD, generator=gen)
+        spec = shard_fn(name, tuple(full.shape)) if shard_fn else None
+        _copy(params[name], _slice(full, spec), name, "fresh value head")
+    return fresh
+
+
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt", device="cpu") as f:
+            return {name: single for name in f.keys()}
+    raise RLHFError(f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors "
+                    f"checkpoints are supported")
+
+
+def _full_model_shapes(model: Model) -> dict[str, tuple[int, ...]]:
+    """Names and full shapes of the whole (unsharded, all-stage) model, built on meta."""
+    with torch.device("meta"):
+        full = type(model)(model.args)
+    return {name: tuple(p.shape) for name, p in full.named_parameters()}
+
+
+def _ignorable(model: Model, name: str) -> bool:
+    return (name.endswith("rotary_emb.inv_freq")  # a buffer some old checkpoints saved
+            or (name == "lm_head.weight"
+                and (isinstance(model, ValueModel) or model.args.tie_word_embeddings)))
+
+
+def _check_unexpected(model: Model, files: dict[str, Path], full_shapes: dict, folder: Path):
+    unexpected = sorted(n for n in files if n not in full_shapes and not _ignorable(model, n))
+    if unexpected:
+        hint = ""
+        if isinstance(model, CausalLM) and any(n.startswith("score.") for n in unexpected):
+            hint = " (a value-head checkpoint: load it into a ValueModel)"
+        raise RLHFError(f"{folder} has tensors a {model.args.model_type} {type(model).__name__} "
+                        f"does not have{hint}: {_names(unexpected)}")
+
+
+def _plan(model: Model, files: dict[str, Path], folder: Path):
+    """({file: [(param name, checkpoint name)]}, [value-head params to initialise])."""
+    plan: dict[Path, list[tuple[str, str]]] = {}
+    missing, fresh = [], []
+    has_score = any(n.startswith("score.") for n in files)
+    for name, _ in model.named_parameters():
+        source = name
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            source = "model.embed_tokens.weight"  # a last stage holding its own copy of the tie
+        if source in files:
+            plan.setdefault(files[source], []).append((name, source))
+        elif isinstance(model, ValueModel) and name.startswith("score.") and not has_score:
+            fresh.append(name)
+        else:
+            missing.append(source)
+    if missing:
+        hint = " (a causal-LM head is missing: is this a value-head folder?)" if (
+            "lm_head.weight" in missing and has_score) else ""
+        raise RLHFError(f"{folder} lacks tensors the model needs{hint}: {_names(missing)}")
+    if isinstance(model, ValueModel) and "score.weight" in files:
+        with safe_open(files["score.weight"], framework="pt", device="cpu") as f:
+            rows = f.get_slice("score.weight").get_shape()[0]
+        if rows != 1:
+            raise RLHFError(f"{folder}: score.weight has {rows} rows (num_labels={rows}); a value "
+                            f"head needs num_labels=1")
+    return plan, sorted(fresh)
+
+
+def _read(f, source: str, name: str, shard_fn: ShardFn | None) -> Tensor:
+    tensor_slice = f.get_slice(source)
+    spec = shard_fn(name, tuple(tensor_slice.get_shape())) if shard_fn else None
+    if spec is None:
+        return tensor_slice[:]
+    dim, start, stop = spec
+    return tensor_slice[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def _slice(full: Tensor, spec: SliceSpec | None) -> Tensor:
+    if spec is None:
+        return full
+    dim, start, stop = spec
+    return full.narrow(dim, start, stop - start)
+
+
+@torch.no_grad()
+def _copy(param: Tensor, tensor: Tensor, name: str, source: str) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise RLHFError(f"{source} gives shape {tuple(tensor.shape)} but parameter {name} has "
+                        f"shape {tuple(param.shape)}; check the config and the shard plan")
+    param.copy_(tensor)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def export_hf_weights(model: Model, *, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """HF-named full tensors in buckets of at most `bucket_bytes` (a bigger tensor goes alone).
+
+    Tensors are detached views of the parameters, not copies. A tied LM head is not exported:
+    HF checkpoints and vLLM take it from the embedding.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            continue
+        nbytes = param.numel() * param.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, param.detach()))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def save_hf_folder(model: Model, folder: str | Path, *, config_source: str | Path,
+                   max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write a folder transformers and vLLM load: config.json (from `config_source`, updated),
+    safetensors shards, and the tokenizer/generation files of `config_source`."""
+    folder, config_source = Path(folder), Path(config_source)
+    if not model.is_complete:
+        raise RLHFError("save_hf_folder needs the whole model; this is a pipeline stage "
+                        f"(layers {model.model.layer_range}); gather the stages first")
+    if folder.is_dir() and (any(folder.glob("*.safetensors")) or (folder / INDEX_FILE).exists()):
+        raise RLHFError(f"{folder} already holds weights; save into an empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = list(export_hf_weights(model, bucket_bytes=max_shard_bytes))
+    names = ([SINGLE_FILE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map, total = {}, 0
+    for file, shard in zip(names, shards):
+        tensors = {name: t.contiguous().cpu() for name, t in shard}
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
+    for pattern in _SIDE_FILES:
+        for path in config_source.glob(pattern):
+            if path.is_file():
+                shutil.copy2(path, folder / path.name)
+    config = _updated_config(model, config_source)
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return folder
+
+
+def _updated_config(model: Model, config_source: Path) -> dict:
+    config = json.loads((config_source / "config.json").read_text(encoding="utf-8"))
+    prefix = _HF_PREFIX[model.args.model_type]
+    if isinstance(model, CausalLM):
+        config["architectures"] = [f"{prefix}ForCausalLM"]
+    elif not str((config.get("architectures") or [""])[0]).endswith("Classification"):
+        # A critic trained from a causal LM becomes a one-label sequence classifier.
+        config["architectures"] = [f"{prefix}ForSequenceClassification"]
+        config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    config.pop("torch_dtype", None)
+    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return config

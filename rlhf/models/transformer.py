@@ -1,0 +1,234 @@
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over packed sequences (THD layout).
+
+Reads like a single-device model. Tensor parallelism is applied afterwards by `apply_tp`,
+which swaps the nn.Linear / nn.Embedding modules for parallel ones and divides each
+`Attention`'s `num_heads` / `num_kv_heads` by the TP size: the forward takes every local
+size from those attributes or from the tensors, never from the config. Module names are
+Hugging Face's (model.layers.N.self_attn.q_proj, ..., lm_head, score), so the checkpoint
+mapping in `hf_io` is the identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from rlhf.models.attention import varlen_attention
+from rlhf.models.config import ModelArgs
+
+
+def rope_inv_freq(args: ModelArgs) -> Tensor:
+    """RoPE inverse frequencies (head_dim/2,), fp32 on CPU, computed as transformers does."""
+    dim = args.head_dim
+    # Explicit CPU device: stays valid when the model is built under torch.device("meta").
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (args.rope_theta ** exponents)
+    s = args.rope_scaling
+    if s is None:
+        return inv_freq
+    # Llama 3.1: keep high frequencies, divide low ones by `factor`, interpolate in between.
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the packed positions; holds no parameters or buffers."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # A plain attribute, not a buffer, so meta init + to_empty() cannot wipe it.
+        self.inv_freq = rope_inv_freq(args)
+
+    def forward(self, position_ids_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        inv_freq = self.inv_freq.to(position_ids_T.device)
+        freqs_TF = position_ids_T[:, None].float() * inv_freq[None, :]
+        emb_TD = torch.cat((freqs_TF, freqs_TF), dim=-1)
+        return emb_TD.cos().to(dtype), emb_TD.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x_THD: Tensor, cos_TD: Tensor, sin_TD: Tensor) -> Tensor:
+    return x_THD * cos_TD[:, None, :] + rotate_half(x_THD) * sin_TD[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as transformers computes it: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE, optional qkv bias and per-head q/k RMSNorm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        # Local head counts: apply_tp divides these by the TP size when it shards q/k/v/o.
+        self.num_heads = args.num_heads
+        self.num_kv_heads = args.num_kv_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim ** -0.5
+        q_out, kv_out = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, q_out, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        # -1 on the token axis: with sequence parallelism q_proj's output has more tokens
+        # (all-gathered) than hidden_TH.
+        q_THD = self.q_proj(hidden_TH).view(-1, self.num_heads, self.head_dim)
+        k_THD = self.k_proj(hidden_TH).view(-1, self.num_kv_heads, self.head_dim)
+        v_THD = self.v_proj(hidden_TH).view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
+        q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
+        out_THD = varlen_attention(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
+                                   max_seqlen=max_seqlen, causal=True, scale=self.scale)
+        return self.o_proj(out_THD.reshape(out_THD.shape[0], -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        hidden_TH = hidden_TH + self.self_attn(self.input_layernorm(hidden_TH), cos_TD, sin_TD,
+                                               cu_seqlens, max_seqlen)
+        return hidden_TH + self.mlp(self.post_attention_layernorm(hidden_TH))
+
+
+class Transformer(nn.Module):
+    """The decoder body (HF's `model.` prefix), or a contiguous range of it for a pipeline stage.
+
+    Layers live in a ModuleDict keyed by their global index, so stage parameters keep HF names.
+    """
+
+    def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None = None,
+                 has_embedding: bool = True, has_norm: bool = True):
+        super().__init__()
+        start, stop = layer_range if layer_range is not None else (0, args.num_layers)
+        if not 0 <= start <= stop <= args.num_layers:
+            raise ValueError(f"layer_range must satisfy 0 <= start <= stop <= {args.num_layers}, "
+                             f"got {layer_range}")
+        self.layer_range = (start, stop)
+        self.embed_tokens = (nn.Embedding(args.vocab_size, args.hidden_size) if has_embedding
+                             else None)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in range(start, stop)})
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if has_norm else None
+        self.rotary_emb = RotaryEmbedding(args)
+
+    def forward(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        """tokens_T (with the embedding) or hidden_TH (a later stage) -> hidden_TH.
+
+        The output is after the final norm when this part has it.
+        """
+        hidden_TH = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        cos_TD, sin_TD = self.rotary_emb(position_ids_T, hidden_TH.dtype)
+        for layer in self.layers.values():
+            hidden_TH = layer(hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen)
+        return self.norm(hidden_TH) if self.norm is not None else hidden_TH
+
+
+class _WithBody(nn.Module):
+    """Shared constructor of the two model kinds: `self.model` plus stage flags."""
+
+    def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None,
+                 has_embedding: bool, has_head: bool):
+        super().__init__()
+        self.args = args
+        self.has_head = has_head
+        self.model = Transformer(args, layer_range=layer_range, has_embedding=has_embedding,
+                                 has_norm=has_head)
+
+    @property
+    def is_complete(self) -> bool:
+        """Embedding, every layer and the head: a whole model, not a pipeline stage."""
+        return (self.model.embed_tokens is not None and self.has_head
+                and self.model.layer_range == (0, self.args.num_layers))
+
+
+class CausalLM(_WithBody):
+    """Decoder plus LM head: forward gives logits_TV (hidden_TH on a stage without the head)."""
+
+    def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None = None,
+                 has_embedding: bool = True, has_head: bool = True):
+        super().__init__(args, layer_range=layer_range, has_embedding=has_embedding,
+                         has_head=has_head)
+        self.lm_head = (nn.Linear(args.hidden_size, args.vocab_size, bias=False) if has_head
+                        else None)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with lm_head when tied and both live here (re-run after swaps)."""
+        if (self.args.tie_word_embeddings and self.lm_head is not None
+                and self.model.embed_tokens is not None):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen)
+        return self.lm_head(hidden_TH) if self.lm_head is not None else hidden_TH
+
+
+class ValueModel(_WithBody):
+    """Decoder plus a scalar head (critic, reward model): forward gives values_T.
+
+    The head is named `score` like HF's *ForSequenceClassification / *ForTokenClassification.
+    """
+
+    def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None = None,
+                 has_embedding: bool = True, has_head: bool = True):
+        super().__init__(args, layer_range=layer_range, has_embedding=has_embedding,
+                         has_head=has_head)
+        self.score = nn.Linear(args.hidden_size, 1, bias=args.score_bias) if has_head else None
+
+    def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen)
+        return self.score(hidden_TH).squeeze(-1) if self.score is not None else hidden_TH
