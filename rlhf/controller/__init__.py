@@ -1,0 +1,12 @@
+"""Single controller on Ray: resource pools, worker groups, and per-method dispatch."""
+
+from rlhf.controller.colocate import ColocatedWorker, WorkerContext
+from rlhf.controller.dispatch import Dispatch, Layout, register
+from rlhf.controller.errors import ResourceError, WorkerDiedError, WorkerError
+from rlhf.controller.resource_pool import ResourcePool
+from rlhf.controller.worker_group import PendingCall, RoleView, WorkerGroup
+
+__all__ = [
+    "ColocatedWorker", "Dispatch", "Layout", "PendingCall", "ResourceError", "ResourcePool",
+    "RoleView", "WorkerContext", "WorkerDiedError", "WorkerError", "WorkerGroup", "register",
+]

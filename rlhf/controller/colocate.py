@@ -1,0 +1,111 @@
+"""ColocatedWorker: the body of one Ray actor (one rank) hosting one or more role objects.
+
+All roles of a process share its torch.distributed world and one ProcessGroupCache; each role
+builds its own ParallelMesh over the same ranks, so colocated roles keep their own layouts.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+import torch.distributed as dist
+
+from rlhf.controller.dispatch import Layout
+from rlhf.parallel.mesh import ProcessGroupCache
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a role object is built with: who it is and the process's distributed world."""
+
+    job_name: str
+    role_name: str
+    rank: int
+    world_size: int
+    device: torch.device
+    group_cache: ProcessGroupCache  # shared by every role of the process; pass it to ParallelMesh
+
+
+class ColocatedWorker:
+    """One rank: distributed init, then role objects built in order, then method calls by name.
+
+    `roles` maps role name -> (role class, kwargs); a role class is called as
+    `RoleClass(ctx: WorkerContext, **kwargs)` and may expose `layout` (a Layout) for dispatch.
+    """
+
+    def __init__(self, job_name: str, roles: Mapping[str, tuple[type, dict]], *,
+                 name: str, num_threads: int, use_gpu: bool):
+        torch.set_num_threads(num_threads)  # the rank owns exactly its bundle's CPUs
+        self._job_name, self._name = job_name, name
+        self._specs = dict(roles)
+        self._use_gpu = use_gpu
+        self._roles: dict[str, Any] = {}
+        self._store: dist.TCPStore | None = None
+        self._rank = self._world_size = -1
+        self._timeout: datetime.timedelta | None = None
+
+    def __repr__(self) -> str:
+        return self._name  # Ray prefixes this rank's log lines and error reports with it
+
+    def open_store(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: start the rendezvous store on a port the OS picks; return (node ip, port).
+
+        Binding port 0 here, and keeping the store, leaves no window for another process to take
+        a port that was merely observed free.
+        """
+        self._store = dist.TCPStore("0.0.0.0", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+        return ray.util.get_node_ip_address(), self._store.port
+
+    def init_distributed(self, rank: int, world_size: int, master_addr: str, master_port: int,
+                         backend: str, timeout_s: float) -> None:
+        """Create the default process group (gloo on CPU, nccl on GPU) with a collective timeout."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rank == 0:
+            assert self._store is not None, "open_store must run on rank 0 first"
+            store = self._store
+        else:
+            store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
+        if self._use_gpu:
+            torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU as device 0
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        self._rank, self._world_size, self._timeout = rank, world_size, timeout
+
+    def build_roles(self) -> dict[str, Layout]:
+        """Build every role object in the given order (the same on all ranks, as mesh building
+        is collective); return each role's layout."""
+        cache = ProcessGroupCache(timeout=self._timeout)  # roles' groups time out like the world
+        device = torch.device("cuda", 0) if self._use_gpu else torch.device("cpu")
+        layouts = {}
+        for name, (role_cls, kwargs) in self._specs.items():
+            ctx = WorkerContext(self._job_name, name, self._rank, self._world_size, device, cache)
+            role = role_cls(ctx, **kwargs)
+            self._roles[name] = role
+            layouts[name] = _layout_of(name, role, self._world_size)
+        return layouts
+
+    def call(self, target: tuple[str, str, bool], *args: Any, **kwargs: Any) -> Any:
+        """Run role `target[0]`'s method `target[1]`; return its result only if `target[2]`."""
+        role, method, keep = target
+        result = getattr(self._roles[role], method)(*args, **kwargs)
+        return result if keep else None  # unused results stay on the worker, not in transit
+
+
+def _layout_of(name: str, role: Any, world_size: int) -> Layout:
+    layout = getattr(role, "layout", None)
+    if layout is None:
+        return Layout(dp=world_size)  # no model parallelism declared: every rank is a DP rank
+    if not isinstance(layout, Layout):
+        raise TypeError(f"role '{name}': layout must be a rlhf.controller.Layout, "
+                        f"got {type(layout).__name__}")
+    if layout.world_size != world_size:
+        raise ValueError(f"role '{name}': layout dp={layout.dp} x pp={layout.pp} x tp={layout.tp}"
+                         f" = {layout.world_size} ranks but the worker group has {world_size}")
+    return layout
+

@@ -1,0 +1,208 @@
+"""How a driver call is split over a role's ranks and how the ranks' results are collected.
+
+A worker method declares its mode with `@register(dispatch=Dispatch.DP_COMPUTE)`; the driver
+loop then calls it like a local function. Planning is pure (no actors involved): `plan_call`
+turns driver arguments into per-rank arguments, `collect` turns per-rank results into one value.
+
+Rank order is Megatron's, as in ParallelMesh: position r of a role's ranks has
+    tp_rank = r % tp,   pp_rank = (r // tp) % pp,   dp_rank = r // (tp * pp).
+"""
+
+from __future__ import annotations
+
+import enum
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from rlhf.data.batch import Batch
+
+_DISPATCH_ATTR = "_rlhf_dispatch"
+_INLINE_TYPES = (type(None), bool, int, float, str, enum.Enum)  # cheap to send by value
+
+
+class Dispatch(enum.Enum):
+    """How a registered method's arguments reach the ranks and how results come back."""
+
+    ONE_TO_ALL = "one_to_all"
+    """Same arguments to every rank (put in the object store once); returns the list by rank."""
+    ALL_TO_ALL = "all_to_all"
+    """Every argument is a sequence with one element per rank; returns the list by rank."""
+    RANK_ZERO = "rank_zero"
+    """Only rank 0 runs the method; returns its result."""
+    DP_COMPUTE = "dp_compute"
+    """Batch arguments split over DP groups; results of each DP group's output rank, in DP order
+    (Batches concatenated, so the driver's sample order comes back; other values as a list)."""
+    DP_COMPUTE_METRICS = "dp_compute_metrics"
+    """As DP_COMPUTE, for methods returning {name: number}: the sample-weighted mean over DP
+    groups (values a worker already all-reduced pass unchanged)."""
+
+
+def register(*, dispatch: Dispatch) -> Callable[[Callable], Callable]:
+    """Mark a role method as callable from the driver through a WorkerGroup view."""
+    if not isinstance(dispatch, Dispatch):
+        raise TypeError(f"dispatch must be a Dispatch member, got {dispatch!r}")
+
+    def mark(fn: Callable) -> Callable:
+        setattr(fn, _DISPATCH_ATTR, dispatch)
+        return fn
+
+    return mark
+
+
+def registered_methods(role_cls: type) -> dict[str, Dispatch]:
+    """{method name: dispatch mode} of every `@register`ed method of `role_cls` (and its bases)."""
+    found = {}
+    for name in dir(role_cls):
+        mode = getattr(getattr(role_cls, name, None), _DISPATCH_ATTR, None)
+        if mode is not None:
+            found[name] = mode
+    return found
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A role's dp × pp × tp layout over the ranks 0..world_size-1 of its worker group."""
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coordinate(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of position `rank`, Megatron order."""
+        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def output_ranks(self) -> list[int]:
+        """Per DP group, in DP order, the rank whose result is collected: tp 0 of the last stage."""
+        return [(d * self.pp + self.pp - 1) * self.tp for d in range(self.dp)]
+
+
+@dataclass
+class CallPlan:
+    """Per-rank arguments (None: the rank does not run) and which ranks send their result back."""
+
+    args: list[tuple[tuple, dict] | None]
+    keep: list[bool]
+    weights: list[int] | None = None  # samples per DP group, for DP_COMPUTE_METRICS
+
+
+def plan_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> CallPlan:
+    """Split driver arguments into per-rank arguments; object-store puts happen here."""
+    n = layout.world_size
+    if mode is Dispatch.ONE_TO_ALL:
+        shared = _share_all(args, kwargs)
+        return CallPlan([shared] * n, [True] * n)
+    if mode is Dispatch.ALL_TO_ALL:
+        return CallPlan(_scatter(args, kwargs, n), [True] * n)
+    if mode is Dispatch.RANK_ZERO:
+        return CallPlan([(args, kwargs)] + [None] * (n - 1), [True] + [False] * (n - 1))
+    per_dp, weights = _split_dp(args, kwargs, layout.dp)
+    outputs = set(layout.output_ranks())
+    return CallPlan(
+        [per_dp[layout.coordinate(r)[0]] for r in range(n)],
+        [r in outputs for r in range(n)],
+        weights,
+    )
+
+
+def collect(mode: Dispatch, layout: Layout, plan: CallPlan, results: Mapping[int, Any]) -> Any:
+    """One value from the results of the ranks that `plan` keeps ({rank: result})."""
+    if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL):
+        return [results[r] for r in range(layout.world_size)]
+    if mode is Dispatch.RANK_ZERO:
+        return results[0]
+    per_dp = [results[r] for r in layout.output_ranks()]
+    if mode is Dispatch.DP_COMPUTE_METRICS:
+        return reduce_metrics(per_dp, plan.weights)
+    if all(isinstance(x, Batch) for x in per_dp):
+        return Batch.concat(per_dp)
+    if all(x is None for x in per_dp):
+        return None
+    return per_dp
+
+
+def reduce_metrics(per_dp: Sequence[Mapping[str, Any]], weights: Sequence[int] | None) -> dict:
+    """Mean of each metric over DP groups weighted by their sample counts.
+
+    Values a worker already reduced over its DP group (the same on every rank) pass unchanged.
+    """
+    for i, m in enumerate(per_dp):
+        if not isinstance(m, Mapping):
+            raise TypeError(f"DP_COMPUTE_METRICS: DP group {i} returned a {type(m).__name__}, "
+                            "not a dict of numbers; use DP_COMPUTE for other results")
+        if set(m) != set(per_dp[0]):
+            raise ValueError(f"DP_COMPUTE_METRICS: DP group {i} returned keys {sorted(m)} but "
+                             f"group 0 returned {sorted(per_dp[0])}; every group needs the same "
+                             "keys")
+    w = list(weights) if weights and sum(weights) > 0 else [1] * len(per_dp)
+    total = sum(w)
+    out = {}
+    for key in per_dp[0]:
+        values = [_as_number(key, m[key]) for m in per_dp]
+        out[key] = sum(v * wi for v, wi in zip(values, w)) / total
+    return out
+
+
+def _as_number(key: str, value: Any) -> float:
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        value = value.item()  # 0-dim tensors and numpy scalars
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"DP_COMPUTE_METRICS: metric '{key}' is a {type(value).__name__}, "
+                        "not a number; return scalars only")
+    return float(value)
+
+
+def _share(value: Any) -> Any:
+    # One object-store copy, however many ranks read it; small plain values travel inline.
+    if isinstance(value, (ray.ObjectRef, *_INLINE_TYPES)):
+        return value
+    return ray.put(value)
+
+
+def _share_all(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return tuple(_share(a) for a in args), {k: _share(v) for k, v in kwargs.items()}
+
+
+def _scatter(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + list(kwargs.items())
+    for name, value in named:
+        if not isinstance(value, Sequence) or isinstance(value, str) or len(value) != n:
+            got = len(value) if isinstance(value, Sequence) else type(value).__name__
+            raise ValueError(f"ALL_TO_ALL: {name} must be a list with one element per rank "
+                             f"({n}), got {got}")
+    return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(n)]
+
+
+def _split_dp(args: tuple, kwargs: dict, dp: int) -> tuple[list[tuple[tuple, dict]], list[int]]:
+    """Per DP rank (args, kwargs): Batch arguments chunked (one put per chunk), others shared."""
+    batches = [a for a in (*args, *kwargs.values()) if isinstance(a, Batch)]
+    if not batches:
+        raise TypeError("DP_COMPUTE needs at least one Batch argument to split over DP ranks; "
+                        "use ONE_TO_ALL for methods that take no Batch")
+
+    def split(value: Any) -> list[Any]:
+        if isinstance(value, Batch):
+            return [ray.put(chunk) for chunk in value.chunk(dp)]
+        return [_share(value)] * dp
+
+    split_args = [split(a) for a in args]
+    split_kwargs = {k: split(v) for k, v in kwargs.items()}
+    per_dp = [
+        (tuple(a[d] for a in split_args), {k: v[d] for k, v in split_kwargs.items()})
+        for d in range(dp)
+    ]
+    weights = [len(c) for c in batches[0].chunk(dp)]  # chunk is a cheap view: sizes only
+    return per_dp, weights

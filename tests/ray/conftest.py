@@ -1,0 +1,38 @@
+"""One local Ray cluster for the whole test session (starting one takes seconds)."""
+
+import sys
+
+import pytest
+import ray
+
+NUM_CPUS = 8  # logical CPUs: more ranks than the machine's cores, each rank uses one thread
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray instance shared by every test of tests/ray; shut down at the end."""
+    if ray.is_initialized():  # someone else's cluster (e.g. an interactive session): reuse it
+        yield
+        return
+    ray.init(
+        num_cpus=NUM_CPUS,
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=True,
+        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _roles_pickled_by_value(request):
+    """Role classes defined in a test module travel to the workers by value: the workers cannot
+    import test modules, which pytest loads by file path."""
+    module = sys.modules.get(request.module.__name__)
+    if module is not None:
+        ray.cloudpickle.register_pickle_by_value(module)
+        yield
+        ray.cloudpickle.unregister_pickle_by_value(module)
+    else:
+        yield

@@ -1,0 +1,34 @@
+"""Worker: the small base of a role object (actor, critic, reference, reward model).
+
+A role object lives in a rank's process (see rlhf.controller.colocate) next to other roles.
+The process has already joined the job's torch.distributed world when the role is built; the
+role picks its own tp/pp layout with `build_mesh`, and the dispatcher reads it from `layout`.
+"""
+
+from __future__ import annotations
+
+from rlhf.controller.colocate import WorkerContext
+from rlhf.controller.dispatch import Layout
+from rlhf.parallel.mesh import ParallelMesh
+
+
+class Worker:
+    """Holds the WorkerContext and this role's ParallelMesh; no role logic."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.mesh: ParallelMesh | None = None
+
+    def build_mesh(self, *, tp: int = 1, pp: int = 1) -> ParallelMesh:
+        """This role's dp × pp × tp mesh over all ranks of the group (collective: every rank of
+        the group calls it, in the same order relative to other roles' meshes)."""
+        self.mesh = ParallelMesh(range(self.ctx.world_size), tp=tp, pp=pp,
+                                 cache=self.ctx.group_cache, device_type=self.ctx.device.type)
+        return self.mesh
+
+    @property
+    def layout(self) -> Layout:
+        """How the dispatcher splits and collects this role's calls; all-DP without a mesh."""
+        if self.mesh is None:
+            return Layout(dp=self.ctx.world_size)
+        return Layout(dp=self.mesh.dp_size, pp=self.mesh.pp_size, tp=self.mesh.tp_size)
