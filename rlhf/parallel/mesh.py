@@ -1,0 +1,249 @@
+"""ParallelMesh: one role's dp × pp × tp layout over an explicit list of global ranks.
+
+Rank order (Megatron's): tp varies fastest, then pp, then dp. Position i of `ranks` holds
+    tp_rank = i % tp,   pp_rank = (i // tp) % pp,   dp_rank = i // (tp * pp),
+so `torch.tensor(ranks).reshape(dp, pp, tp)` is the mesh, and a tp group is a run of tp
+consecutive entries (the ranks that should share the fastest links).
+
+Several meshes live in one process (actor tp=2 pp=2 and critic pp=2 dp=2 over the same 4
+ranks). They share process groups through a `ProcessGroupCache` that the worker creates once
+and passes to every mesh; there is no module-level state. Building a mesh is collective over
+the default group: every process of the job builds every mesh, in the same order, with the
+same arguments, members or not (torch's `new_group` requires all processes to enter it).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+AXES = ("dp", "pp", "tp")  # outermost to fastest-varying; also the DeviceMesh dim names
+
+
+class ProcessGroupCache:
+    """Maps a tuple of global ranks to its ProcessGroup so that meshes sharing a group share one.
+
+    Create one per process (the worker does) and pass it to every ParallelMesh. Group ranks keep
+    the tuple's order (group rank i is `ranks[i]`). The whole job reuses the default group.
+    """
+
+    def __init__(self, *, timeout: datetime.timedelta | None = None, backend: str | None = None):
+        self._timeout = timeout  # None: torch's default for new groups
+        self._backend = backend  # None: the default group's backend
+        self._groups: dict[tuple[int, ...], ProcessGroup | None] = {}
+        self.num_created = 0  # new_group calls made, for tests and logs
+
+    def get(self, ranks: Sequence[int]) -> ProcessGroup | None:
+        """The group over `ranks`, created on first use; None on a process outside it.
+
+        A miss calls `new_group`, which every process of the job must reach in the same order.
+        """
+        key = tuple(int(r) for r in ranks)
+        if key not in self._groups:
+            self._groups[key] = self._create(key)
+        return self._groups[key]
+
+    def __contains__(self, ranks: Sequence[int]) -> bool:
+        return tuple(int(r) for r in ranks) in self._groups
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def _create(self, key: tuple[int, ...]) -> ProcessGroup | None:
+        if key == tuple(range(dist.get_world_size())):
+            return dist.group.WORLD
+        group = dist.new_group(
+            list(key), timeout=self._timeout, backend=self._backend, sort_ranks=False
+        )
+        self.num_created += 1
+        return group if dist.get_rank() in key else None
+
+
+class ParallelMesh:
+    """A dp × pp × tp layout over `ranks`, with this process's coordinates and groups.
+
+    `dp` is inferred from `len(ranks) // (pp * tp)` when not given. On a process that is not in
+    `ranks`, `is_member` is False and coordinates and groups raise ValueError.
+    """
+
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int | None = None,
+        cache: ProcessGroupCache,
+        device_type: str = "cpu",
+    ):
+        ranks = _check_ranks(ranks)
+        self.tp_size, self.pp_size, self.dp_size = _check_sizes(len(ranks), tp=tp, pp=pp, dp=dp)
+        self.ranks = ranks
+        self.grid = torch.tensor(ranks, dtype=torch.int64).reshape(
+            self.dp_size, self.pp_size, self.tp_size
+        )  # (dp, pp, tp) global ranks
+        self.rank = dist.get_rank()
+        self.is_member = self.rank in ranks
+        self._groups: dict[str, ProcessGroup | None] = {}
+        self._group_ranks: dict[str, tuple[int, ...]] = {}
+        # Same order on every process: every group of every axis, then the model-parallel groups.
+        for axis_index, axis in enumerate(AXES):
+            for row in self.grid.movedim(axis_index, -1).reshape(-1, self.grid.shape[axis_index]):
+                self._add(axis, tuple(row.tolist()), cache)
+        for row in self.grid.reshape(self.dp_size, -1):
+            self._add("mp", tuple(row.tolist()), cache)
+        self.device_mesh: DeviceMesh | None = None
+        if self.is_member:
+            self.device_mesh = DeviceMesh.from_group(
+                [self._groups[axis] for axis in AXES],
+                device_type,
+                mesh=self.grid,
+                mesh_dim_names=AXES,
+            )
+
+    def _add(self, axis: str, group_ranks: tuple[int, ...], cache: ProcessGroupCache) -> None:
+        group = cache.get(group_ranks)
+        if self.rank in group_ranks:
+            self._groups[axis] = group
+            self._group_ranks[axis] = group_ranks
+
+    # ---- coordinates -------------------------------------------------------------------------
+
+    def coordinate_of(self, global_rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank of this mesh."""
+        if global_rank not in self.ranks:
+            raise ValueError(f"rank {global_rank} is not in this mesh (ranks {list(self.ranks)})")
+        i = self.ranks.index(global_rank)
+        tp, pp = self.tp_size, self.pp_size
+        return i // (tp * pp), (i // tp) % pp, i % tp
+
+    def rank_at(self, *, dp: int, pp: int, tp: int) -> int:
+        """Global rank at a mesh coordinate."""
+        return int(self.grid[dp, pp, tp])
+
+    @property
+    def coordinate(self) -> tuple[int, int, int]:
+        """This process's (dp_rank, pp_rank, tp_rank)."""
+        self._require_member()
+        return self.coordinate_of(self.rank)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coordinate[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coordinate[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coordinate[2]
+
+    # ---- groups ------------------------------------------------------------------------------
+
+    @property
+    def tp_group(self) -> ProcessGroup:
+        return self._group("tp")
+
+    @property
+    def pp_group(self) -> ProcessGroup:
+        return self._group("pp")
+
+    @property
+    def dp_group(self) -> ProcessGroup:
+        return self._group("dp")
+
+    @property
+    def mp_group(self) -> ProcessGroup:
+        """Model-parallel group (pp × tp): the ranks that together hold one model replica."""
+        return self._group("mp")
+
+    def group_ranks(self, axis: str) -> tuple[int, ...]:
+        """Global ranks of this process's group along `axis` ("dp", "pp", "tp" or "mp")."""
+        self._require_member()
+        if axis not in self._group_ranks:
+            raise ValueError(f"unknown axis {axis!r}; use one of {AXES + ('mp',)}")
+        return self._group_ranks[axis]
+
+    def _group(self, axis: str) -> ProcessGroup:
+        self._require_member()
+        return self._groups[axis]
+
+    # ---- pipeline ----------------------------------------------------------------------------
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank of the next stage (same dp, tp); the last stage wraps to the first."""
+        dp, pp, tp = self.coordinate
+        return self.rank_at(dp=dp, pp=(pp + 1) % self.pp_size, tp=tp)
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """Global rank of the previous stage (same dp, tp); the first stage wraps to the last."""
+        dp, pp, tp = self.coordinate
+        return self.rank_at(dp=dp, pp=(pp - 1) % self.pp_size, tp=tp)
+
+    # ---- text --------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """One line: the layout, and this process's coordinates and groups."""
+        head = (f"ParallelMesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}) "
+                f"over ranks {list(self.ranks)}")
+        if not self.is_member:
+            return f"{head}; rank {self.rank} is not a member"
+        dp, pp, tp = self.coordinate
+        groups = ", ".join(f"{axis} group {list(self._group_ranks[axis])}" for axis in AXES)
+        return f"{head}; rank {self.rank} at dp={dp} pp={pp} tp={tp}; {groups}"
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+    def _require_member(self) -> None:
+        if not self.is_member:
+            raise ValueError(
+                f"rank {self.rank} is not in this mesh (ranks {list(self.ranks)}); "
+                "check is_member before asking for coordinates or groups"
+            )
+
+
+def _check_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
+    if not dist.is_initialized():
+        raise ValueError("ParallelMesh needs torch.distributed initialised (init_process_group)")
+    out = tuple(int(r) for r in ranks)
+    world = dist.get_world_size()
+    if not out:
+        raise ValueError("ranks is empty; pass the global ranks the mesh spans")
+    if len(set(out)) != len(out):
+        raise ValueError(f"ranks {list(out)} repeat a rank; each rank may appear once")
+    bad = [r for r in out if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"ranks {bad} are outside the job's ranks 0..{world - 1}")
+    return out
+
+
+def _check_sizes(n: int, *, tp: int, pp: int, dp: int | None) -> tuple[int, int, int]:
+    for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    if dp is None:
+        if n % (tp * pp):
+            raise ValueError(f"{n} ranks do not split into pp={pp} × tp={tp} groups; "
+                             f"use a number of ranks divisible by {tp * pp}")
+        dp = n // (tp * pp)
+    if dp * pp * tp != n:
+        raise ValueError(f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp} but {n} ranks were "
+                         "given; the product must equal the number of ranks")
+    return tp, pp, dp
