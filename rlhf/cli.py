@@ -49,6 +49,23 @@ def _make_dataset(args) -> int:
     return 0
 
 
+def _verify_model(args) -> int:
+    import json
+
+    from rlhf.models.verify import verify_model
+    from rlhf.parallel.launch import DistributedRunError
+
+    try:
+        report = verify_model(
+            args.model_dir, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
+            nproc=args.nproc, tolerance=args.tolerance, seed=args.seed, num_seqs=args.num_seqs,
+            max_len=args.max_len, timeout_s=args.timeout)
+    except DistributedRunError as exc:
+        raise RLHFError(str(exc)) from None
+    print(json.dumps(report))
+    return 0 if report["passed"] else 1
+
+
 def _doctor(args) -> int:
     from rlhf.doctor import run_doctor
 
@@ -101,6 +118,25 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--terms", type=int, default=2, help="operands per problem")
     data.add_argument("--overwrite", action="store_true", help="replace an existing file")
     data.set_defaults(run=_make_dataset)
+
+    verify = commands.add_parser(
+        "verify-model", help="compare a model folder in a tensor-parallel layout with transformers "
+                             "(logits, log-probs, gradients); prints one JSON line")
+    verify.add_argument("model_dir", help="Hugging Face model folder (safetensors)")
+    verify.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    verify.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (1 for now)")
+    verify.add_argument("--sequence-parallel", action="store_true",
+                        help="shard activations along the token axis (needs --tp > 1)")
+    verify.add_argument("--nproc", type=int, default=None,
+                        help="processes to start (a multiple of tp * pp; default tp * pp)")
+    verify.add_argument("--tolerance", type=float, default=1e-5,
+                        help="largest max abs difference that passes")
+    verify.add_argument("--seed", type=int, default=0, help="seed of the random batch")
+    verify.add_argument("--num-seqs", type=int, default=6, help="sequences in the packed batch")
+    verify.add_argument("--max-len", type=int, default=48, help="longest random sequence")
+    verify.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the processes may take before they are killed")
+    verify.set_defaults(run=_verify_model)
 
     doctor = commands.add_parser("doctor", help="check that torch, vLLM, Ray and transformers load")
     doctor.set_defaults(run=_doctor)

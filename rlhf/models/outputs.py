@@ -1,0 +1,105 @@
+"""Per-token outputs of a (tensor-parallel) model on one packed micro-batch: what the engine uses.
+
+Alignment: `log_probs[t] = log p(tokens[t+1] | tokens[..t])` inside t's sequence, the
+convention of `packing.shifted_targets` and `packing.response_values(next_token=True)`; it is
+0 at each sequence's last position, which predicts nothing. `entropy[t]` is the entropy of
+the same next-token distribution (defined at every position). `values[t]` is the value head
+at position t. Log-probs and entropy come from vocab-sharded logits: full logits are never
+gathered. Every output is float32, (T,), differentiable, and the same on every TP rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from rlhf.data.packing import Packed, shifted_targets
+from rlhf.models.parallelize import tp_state
+from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.parallel.mesh import ParallelMesh
+from rlhf.parallel.tensor_parallel import ParallelLMHead
+from rlhf.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+
+LM_OUTPUTS = ("log_probs", "entropy")
+VALUE_OUTPUTS = ("values",)
+
+
+def sp_pad(packed: Packed, multiple: int) -> Packed:
+    """`packed` with a dummy sequence appended so its token count is a multiple of `multiple`.
+
+    Sequence parallelism splits the stream into tp equal chunks. The first T positions are
+    unchanged (the dummy attends only to itself): keep `output[:T]` of anything computed.
+    """
+    num_tokens = packed.tokens.shape[0]
+    pad = -num_tokens % multiple
+    if pad == 0:
+        return packed
+    tokens = torch.cat([packed.tokens, packed.tokens.new_zeros((pad, *packed.tokens.shape[1:]))])
+    cu = packed.cu_seqlens
+    return Packed(
+        tokens=tokens,
+        cu_seqlens=torch.cat([cu, cu.new_tensor([num_tokens + pad])]),
+        position_ids=torch.cat([packed.position_ids,
+                                torch.arange(pad, device=packed.position_ids.device)]),
+        max_seqlen=max(packed.max_seqlen, pad),
+    )
+
+
+def forward_packed(model: nn.Module, packed: Packed, *, mesh: ParallelMesh) -> Tensor:
+    """Raw model output for the T tokens of `packed` (SP padding added and dropped).
+
+    CausalLM: logits_TV_local (T, padded_vocab / tp), this rank's vocab shard.
+    ValueModel: values_T (T,).
+    """
+    state = tp_state(model)
+    if mesh.tp_size != state.tp:
+        raise ValueError(f"the model was sharded for tp={state.tp} but the mesh has "
+                         f"tp={mesh.tp_size}; pass the mesh the model was built with")
+    num_tokens = packed.tokens.shape[0]
+    if num_tokens == 0:
+        raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
+    run = sp_pad(packed, state.tp) if state.sequence_parallel else packed
+    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen)
+    return out[:num_tokens]
+
+
+def vocab_shard(model: CausalLM, mesh: ParallelMesh) -> dict:
+    """Keyword arguments of vocab_parallel_log_probs / _entropy for this model's LM head."""
+    head = model.lm_head
+    if isinstance(head, ParallelLMHead):
+        return dict(group=mesh.tp_group, vocab_start=head.vocab_start, vocab_end=head.vocab_end,
+                    real_vocab_size=head.vocab_size)
+    return dict(group=None, vocab_start=0, vocab_end=head.out_features,
+                real_vocab_size=head.out_features)
+
+
+def model_outputs(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
+                  outputs: Sequence[str] = LM_OUTPUTS,
+                  temperature: float = 1.0) -> dict[str, Tensor]:
+    """{name: (T,) float32} for `outputs` on one micro-batch (alignment in the module doc).
+
+    CausalLM: any of "log_probs", "entropy" (of softmax(logits / temperature), the
+    distribution a sampler at that temperature draws from). ValueModel: "values".
+    """
+    allowed = VALUE_OUTPUTS if isinstance(model, ValueModel) else LM_OUTPUTS
+    unknown = [name for name in outputs if name not in allowed]
+    if unknown or not outputs:
+        raise ValueError(f"a {type(model).__name__} gives outputs from {allowed}; got "
+                         f"{list(outputs)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    out = forward_packed(model, packed, mesh=mesh)
+    if isinstance(model, ValueModel):
+        return {"values": out.float()}
+    logits_TV_local = out if temperature == 1.0 else out / temperature
+    shard = vocab_shard(model, mesh)
+    result = {}
+    if "log_probs" in outputs:
+        targets_T, valid_T = shifted_targets(packed)
+        log_probs_T = vocab_parallel_log_probs(logits_TV_local, targets_T.to(out.device), **shard)
+        result["log_probs"] = log_probs_T.masked_fill(~valid_T.to(out.device), 0.0)
+    if "entropy" in outputs:
+        result["entropy"] = vocab_parallel_entropy(logits_TV_local, **shard)
+    return result

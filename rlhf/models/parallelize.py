@@ -1,0 +1,328 @@
+"""The tensor-parallel plan of a Llama-family model, and building one rank's shard of it.
+
+`apply_tp` swaps the modules of a single-device `CausalLM` / `ValueModel` for Megatron-style
+parallel ones; the model code itself does not change. Per decoder layer:
+
+    q/k/v_proj, gate/up_proj   ColumnParallelLinear   (output features split)
+    o_proj, down_proj          RowParallelLinear      (input features split)
+    embed_tokens / lm_head     VocabParallelEmbedding / ParallelLMHead (vocab padded to tp)
+
+Under sequence parallelism the residual stream between those regions is a (T/tp, H) token
+chunk: the embedding reduce-scatters into it, every column layer all-gathers it to (T, H),
+every row layer reduce-scatters back, and the LM head gathers it, so the forward of
+`Transformer` works unchanged. A value head runs on the chunk; its (T/tp,) values are
+gathered to (T,). Positions and cos/sin stay full-length: attention sees all T tokens.
+
+TP-replicated parameters whose grad each rank holds only in part are marked for
+`sync_tp_grads`: the norms under sequence parallelism (each rank sees T/tp tokens), the value
+head under sequence parallelism, and Qwen3's q/k norms always (each rank sees its own heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from rlhf.config.roles import ParallelConfig
+from rlhf.errors import ConfigError, RLHFError
+from rlhf.models.config import ModelArgs
+from rlhf.models.hf_io import SliceSpec, load_hf_weights
+from rlhf.models.transformer import (Attention, CausalLM, RMSNorm, ValueModel,
+                                     rope_inv_freq)
+from rlhf.parallel.collectives import all_gather, gather_from_sequence
+from rlhf.parallel.mesh import ParallelMesh
+from rlhf.parallel.tensor_parallel import (SEQUENCE_PARALLEL_GRAD, ColumnParallelLinear,
+                                           ParallelLMHead, RowParallelLinear,
+                                           VocabParallelEmbedding,
+                                           allreduce_sequence_parallel_grads)
+
+Model = CausalLM | ValueModel
+
+
+class UnsupportedLayoutError(RLHFError, NotImplementedError):
+    """A parallel layout that is valid but not implemented yet (pipeline parallelism)."""
+
+
+@dataclass(frozen=True)
+class TPState:
+    """How `apply_tp` left a model; stored as `model.tp_state` (absent: tp=1, no SP)."""
+
+    tp: int
+    sequence_parallel: bool
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """A parameter split over TP along `dim`; `full_size` is that dim's real (unpadded) size."""
+
+    dim: int
+    full_size: int
+
+
+def tp_state(model: nn.Module) -> TPState:
+    """The TP size and sequence parallelism a model runs with."""
+    return getattr(model, "tp_state", TPState(tp=1, sequence_parallel=False))
+
+
+def check_tp_compatible(args: ModelArgs, tp: int) -> None:
+    """Raise ConfigError (a ValueError) unless tp divides every dimension the plan splits."""
+    for field, size in (("num_attention_heads", args.num_heads),
+                        ("num_key_value_heads", args.num_kv_heads),
+                        ("intermediate_size", args.intermediate_size)):
+        if size % tp:
+            raise ConfigError(f"tp={tp} does not divide {field}={size} of this "
+                              f"{args.model_type} model; choose a tp that divides it")
+
+
+def apply_tp(model: Model, mesh: ParallelMesh, *, sequence_parallel: bool) -> None:
+    """Shard `model` in place over `mesh`'s TP axis (a no-op swap at tp=1; see module doc).
+
+    Works on a model on the meta device (nothing is copied) or a materialised one (each rank
+    keeps its slice). Tied embeddings are re-tied to the shared vocab shard.
+    """
+    tp = mesh.tp_size
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence_parallel needs tp > 1; pass sequence_parallel=False")
+    check_tp_compatible(model.args, tp)
+    model.tp_state = TPState(tp=tp, sequence_parallel=sequence_parallel)
+    if tp == 1:
+        return
+    group, sp = mesh.tp_group, sequence_parallel
+    body = model.model
+    if body.embed_tokens is not None:
+        body.embed_tokens = VocabParallelEmbedding.from_embedding(
+            body.embed_tokens, group=group, sequence_parallel=sp)
+    for layer in body.layers.values():
+        attn, mlp = layer.self_attn, layer.mlp
+        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")),
+                              (mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                setattr(parent, name, ColumnParallelLinear.from_linear(
+                    getattr(parent, name), group=group, sequence_parallel=sp))
+        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=group, sequence_parallel=sp)
+        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=group,
+                                                      sequence_parallel=sp)
+        attn.num_heads //= tp
+        attn.num_kv_heads //= tp
+    if isinstance(model, CausalLM) and model.lm_head is not None:
+        model.lm_head = ParallelLMHead.from_linear(model.lm_head, group=group,
+                                                   sequence_parallel=sp)
+        model.tie_weights()
+    if isinstance(model, ValueModel) and model.score is not None and sp:
+        model.score = SequenceGatheredLinear.from_linear(model.score, group=group)
+    _mark_partial_grads(model)
+
+
+class SequenceGatheredLinear(nn.Linear):
+    """A TP-replicated linear (the value head) applied to this rank's token chunk under SP;
+    its output is all-gathered to the full stream. Same parameter names as nn.Linear."""
+
+    group: ProcessGroup
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, group: ProcessGroup) -> SequenceGatheredLinear:
+        """Wrap `linear`'s parameters (shared, not copied)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    device="meta")
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.group = group
+        return layer
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        # Every rank then computes the same loss on the full stream: the grad is not partial.
+        return gather_from_sequence(super().forward(x_TH), group=self.group,
+                                    grad_is_partial=False)
+
+
+def _mark_partial_grads(model: Model) -> None:
+    """Tag the replicated parameters whose per-rank grads must be summed over TP."""
+    state = tp_state(model)
+    if state.tp == 1:
+        return
+    qk_norms = {id(m) for attn in model.modules() if isinstance(attn, Attention)
+                for m in (attn.q_norm, attn.k_norm) if m is not None}
+    for module in model.modules():
+        partial = False
+        if isinstance(module, RMSNorm):
+            partial = state.sequence_parallel or id(module) in qk_norms
+        elif isinstance(module, SequenceGatheredLinear):
+            partial = True
+        if partial:
+            for param in module.parameters():
+                setattr(param, SEQUENCE_PARALLEL_GRAD, True)
+        if isinstance(module, RowParallelLinear) and module.bias is not None:
+            setattr(module.bias, SEQUENCE_PARALLEL_GRAD, state.sequence_parallel)
+
+
+def sync_tp_grads(model: Model, *, mesh: ParallelMesh) -> None:
+    """Sum over TP the partial grads of replicated parameters (see module doc), in place.
+
+    Call after backward whenever tp > 1, with or without sequence parallelism (Qwen3's q/k
+    norms need it either way); once per optimizer step is enough, the sum being linear.
+    """
+    if tp_state(model).tp > 1:
+        allreduce_sequence_parallel_grads(model, group=mesh.tp_group)
+
+
+def tp_layout(model: Model) -> dict[str, ShardLayout]:
+    """Parameter name -> how it is split over TP; parameters not listed are replicated."""
+    layout = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(module, ParallelLMHead):
+            layout[f"{dot}weight"] = ShardLayout(0, module.vocab_size)
+        elif isinstance(module, ColumnParallelLinear):
+            layout[f"{dot}weight"] = ShardLayout(0, module.out_features)
+            if module.bias is not None:
+                layout[f"{dot}bias"] = ShardLayout(0, module.out_features)
+        elif isinstance(module, RowParallelLinear):
+            layout[f"{dot}weight"] = ShardLayout(1, module.in_features)
+        elif isinstance(module, VocabParallelEmbedding):
+            layout[f"{dot}weight"] = ShardLayout(0, module.num_embeddings)
+    return layout
+
+
+def _local_range(full_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[start, stop) of the real entries a rank holds of a dim padded to a multiple of tp."""
+    per_rank = -(-full_size // tp_size)
+    start = min(tp_rank * per_rank, full_size)
+    return start, min(start + per_rank, full_size)
+
+
+# ---- building one rank's model ----------------------------------------------------------------
+
+
+def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
+                head: Literal["lm", "value"], dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", value_head_seed: int = 0) -> Model:
+    """This rank's shard of the HF model in `path`, laid out by `plan` over `mesh`.
+
+    Built on the meta device, sharded, then materialised with local shapes only; each rank
+    reads just its slices from the safetensors files. `head`: "lm" (CausalLM) or "value"
+    (ValueModel; a fresh head from `value_head_seed` if the folder has none).
+    """
+    if plan.pp > 1:
+        raise UnsupportedLayoutError(f"pipeline parallelism is not supported yet (pp={plan.pp}); "
+                                     "use pp=1")
+    if (mesh.tp_size, mesh.pp_size) != (plan.tp, plan.pp):
+        raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} but the plan says "
+                         f"tp={plan.tp} pp={plan.pp}; build the mesh from the same plan")
+    model_cls = {"lm": CausalLM, "value": ValueModel}.get(head)
+    if model_cls is None:
+        raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+    args = ModelArgs.from_pretrained(path)
+    with torch.device("meta"):
+        model = model_cls(args)
+    model.to(dtype=dtype)  # still on meta: nothing allocated
+    apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
+    model.to_empty(device=device)
+    # to_empty makes new Parameter objects: the tie and the grad tags have to be redone.
+    if isinstance(model, CausalLM):
+        model.tie_weights()
+    _mark_partial_grads(model)
+    model.model.rotary_emb.inv_freq = rope_inv_freq(args)
+    shard_fn = _shard_fn(model, mesh)
+    with _real_vocab_rows(model):
+        load_hf_weights(model, path, shard_fn=shard_fn, value_head_seed=value_head_seed)
+    return model
+
+
+def _shard_fn(model: Model, mesh: ParallelMesh):
+    """load_hf_weights' shard_fn for this rank: the slice of each split parameter it holds."""
+    layout, tp_rank, tp_size = tp_layout(model), mesh.tp_rank, mesh.tp_size
+
+    def shard_fn(name: str, full_shape: tuple[int, ...]) -> SliceSpec | None:
+        spec = layout.get(name)
+        if spec is None:
+            return None
+        return (spec.dim, *_local_range(full_shape[spec.dim], tp_rank, tp_size))
+
+    return shard_fn
+
+
+@contextmanager
+def _real_vocab_rows(model: Model):
+    """Inside, each vocab-sharded weight is a view of its real rows, padding rows zeroed.
+
+    load_hf_weights copies a slice of exactly the parameter's shape, and the last ranks'
+    slices of a padded vocabulary are shorter than their shards.
+    """
+    saved, views = [], {}
+    for module in model.modules():
+        if not isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
+            continue
+        weight = module.weight
+        real = module.num_embeddings if isinstance(module, VocabParallelEmbedding) \
+            else module.vocab_size
+        start, stop = _local_range(real, module.tp_rank, module.tp_size)
+        if stop - start == weight.shape[0]:
+            continue
+        if id(weight) not in views:  # a tied weight gets one view for both modules
+            with torch.no_grad():
+                weight[stop - start:].zero_()
+            views[id(weight)] = nn.Parameter(weight.detach()[: stop - start],
+                                             requires_grad=weight.requires_grad)
+        saved.append((module, weight))
+        module.weight = views[id(weight)]
+    try:
+        yield
+    finally:
+        for module, weight in saved:
+            module.weight = weight
+
+
+# ---- full tensors from the shards ---------------------------------------------------------------
+
+
+def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[tuple[str, Tensor]]:
+    """(HF name, full tensor) per parameter, shards all-gathered over TP (collective)."""
+    layout = tp_layout(model)
+    group = mesh.tp_group if mesh.tp_size > 1 else None
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and model.args.tie_word_embeddings:
+            continue  # stored once, as the embedding
+        tensor = param.grad if grads else param
+        if tensor is None:
+            raise ValueError(f"{name} has no grad; run backward first")
+        tensor = tensor.detach()
+        spec = layout.get(name)
+        if spec is not None:
+            tensor = all_gather(tensor, dim=spec.dim, group=group)
+            if tensor.shape[spec.dim] != spec.full_size:  # padded vocabulary
+                tensor = tensor.narrow(spec.dim, 0, spec.full_size)
+        yield name, tensor
+
+
+def export_full_hf_weights(model: Model, mesh: ParallelMesh, *,
+                           bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """HF-named tensors of FULL shape in buckets of at most `bucket_bytes` (a bigger one alone).
+
+    Collective over the TP group: every TP rank must run the iterator to the end, in step.
+    Every rank of the mesh receives the full tensors (each DP replica gathers on its own).
+    Replicated tensors are detached views of the parameters; gathered ones are fresh copies.
+    A tied LM head is left out (HF and vLLM take it from the embedding).
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in _full_tensors(model, mesh, grads=False):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def gather_full_grads(model: Model, mesh: ParallelMesh) -> dict[str, Tensor]:
+    """HF name -> full gradient (collective over TP); call sync_tp_grads first."""
+    return dict(_full_tensors(model, mesh, grads=True))

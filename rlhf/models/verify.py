@@ -1,0 +1,153 @@
+"""`rlhf verify-model`: a model folder in a parallel layout against transformers, numerically.
+
+The parent process draws a seeded packed batch and runs transformers' AutoModelForCausalLM
+in fp32, one sequence at a time: logits, next-token log-probs, entropy, and the gradients of
+one loss (mean next-token log-prob plus mean entropy). N gloo processes then build the model
+with `build_model` in the requested layout (dp = N / (tp * pp) replicas, each running the
+whole batch), run the engine's forward (`model_outputs`), backward and TP grad sync, and
+compare: logits gathered over the vocabulary for this check only, grads gathered to full.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rlhf.config.roles import ParallelConfig
+from rlhf.data.packing import pack, shifted_targets
+from rlhf.errors import RLHFError
+from rlhf.models.config import ModelArgs
+from rlhf.models.outputs import forward_packed, model_outputs, vocab_shard
+from rlhf.models.parallelize import (UnsupportedLayoutError, build_model, check_tp_compatible,
+                                     gather_full_grads, sync_tp_grads)
+from rlhf.parallel.collectives import all_gather
+from rlhf.parallel.launch import run_distributed
+from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+
+CHECKS = ("logits", "log_probs", "entropy", "grads")
+
+
+def verify_model(folder: str | Path, *, tp: int, pp: int = 1, sequence_parallel: bool = False,
+                 nproc: int | None = None, tolerance: float = 1e-5, seed: int = 0,
+                 num_seqs: int = 6, max_len: int = 48, timeout_s: float = 600.0) -> dict:
+    """Run the comparison; return the report (`passed` says whether every max abs difference
+    is within `tolerance`). Bad input raises RLHFError before any process starts."""
+    folder = Path(folder)
+    plan, nproc, args = _check_inputs(folder, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
+                                      nproc=nproc, num_seqs=num_seqs, max_len=max_len)
+    seqs = random_batch(args, _pad_id(folder), num_seqs=num_seqs, max_len=max_len, seed=seed)
+    with tempfile.TemporaryDirectory(prefix="rlhf-verify-") as tmp:
+        ref_path = Path(tmp) / "reference.pt"
+        torch.save(hf_reference(folder, seqs), ref_path)
+        per_rank = run_distributed(_rank_check, nproc, str(folder), plan, str(ref_path), seqs,
+                                   timeout_s=timeout_s)
+    diffs = {check: max(r[check] for r in per_rank) for check in CHECKS}
+    worst = max(per_rank, key=lambda r: r["grads"])["worst_grad"]
+    return {
+        "model": str(folder), "model_type": args.model_type,
+        "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * pp), "nproc": nproc,
+                   "sequence_parallel": sequence_parallel},
+        "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
+        "max_abs_diff": diffs, "worst_grad": worst, "tolerance": tolerance,
+        "passed": all(d <= tolerance for d in diffs.values()),
+    }
+
+
+def _check_inputs(folder: Path, *, tp, pp, sequence_parallel, nproc, num_seqs, max_len):
+    plan = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel)  # ConfigError
+    if pp > 1:
+        raise UnsupportedLayoutError(f"pipeline parallelism is not supported yet (--pp {pp}); "
+                                     f"use --pp 1")
+    if not folder.is_dir():
+        raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
+    args = ModelArgs.from_pretrained(folder)
+    check_tp_compatible(args, tp)
+    nproc = tp * pp if nproc is None else nproc
+    if nproc < 1 or nproc % (tp * pp):
+        raise RLHFError(f"--nproc {nproc} is not a positive multiple of tp * pp = {tp * pp}")
+    if num_seqs < 1 or max_len < 1:
+        raise RLHFError(f"num_seqs ({num_seqs}) and max_len ({max_len}) must be positive")
+    return plan, nproc, args
+
+
+def _pad_id(folder: Path) -> int | None:
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    return config.get("pad_token_id")
+
+
+def random_batch(args: ModelArgs, pad_id: int | None, *, num_seqs: int, max_len: int,
+                 seed: int) -> list[torch.Tensor]:
+    """Seeded sequences of random lengths in [1, max_len] and random tokens.
+
+    The pad id is left out: transformers' embedding (padding_idx=pad_id) gives that row no
+    gradient from lookups, while a packed model has no padding and treats it as any token.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    longest = min(max_len, args.max_position_embeddings)
+    lengths = torch.randint(1, longest + 1, (num_seqs,), generator=gen).tolist()
+    skip = pad_id is not None and 0 <= pad_id < args.vocab_size
+    seqs = [torch.randint(0, args.vocab_size - skip, (n,), generator=gen) for n in lengths]
+    return [s + (s >= pad_id).long() if skip else s for s in seqs]
+
+
+def verification_loss(log_probs_T, entropy_T, valid_T):
+    """Mean next-token log-prob over valid positions plus mean entropy."""
+    return (log_probs_T * valid_T).sum() / valid_T.sum().clamp(min=1) + entropy_T.mean()
+
+
+def hf_reference(folder: Path, seqs: list[torch.Tensor]) -> dict:
+    """transformers in fp32, sequence by sequence: logits, log-probs, entropy, grads."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a loading bar would garble the tool's output
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
+    logits_TV = torch.cat([hf(s[None]).logits[0] for s in seqs])
+    targets_T, valid_T = shifted_targets(pack(seqs))
+    logp_TV = torch.log_softmax(logits_TV, -1)
+    log_probs_T = logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T
+    entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
+    verification_loss(log_probs_T, entropy_T, valid_T).backward()
+    return {"logits": logits_TV.detach(), "log_probs": log_probs_T.detach(),
+            "entropy": entropy_T.detach(), "valid": valid_T,
+            "grads": {n: p.grad for n, p in hf.named_parameters()}}
+
+
+def _rank_check(rank: int, world: int, folder: str, plan: ParallelConfig, ref_path: str,
+                seqs: list[torch.Tensor]) -> dict:
+    ref = torch.load(ref_path, mmap=True)
+    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
+    model = build_model(folder, mesh=mesh, plan=plan, head="lm")
+    packed = pack(seqs)
+    with torch.no_grad():
+        shard = vocab_shard(model, mesh)
+        logits_TV = all_gather(forward_packed(model, packed, mesh=mesh), dim=-1,
+                               group=shard["group"])[:, : shard["real_vocab_size"]]
+    out = model_outputs(model, packed, mesh=mesh)
+    verification_loss(out["log_probs"], out["entropy"], ref["valid"]).backward()
+    sync_tp_grads(model, mesh=mesh)
+    grads = gather_full_grads(model, mesh)
+    if grads.keys() != ref["grads"].keys():
+        raise RLHFError(f"parameter names differ from transformers': "
+                        f"{sorted(grads.keys() ^ ref['grads'].keys())}")
+    grad_diffs = {n: _max_diff(n, grads[n], ref["grads"][n]) for n in grads}
+    worst = max(grad_diffs, key=grad_diffs.get)
+    return {"logits": _max_diff("logits", logits_TV, ref["logits"]),
+            "log_probs": _max_diff("log_probs", out["log_probs"], ref["log_probs"]),
+            "entropy": _max_diff("entropy", out["entropy"], ref["entropy"]),
+            "grads": grad_diffs[worst], "worst_grad": worst}
+
+
+def _max_diff(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
+    if got.shape != want.shape:
+        raise RLHFError(f"{name}: shape {tuple(got.shape)} but transformers gives "
+                        f"{tuple(want.shape)}")
+    return (got.detach().float() - want.float()).abs().max().item() if want.numel() else 0.0

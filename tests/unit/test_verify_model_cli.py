@@ -1,0 +1,76 @@
+"""`rlhf verify-model`: exit codes, the JSON report, and refusals before any process starts."""
+
+import json
+
+import pytest
+
+from rlhf.cli import main
+from rlhf.config.tiny import TinyModelConfig
+from rlhf.models.tiny import make_tiny_model
+
+FIELDS = {"model", "model_type", "layout", "num_seqs", "num_tokens", "seed", "max_abs_diff",
+          "worst_grad", "tolerance", "passed"}
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    # vocab 515: the tp=2 layout pads the vocabulary; kv 2 heads: tp=4 is refused
+    spec = TinyModelConfig(arch="qwen2", num_layers=2, hidden_size=64, num_heads=4,
+                           num_kv_heads=2, intermediate_size=96, vocab_size=515,
+                           max_position_embeddings=64)
+    return str(make_tiny_model(spec, tmp_path_factory.mktemp("m") / "qwen2"))
+
+
+def _report(capsys):
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    return json.loads(out[0])
+
+
+def test_tp2_matches_transformers(folder, capsys):
+    assert main(["verify-model", folder, "--tp", "2", "--num-seqs", "4"]) == 0
+    report = _report(capsys)
+    assert FIELDS <= report.keys()
+    assert report["layout"] == {"tp": 2, "pp": 1, "dp": 1, "nproc": 2, "sequence_parallel": False}
+    assert report["passed"] is True and report["num_seqs"] == 4
+    assert set(report["max_abs_diff"]) == {"logits", "log_probs", "entropy", "grads"}
+    assert all(d < 1e-5 for d in report["max_abs_diff"].values()), report
+
+
+def test_a_tolerance_below_fp32_noise_fails(folder, capsys):
+    """Sharded sums round differently from transformers' by ~1e-7, far above 1e-12."""
+    argv = ["verify-model", folder, "--tp", "2", "--sequence-parallel", "--nproc", "4",
+            "--tolerance", "1e-12", "--num-seqs", "3", "--seed", "5"]
+    assert main(argv) == 1
+    report = _report(capsys)
+    assert report["passed"] is False and report["layout"]["dp"] == 2
+    assert report["layout"]["sequence_parallel"] is True
+    assert max(report["max_abs_diff"].values()) > 1e-12
+    assert all(d < 1e-5 for d in report["max_abs_diff"].values()), report
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp", "1", "--pp", "2"], "pipeline parallelism is not supported yet"),
+    (["--tp", "4"], "tp=4 does not divide num_key_value_heads=2"),
+    (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a positive multiple of tp * pp = 2"),
+    (["--tp", "1", "--sequence-parallel"], "sequence_parallel needs tp > 1"),
+])
+def test_bad_layouts_exit_2_without_a_traceback(folder, capsys, argv, message):
+    assert main(["verify-model", folder, *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("error: ") and message in captured.err
+    assert "Traceback" not in captured.err
+
+
+def test_missing_folder_exits_2(tmp_path, capsys):
+    assert main(["verify-model", str(tmp_path / "absent"), "--tp", "2"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["verify-model", str(tmp_path / "empty"), "--tp", "2"]) == 2
+    assert "config.json not found" in capsys.readouterr().err
