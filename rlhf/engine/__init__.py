@@ -1,0 +1,20 @@
+"""Training engine: a role's model shard, optimizer and schedule over one ParallelMesh.
+
+- `micro_batch.py`: MicroBatch (packed sequences + per-token tensors), make_micro_batches.
+- `engine.py`: TrainEngine (forward, forward_backward, step, export, checkpoints).
+- `schedule.py`: how micro-batches walk through the model (pp=1 loop; pipelines later).
+- `optim.py`: LR schedule, weight-decay groups, fp32 masters, grad collectives and norm.
+- `checkpoint.py`: atomic per-model-parallel-rank checkpoint files.
+"""
+
+from rlhf.engine.engine import TrainEngine, apply_recompute, resolve_device, resolve_dtype
+from rlhf.engine.micro_batch import (MicroBatch, collect_response_values, make_micro_batches,
+                                     predicting_positions, scatter_response_values)
+from rlhf.engine.optim import lr_at
+from rlhf.engine.schedule import LossFn, MicroBatchResult, NoPipeline, Schedule, make_schedule
+
+__all__ = [
+    "LossFn", "MicroBatch", "MicroBatchResult", "NoPipeline", "Schedule", "TrainEngine",
+    "apply_recompute", "collect_response_values", "lr_at", "make_micro_batches", "make_schedule",
+    "predicting_positions", "resolve_device", "resolve_dtype", "scatter_response_values",
+]

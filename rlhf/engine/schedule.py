@@ -1,0 +1,85 @@
+"""How the engine walks a list of micro-batches through the model: the pipeline schedule.
+
+A schedule has two methods over the same plain list of `MicroBatch`:
+    forward(micro_batches, outputs, temperature)           -> per-micro-batch outputs
+    forward_backward(micro_batches, loss_fn, outputs, ...) -> per-micro-batch loss, metrics
+With pp = 1 this is a loop (`NoPipeline`). A pipelined schedule (1F1B, interleaved) implements
+the same two methods over its stage; every stage receives the same list, so it knows every
+micro-batch's token count and hence every send/recv shape. Its results exist on the last
+stage only (the engine is then to reduce them over the pipeline group). Gradients are left
+accumulated in the parameters; the engine syncs them afterwards, so callers never see which
+schedule ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor, nn
+
+from rlhf.engine.micro_batch import MicroBatch
+from rlhf.models.outputs import model_outputs
+from rlhf.parallel.mesh import ParallelMesh
+
+Outputs = dict[str, Tensor]  # per-token (T,) outputs: "log_probs", "entropy", "values"
+LossFn = Callable[[Outputs, MicroBatch], "tuple[Tensor, dict[str, float | Tensor]]"]
+
+
+@dataclass(frozen=True)
+class MicroBatchResult:
+    """The detached loss and metrics of one micro-batch (last pipeline stage only)."""
+
+    loss: float
+    metrics: dict[str, float]
+
+
+class Schedule(Protocol):
+    """What the engine asks of a schedule; see the module docstring."""
+
+    def forward(self, micro_batches: Sequence[MicroBatch], *, outputs: tuple[str, ...],
+                temperature: float = 1.0) -> list[Outputs]: ...
+
+    def forward_backward(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *,
+                         outputs: tuple[str, ...],
+                         temperature: float = 1.0) -> list[MicroBatchResult]: ...
+
+
+class NoPipeline:
+    """pp = 1: each micro-batch runs the whole model; backward right after its forward."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, device):
+        self.model, self.mesh, self.device = model, mesh, device
+
+    def _outputs(self, mb: MicroBatch, outputs: tuple[str, ...], temperature: float) -> Outputs:
+        return model_outputs(self.model, mb.packed, mesh=self.mesh, outputs=outputs,
+                             temperature=temperature)
+
+    def forward(self, micro_batches, *, outputs, temperature=1.0):
+        return [self._outputs(mb.to(self.device), outputs, temperature) for mb in micro_batches]
+
+    def forward_backward(self, micro_batches, loss_fn, *, outputs, temperature=1.0):
+        results = []
+        for mb in micro_batches:
+            mb = mb.to(self.device)
+            loss, metrics = loss_fn(self._outputs(mb, outputs, temperature), mb)
+            if not isinstance(loss, Tensor) or loss.dim() != 0:
+                raise ValueError("loss_fn must return (0-d loss tensor, metrics dict); got a "
+                                 f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+            loss.backward()  # frees this micro-batch's activations before the next one
+            results.append(MicroBatchResult(float(loss.detach()), _floats(metrics)))
+        return results
+
+
+def _floats(metrics: dict) -> dict[str, float]:
+    return {k: float(v.detach()) if isinstance(v, Tensor) else float(v)
+            for k, v in metrics.items()}
+
+
+def make_schedule(model: nn.Module, mesh: ParallelMesh, *, device) -> Schedule:
+    """The schedule for this mesh: a plain loop without pipeline parallelism."""
+    if mesh.pp_size == 1:
+        return NoPipeline(model, mesh, device=device)
+    raise NotImplementedError(f"pipeline parallelism (pp={mesh.pp_size}) needs the pipeline "
+                              "schedules, which are not built yet; use pp=1")

@@ -1,0 +1,175 @@
+"""Shared by the engine tests (unit and dist): tiny model folders, a random RL batch, the loss
+functions handed to the engine, and a hand-written single-process reference of one training
+step (per-sequence forward without packing, explicit PPO/value loss, clip_grad_norm_, AdamW).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from rlhf.algorithms.losses import entropy_bonus, ppo_policy_loss, value_loss
+from rlhf.config.roles import OptimizerConfig
+from rlhf.config.tiny import TinyModelConfig
+from rlhf.data.ragged import Ragged
+from rlhf.models.config import ModelArgs
+from rlhf.models.hf_io import load_hf_weights
+from rlhf.models.tiny import make_tiny_model
+from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.parallel.launch import free_port
+
+SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
+             vocab_size=384, max_position_embeddings=64)
+ENTROPY_COEF = 0.01
+CLIP = 0.2
+# Large eps: Adam's first update then depends on the gradient's scale, so clipping shows.
+OPTIM = OptimizerConfig(lr=1e-3, weight_decay=0.1, eps=1e-3, grad_clip=0.05)
+
+
+def tiny_folder(root: Path, *, arch: str = "llama", tied: bool = False) -> Path:
+    return make_tiny_model(TinyModelConfig(arch=arch, tie_embeddings=tied, **SMALL),
+                           Path(root) / f"{arch}-{tied}")
+
+
+@dataclass
+class RLBatch:
+    prompts: Ragged
+    responses: Ragged
+    per_token: dict[str, Ragged]  # one entry per response token
+
+
+def make_batch(seed: int, *, n: int = 6, vocab: int = SMALL["vocab_size"]) -> RLBatch:
+    """Random prompts (2-6 tokens), responses (1-8) and per-response-token RL fields."""
+    gen = torch.Generator().manual_seed(seed)
+    plens = torch.randint(2, 7, (n,), generator=gen).tolist()
+    rlens = torch.randint(1, 9, (n,), generator=gen).tolist()
+    prompts = Ragged.from_list([torch.randint(0, vocab, (k,), generator=gen) for k in plens])
+    responses = Ragged.from_list([torch.randint(0, vocab, (k,), generator=gen) for k in rlens])
+    total = sum(rlens)
+
+    def field(values):
+        return Ragged(values, responses.offsets.clone())
+
+    uniform_logp = -torch.log(torch.tensor(float(vocab)))
+    per_token = {
+        "old_log_probs": field(uniform_logp + 0.15 * torch.randn(total, generator=gen)),
+        "advantages": field(torch.randn(total, generator=gen)),
+        "loss_mask": field(torch.rand(total, generator=gen) < 0.8),
+        "returns": field(torch.randn(total, generator=gen)),
+        "old_values": field(torch.randn(total, generator=gen) * 0.1),
+    }
+    return RLBatch(prompts, responses, per_token)
+
+
+def actor_loss_fn(global_tokens: int):
+    """PPO clipped surrogate minus an entropy bonus, token-mean over `global_tokens`."""
+    def loss_fn(outputs, mb):
+        mask_T, cu = mb.tensors["loss_mask"].bool(), mb.packed.cu_seqlens
+        pg, metrics = ppo_policy_loss(outputs["log_probs"], mb.tensors["old_log_probs"],
+                                      mb.tensors["advantages"], mask_T, cu, clip_low=CLIP,
+                                      clip_high=CLIP, global_tokens=global_tokens)
+        ent = entropy_bonus(outputs["entropy"], mask_T, cu, global_tokens=global_tokens)
+        return pg - ENTROPY_COEF * ent, {"clipfrac": metrics["clipfrac"], "entropy_sum": ent}
+    return loss_fn
+
+
+def critic_loss_fn(global_tokens: int):
+    """Unclipped 0.5 (v - R)^2, token-mean over `global_tokens`."""
+    def loss_fn(outputs, mb):
+        loss, _ = value_loss(outputs["values"], mb.tensors["old_values"], mb.tensors["returns"],
+                             mb.tensors["loss_mask"].bool(), mb.packed.cu_seqlens,
+                             global_tokens=global_tokens)
+        return loss, {}
+    return loss_fn
+
+
+def load_plain(folder: Path, head: str = "lm", value_head_seed: int = 0):
+    """The unsharded model, loaded as the engine's tp=1 path would."""
+    model = (CausalLM if head == "lm" else ValueModel)(ModelArgs.from_pretrained(folder))
+    load_hf_weights(model, folder, value_head_seed=value_head_seed)
+    return model
+
+
+def _sequence_outputs(model, prompt, response, head):
+    """Outputs at the positions predicting each response token of one sequence: (R,) each."""
+    seq = torch.cat([prompt, response])
+    n, p, r = seq.numel(), prompt.numel(), response.numel()
+    out = model(seq, torch.arange(n), torch.tensor([0, n], dtype=torch.int32), n)
+    pred = slice(p - 1, p + r - 1)
+    if head == "value":
+        return {"values": out[pred]}
+    logp_RV = F.log_softmax(out[pred].float(), dim=-1)
+    return {"log_probs": logp_RV.gather(-1, response[:, None])[:, 0],
+            "entropy": -(logp_RV.exp() * logp_RV).sum(-1)}
+
+
+def reference_loss(model, batch: RLBatch, head: str) -> torch.Tensor:
+    """The whole mini-batch's loss, written out token by token from the formulas."""
+    terms, count = [], 0
+    for i in range(len(batch.prompts)):
+        out = _sequence_outputs(model, batch.prompts[i], batch.responses[i], head)
+        f = {k: v[i] for k, v in batch.per_token.items()}
+        mask = f["loss_mask"]
+        count += int(mask.sum())
+        if head == "value":
+            terms.append((0.5 * (out["values"] - f["returns"]).square())[mask].sum())
+            continue
+        ratio = torch.exp(out["log_probs"] - f["old_log_probs"])
+        adv = f["advantages"]
+        surr = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - CLIP, 1 + CLIP))
+        terms.append((surr - ENTROPY_COEF * out["entropy"])[mask].sum())
+    return torch.stack(terms).sum() / count
+
+
+def reference_step(folder: Path, batch: RLBatch, optim: OptimizerConfig = OPTIM, *,
+                   head: str = "lm") -> dict:
+    """One training step by hand: loss, backward, clip_grad_norm_, torch AdamW with
+    1-D params (norms, biases) undecayed. Returns params by HF name, grad_norm and loss."""
+    model = load_plain(folder, head)
+    loss = reference_loss(model, batch, head)
+    loss.backward()
+    params = list(model.parameters())
+    max_norm = optim.grad_clip if optim.grad_clip is not None else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
+    opt.step()
+    named = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"params": named, "grad_norm": float(norm), "loss": float(loss.detach())}
+
+
+def exported(engine) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors of an engine's model (collective over its model group)."""
+    return {name: t.detach().float().clone()
+            for bucket in engine.export_hf_weights(bucket_bytes=1 << 20) for name, t in bucket}
+
+
+def max_param_error(got: dict, want: dict) -> float:
+    missing = set(want) ^ set(got)
+    if missing:
+        raise AssertionError(f"parameter names differ: {sorted(missing)}")
+    return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
+
+
+class GlooWorld:
+    """A gloo world of one process inside the test process (for tp=1 dp=1 engines)."""
+
+    def __enter__(self):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=60))
+            self.owner = True
+        else:
+            self.owner = False
+        return self
+
+    def __exit__(self, *exc):
+        if self.owner:
+            dist.destroy_process_group()
