@@ -1,0 +1,113 @@
+"""ActorWorker: the policy's TrainEngine; scores rollouts and takes PPO steps.
+
+Fields in and out are listed in workers/common.py. The loss of one micro-batch is
+
+    ppo_policy_loss(log_probs, old_log_probs, advantages)      (dual clip at clip_ratio_c)
+    + kl_loss_coef * kl_loss(log_probs, ref_log_probs)           when algorithm.use_kl_loss
+    - entropy_coeff * entropy_bonus(entropy)
+
+each aggregated by algorithm.loss_agg_mode and normalised by the mini-batch's global token /
+sequence counts (over every DP rank), so the micro-batch losses add up to the mini-batch loss.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from rlhf.algorithms import aggregate, entropy_bonus, kl_loss, ppo_policy_loss
+from rlhf.config import JobConfig
+from rlhf.controller import Dispatch, WorkerContext, register
+from rlhf.data.batch import Batch
+from workers.base import Worker
+from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batches,
+                            mini_batches, require_fields, response_fields, sampling_temperature,
+                            token_share, train_mini_batch)
+
+
+class ActorWorker(Worker):
+    """The policy on its own (config.actor.parallel) layout: log-probs and PPO updates."""
+
+    def __init__(self, ctx: WorkerContext, *, config: JobConfig):
+        super().__init__(ctx)
+        self.config = config
+        self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
+                                   train=True)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        """`old_log_probs` and `entropy` of every response token at the sampling temperature."""
+        require_fields(batch, TOKENS, "actor.compute_log_prob")
+        mbs = micro_batches(batch, (), self.config.actor)
+        outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
+                                      temperature=sampling_temperature(self.config))
+        return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
+
+    @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """algorithm.ppo_epochs passes over the batch, one optimizer step per mini-batch of
+        actor.ppo_mini_batch_size prompts (times rollout.n samples), in order."""
+        per_token = self._per_token_fields()
+        require_fields(batch, (*TOKENS, *per_token), "actor.update_actor")
+        cfg = self.config
+        size = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.mesh.dp_size
+        minis = mini_batches(batch, size, self.mesh, "actor")
+        history = [
+            train_mini_batch(self.engine, mini, per_token, cfg.actor, self._loss_fn,
+                             outputs=("log_probs", "entropy"),
+                             temperature=sampling_temperature(cfg))
+            for _ in range(cfg.algorithm.ppo_epochs) for mini in minis
+        ]
+        return mean_metrics(history, "actor/")
+
+    def _per_token_fields(self) -> tuple[str, ...]:
+        fields = ["old_log_probs", "advantages"]
+        if self.config.algorithm.use_kl_loss:
+            fields.append("ref_log_probs")
+        if self.config.rollout.tis_cap is not None:
+            fields.append("rollout_log_probs")
+        return tuple(fields)
+
+    def _loss_fn(self, global_tokens: int, global_seqs: int):
+        algo, tis_cap = self.config.algorithm, self.config.rollout.tis_cap
+        norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, max_response_length=self.config.rollout.max_new_tokens)
+
+        def loss_fn(out: dict[str, Tensor], mb) -> tuple[Tensor, dict]:
+            t, cu = mb.tensors, mb.packed.cu_seqlens
+            mask_T = t[MASK].bool()
+            is_weights_T = None
+            if tis_cap is not None:
+                is_weights_T = truncated_is_weights(t["old_log_probs"], t["rollout_log_probs"],
+                                                    tis_cap)
+            pg, pg_metrics = ppo_policy_loss(
+                out["log_probs"], t["old_log_probs"], t["advantages"], mask_T, cu,
+                clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
+                clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
+            loss = pg - algo.entropy_coeff * entropy_bonus(out["entropy"], mask_T, cu, **norm)
+            share = token_share(mask_T, global_tokens)
+            metrics = {
+                "pg_loss": pg.detach(),
+                "clipfrac": pg_metrics["clipfrac"] * share,
+                "approx_kl": pg_metrics["approx_kl"] * share,
+                "entropy": aggregate(out["entropy"].detach(), mask_T, cu, "token-mean",
+                                     global_tokens=global_tokens),
+            }
+            if algo.use_kl_loss:
+                kl = kl_loss(out["log_probs"], t["ref_log_probs"], mask_T, cu,
+                             kind=algo.kl_loss_type, **norm)
+                loss = loss + algo.kl_loss_coef * kl
+                metrics["kl_loss"] = kl.detach()
+            return loss, metrics
+
+        return loss_fn
+
+
+def truncated_is_weights(old_log_probs_T: Tensor, rollout_log_probs_T: Tensor,
+                         cap: float) -> Tensor:
+    """min(pi_train / pi_sampler, cap) per token: corrects for the sampler's numerics differing
+    from the trainer's (clamped in log space, so no ratio overflows)."""
+    log_ratio_T = (old_log_probs_T - rollout_log_probs_T).clamp(max=math.log(cap))
+    return torch.exp(log_ratio_T)

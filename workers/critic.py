@@ -1,0 +1,81 @@
+"""CriticWorker: the value model's TrainEngine (used exactly when algorithm.adv_estimator is gae).
+
+`values` of response token j is the value head at the position that predicts token j, i.e. the
+value of the state prompt + response[:j]. The loss is `value_loss` (clipped to old value +-
+algorithm.value_clip), aggregated by algorithm.loss_agg_mode over global counts like the actor's.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from rlhf.algorithms import aggregate, value_loss
+from rlhf.config import JobConfig
+from rlhf.controller import Dispatch, WorkerContext, register
+from rlhf.data.batch import Batch
+from rlhf.errors import ConfigError
+from workers.base import Worker
+from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batches,
+                            mini_batches, require_fields, response_fields, token_share,
+                            train_mini_batch)
+
+
+class CriticWorker(Worker):
+    """The value model on its own (config.critic.parallel) layout: values and value updates.
+
+    Loads critic.model_path, or model.path with a value head drawn from trainer.seed.
+    """
+
+    def __init__(self, ctx: WorkerContext, *, config: JobConfig):
+        super().__init__(ctx)
+        if not config.algorithm.use_critic:
+            raise ConfigError(f"critic: algorithm.adv_estimator={config.algorithm.adv_estimator} "
+                              "trains no critic (only gae does); do not create a CriticWorker, "
+                              "or set algorithm.adv_estimator=gae")
+        self.config = config
+        self.engine = build_engine(self, config, "critic",
+                                   path=config.critic.model_path or config.model.path,
+                                   head="value", train=True)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        """`values` of every response token (see the module docstring)."""
+        require_fields(batch, TOKENS, "critic.compute_values")
+        mbs = micro_batches(batch, (), self.config.critic)
+        outputs = self.engine.forward(mbs, outputs=("values",))
+        return response_fields(outputs, mbs, {"values": "values"})
+
+    @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """algorithm.ppo_epochs passes, one step per critic.ppo_mini_batch_size prompts' samples;
+        needs `values` (from compute_values, before any update) and `returns`."""
+        per_token = ("values", "returns")
+        require_fields(batch, (*TOKENS, *per_token), "critic.update_critic")
+        cfg = self.config
+        size = cfg.critic.ppo_mini_batch_size * cfg.rollout.n // self.mesh.dp_size
+        minis = mini_batches(batch, size, self.mesh, "critic")
+        history = [
+            train_mini_batch(self.engine, mini, per_token, cfg.critic, self._loss_fn,
+                             outputs=("values",))
+            for _ in range(cfg.algorithm.ppo_epochs) for mini in minis
+        ]
+        return mean_metrics(history, "critic/")
+
+    def _loss_fn(self, global_tokens: int, global_seqs: int):
+        algo = self.config.algorithm
+        norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
+                    global_seqs=global_seqs, max_response_length=self.config.rollout.max_new_tokens)
+
+        def loss_fn(out: dict[str, Tensor], mb) -> tuple[Tensor, dict]:
+            t, cu = mb.tensors, mb.packed.cu_seqlens
+            mask_T = t[MASK].bool()
+            loss, metrics = value_loss(out["values"], t["values"], t["returns"], mask_T, cu,
+                                       clip=algo.value_clip, **norm)
+            return loss, {
+                "value_loss": loss.detach(),
+                "clipfrac": metrics["clipfrac"] * token_share(mask_T, global_tokens),
+                "values_mean": aggregate(out["values"].detach(), mask_T, cu, "token-mean",
+                                         global_tokens=global_tokens),
+            }
+
+        return loss_fn

@@ -1,0 +1,34 @@
+"""ReferenceWorker: the frozen initial policy (model.path), forward only, no optimizer state."""
+
+from __future__ import annotations
+
+from rlhf.config import JobConfig
+from rlhf.controller import Dispatch, WorkerContext, register
+from rlhf.data.batch import Batch
+from rlhf.errors import ConfigError
+from workers.base import Worker
+from workers.common import (TOKENS, build_engine, micro_batches, require_fields,
+                            response_fields, sampling_temperature)
+
+
+class ReferenceWorker(Worker):
+    """The reference policy on its own (config.ref.parallel) layout."""
+
+    def __init__(self, ctx: WorkerContext, *, config: JobConfig):
+        super().__init__(ctx)
+        if not config.algorithm.use_ref:
+            raise ConfigError("ref: algorithm.use_kl_loss and algorithm.kl_in_reward are both "
+                              "false, so no KL term needs reference log-probs; do not create a "
+                              "ReferenceWorker, or turn one of them on")
+        self.config = config
+        self.engine = build_engine(self, config, "ref", path=config.model.path, head="lm",
+                                   train=False)
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
+        require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
+        mbs = micro_batches(batch, (), self.config.ref)
+        outputs = self.engine.forward(mbs, outputs=("log_probs",),
+                                      temperature=sampling_temperature(self.config))
+        return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})
