@@ -12,11 +12,6 @@ FIELDS = {"model", "model_type", "layout", "num_seqs", "num_tokens", "seed", "ma
           "worst_grad", "tolerance", "passed"}
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     # vocab 515: the tp=2 layout pads the vocabulary; kv 2 heads: tp=4 is refused

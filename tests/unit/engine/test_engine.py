@@ -17,11 +17,6 @@ from tests.unit.engine.reference import (OPTIM, actor_loss_fn, critic_loss_fn, e
 TOL = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 def _engine(folder, *, head="lm", optim=OPTIM, device="cpu", **kw):
     mesh = ParallelMesh([0], cache=ProcessGroupCache())
     return TrainEngine.from_pretrained(folder, mesh=mesh, head=head, optim=optim, total_steps=10,

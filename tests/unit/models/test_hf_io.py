@@ -25,11 +25,6 @@ ARCH_TIED = [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", Tr
 TOL = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")

@@ -18,11 +18,6 @@ SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermed
              vocab_size=384, max_position_embeddings=64)
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """One model folder per (arch, tied), built once for the whole file."""

@@ -29,11 +29,6 @@ VARIANTS = [(arch, tied) for arch in ARCHS for tied in (False, True)] + [
     ("llama3", False), ("llama-bias", False)]
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-
 def _write_llama_with_biases(folder):
     """A Llama with attention_bias and mlp_bias, all weights random (HF would zero the biases)."""
     from transformers import LlamaConfig, LlamaForCausalLM
