@@ -42,6 +42,8 @@ def load_hf_weights(model: Model, folder: str | Path, *, shard_fn: ShardFn | Non
     """Copy the checkpoint in `folder` into `model`'s (materialised) parameters.
 
     `shard_fn(param_name, full_shape)` may return (dim, start, stop) to read only that slice.
+    A slice that ends at the tensor's end may be shorter than its parameter along `dim` (the
+    last shards of a padded vocabulary): the parameter's remaining rows are zeroed.
     Layers, embedding or head absent from `model` (a pipeline stage) are skipped. Returns the
     parameters the checkpoint lacked and that were initialised instead (a fresh value head).
     """
@@ -54,7 +56,8 @@ def load_hf_weights(model: Model, folder: str | Path, *, shard_fn: ShardFn | Non
     for file, pairs in plan.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             for name, source in pairs:
-                _copy(params[name], _read(f, source, name, shard_fn), name, source)
+                tensor, pad_dim = _read(f, source, name, shard_fn)
+                _copy(params[name], tensor, name, source, pad_dim=pad_dim)
     gen = torch.Generator().manual_seed(value_head_seed)
     for name in fresh:  # sorted: score.bias (zeros) then score.weight (random)
         full = torch.zeros(full_shapes[name])
@@ -130,13 +133,16 @@ def _plan(model: Model, files: dict[str, Path], folder: Path):
     return plan, sorted(fresh)
 
 
-def _read(f, source: str, name: str, shard_fn: ShardFn | None) -> Tensor:
+def _read(f, source: str, name: str, shard_fn: ShardFn | None) -> tuple[Tensor, int | None]:
+    """The (sliced) tensor, and the dim along which the parameter may pad it (see _copy)."""
     tensor_slice = f.get_slice(source)
-    spec = shard_fn(name, tuple(tensor_slice.get_shape())) if shard_fn else None
+    full_shape = tuple(tensor_slice.get_shape())
+    spec = shard_fn(name, full_shape) if shard_fn else None
     if spec is None:
-        return tensor_slice[:]
+        return tensor_slice[:], None
     dim, start, stop = spec
-    return tensor_slice[(slice(None),) * dim + (slice(start, stop),)]
+    pad_dim = dim if stop == full_shape[dim] else None
+    return tensor_slice[(slice(None),) * dim + (slice(start, stop),)], pad_dim
 
 
 def _slice(full: Tensor, spec: SliceSpec | None) -> Tensor:
@@ -147,10 +153,18 @@ def _slice(full: Tensor, spec: SliceSpec | None) -> Tensor:
 
 
 @torch.no_grad()
-def _copy(param: Tensor, tensor: Tensor, name: str, source: str) -> None:
-    if tuple(tensor.shape) != tuple(param.shape):
-        raise RLHFError(f"{source} gives shape {tuple(tensor.shape)} but parameter {name} has "
-                        f"shape {tuple(param.shape)}; check the config and the shard plan")
+def _copy(param: Tensor, tensor: Tensor, name: str, source: str, *,
+          pad_dim: int | None = None) -> None:
+    """param <- tensor, shapes equal; or, along pad_dim only, tensor shorter and the rest zeroed."""
+    got, want = tuple(tensor.shape), tuple(param.shape)
+    if pad_dim is not None and got != want:
+        others_match = got[:pad_dim] + got[pad_dim + 1:] == want[:pad_dim] + want[pad_dim + 1:]
+        if others_match and got[pad_dim] < want[pad_dim]:
+            param.narrow(pad_dim, got[pad_dim], want[pad_dim] - got[pad_dim]).zero_()
+            param = param.narrow(pad_dim, 0, got[pad_dim])
+    if tuple(param.shape) != got:
+        raise RLHFError(f"{source} gives shape {got} but parameter {name} has "
+                        f"shape {want}; check the config and the shard plan")
     param.copy_(tensor)
 
 

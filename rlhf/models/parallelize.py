@@ -21,7 +21,6 @@ head under sequence parallelism, and Qwen3's q/k norms always (each rank sees it
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -228,9 +227,7 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
         model.tie_weights()
     _mark_partial_grads(model)
     model.model.rotary_emb.inv_freq = rope_inv_freq(args)
-    shard_fn = _shard_fn(model, mesh)
-    with _real_vocab_rows(model):
-        load_hf_weights(model, path, shard_fn=shard_fn, value_head_seed=value_head_seed)
+    load_hf_weights(model, path, shard_fn=_shard_fn(model, mesh), value_head_seed=value_head_seed)
     return model
 
 
@@ -245,37 +242,6 @@ def _shard_fn(model: Model, mesh: ParallelMesh):
         return (spec.dim, *_local_range(full_shape[spec.dim], tp_rank, tp_size))
 
     return shard_fn
-
-
-@contextmanager
-def _real_vocab_rows(model: Model):
-    """Inside, each vocab-sharded weight is a view of its real rows, padding rows zeroed.
-
-    load_hf_weights copies a slice of exactly the parameter's shape, and the last ranks'
-    slices of a padded vocabulary are shorter than their shards.
-    """
-    saved, views = [], {}
-    for module in model.modules():
-        if not isinstance(module, (VocabParallelEmbedding, ParallelLMHead)):
-            continue
-        weight = module.weight
-        real = module.num_embeddings if isinstance(module, VocabParallelEmbedding) \
-            else module.vocab_size
-        start, stop = _local_range(real, module.tp_rank, module.tp_size)
-        if stop - start == weight.shape[0]:
-            continue
-        if id(weight) not in views:  # a tied weight gets one view for both modules
-            with torch.no_grad():
-                weight[stop - start:].zero_()
-            views[id(weight)] = nn.Parameter(weight.detach()[: stop - start],
-                                             requires_grad=weight.requires_grad)
-        saved.append((module, weight))
-        module.weight = views[id(weight)]
-    try:
-        yield
-    finally:
-        for module, weight in saved:
-            module.weight = weight
 
 
 # ---- full tensors from the shards ---------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""HF config parsing, weight loading (slices, stages, value heads), export and saving."""
+"""Weight loading (slices, stages, value heads), export and saving; see test_model_config.py."""
 
 import json
 import shutil
@@ -189,6 +189,28 @@ def test_wrong_slice_shape_names_the_parameter(folders):
                         else None)
 
 
+def test_a_shard_ending_at_the_tensor_end_may_be_padded(folders):
+    """The last shards of a padded vocabulary: the real rows are copied, the padding zeroed."""
+    folder = folders["llama", False]
+    config = json.loads((folder / "config.json").read_text())
+    vocab = config["vocab_size"]
+    model = CausalLM(ModelArgs.from_hf_config({**config, "vocab_size": vocab + 5}))
+    vocab_rows = ("model.embed_tokens.weight", "lm_head.weight")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name in vocab_rows:
+            params[name].fill_(7.0)  # stands for the uninitialised memory of to_empty
+    load_hf_weights(model, folder, shard_fn=lambda n, s: (0, 0, s[0]) if n in vocab_rows else None)
+    full = load_file(folder / "model.safetensors")
+    for name in vocab_rows:
+        assert torch.equal(params[name][:vocab], full[name])
+        assert not params[name][vocab:].any()
+    # A slice that stops short of the tensor's end is no padding: still a shape error.
+    with pytest.raises(RLHFError, match=r"embed_tokens\.weight.*shape"):
+        load_hf_weights(model, folder,
+                        shard_fn=lambda n, s: (0, 0, s[0] - 1) if n in vocab_rows else None)
+
+
 def test_pipeline_stages_load_their_part_and_compose(folders, packed):
     folder = folders["llama", True]  # tied: the last stage takes lm_head from the embedding
     _, p = packed
@@ -254,9 +276,10 @@ def test_shape_mismatch_is_named(folders):
         load_hf_weights(CausalLM(args), folder)
 
 
-def test_folder_without_safetensors(tmp_path):
+def test_folder_without_safetensors(folders, tmp_path):
+    args = ModelArgs.from_pretrained(folders["llama", False])
     with pytest.raises(RLHFError, match="safetensors"):
-        load_hf_weights(CausalLM(ModelArgs.from_hf_config(_base_config())), tmp_path)
+        load_hf_weights(CausalLM(args), tmp_path)
 
 
 # ---- export and save -----------------------------------------------------------------------
@@ -325,14 +348,7 @@ def test_save_refuses_a_pipeline_stage(folders, tmp_path):
                        config_source=folders["llama", False])
 
 
-# ---- config parsing ------------------------------------------------------------------------
-
-
-def _base_config(**overrides):
-    config = {"model_type": "llama", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 64}
-    return {**config, **overrides}
+# ---- the config the loader reads -----------------------------------------------------------
 
 
 @pytest.mark.parametrize("arch_tied", ARCH_TIED[:4], ids=[a for a, _ in ARCH_TIED[:4]])
@@ -350,58 +366,3 @@ def test_args_agree_with_transformers_config(folders, arch_tied):
     assert args.head_dim == hf_head_dim
     assert args.rope_theta == hf.rope_parameters["rope_theta"] and args.rope_scaling is None
     assert args.qkv_bias == (arch_tied[0] == "qwen2") and args.qk_norm == (arch_tied[0] == "qwen3")
-
-
-def test_legacy_and_transformers5_rope_keys_agree():
-    new = ModelArgs.from_hf_config(_base_config(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}))
-    legacy = ModelArgs.from_hf_config(_base_config(rope_theta=500000.0, rope_scaling={
-        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}))
-    assert new == legacy and new.rope_theta == 500000.0 and new.rope_scaling.factor == 8.0
-    plain = ModelArgs.from_hf_config(_base_config(rope_scaling=None, rope_theta=1e6))
-    assert plain.rope_scaling is None and plain.rope_theta == 1e6
-
-
-def test_option_fields():
-    llama = ModelArgs.from_hf_config(_base_config(attention_bias=True, mlp_bias=True))
-    assert llama.qkv_bias and llama.o_bias and llama.mlp_bias
-    qwen2 = ModelArgs.from_hf_config(_base_config(model_type="qwen2", attention_bias=True))
-    assert qwen2.qkv_bias and not qwen2.o_bias and not qwen2.mlp_bias
-    qwen3 = ModelArgs.from_hf_config(_base_config(model_type="qwen3"))
-    assert qwen3.head_dim == 128 and qwen3.qk_norm  # Qwen3Config's default head_dim
-    assert ModelArgs.from_hf_config(_base_config(head_dim=32)).head_dim == 32
-    mistral = ModelArgs.from_hf_config(_base_config(model_type="mistral", attention_bias=True,
-                                                    sliding_window=None))
-    assert not mistral.qkv_bias and not mistral.o_bias
-    assert ModelArgs.from_hf_config(_base_config(num_key_value_heads=None)).num_kv_heads == 4
-    # A window no shorter than max positions, or switched off, never applies.
-    ModelArgs.from_hf_config(_base_config(model_type="mistral", sliding_window=64))
-    ModelArgs.from_hf_config(_base_config(model_type="qwen2", use_sliding_window=False,
-                                          sliding_window=8))
-
-
-@pytest.mark.parametrize("overrides, match", [
-    (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
-    (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
-    (dict(rope_parameters={"full_attention": {"rope_type": "default"},
-                           "sliding_attention": {"rope_type": "default"}}), "per-layer-type"),
-    (dict(model_type="mistral", max_position_embeddings=32768),  # Mistral's default window
-     r"sliding_window=4096 is active \(mistral, all layers\)"),
-    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
-     r"sliding_window=16 is active \(qwen2, layers \[1\]\)"),
-    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
-    (dict(vocab_size=None), "vocab_size"),
-])
-def test_unsupported_configs_are_refused(overrides, match):
-    with pytest.raises(RLHFError, match=match):
-        ModelArgs.from_hf_config(_base_config(**overrides))
-
-
-def test_from_pretrained_without_config(tmp_path):
-    with pytest.raises(RLHFError, match="config.json not found"):
-        ModelArgs.from_pretrained(tmp_path)
