@@ -12,12 +12,10 @@ sequence counts (over every DP rank), so the micro-batch losses add up to the mi
 
 from __future__ import annotations
 
-import math
-
-import torch
 from torch import Tensor
 
-from rlhf.algorithms import aggregate, entropy_bonus, kl_loss, ppo_policy_loss
+from rlhf.algorithms import (aggregate, entropy_bonus, kl_loss, ppo_policy_loss,
+                             truncated_is_weights)
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
@@ -104,10 +102,3 @@ class ActorWorker(Worker):
 
         return loss_fn
 
-
-def truncated_is_weights(old_log_probs_T: Tensor, rollout_log_probs_T: Tensor,
-                         cap: float) -> Tensor:
-    """min(pi_train / pi_sampler, cap) per token: corrects for the sampler's numerics differing
-    from the trainer's (clamped in log space, so no ratio overflows)."""
-    log_ratio_T = (old_log_probs_T - rollout_log_probs_T).clamp(max=math.log(cap))
-    return torch.exp(log_ratio_T)

@@ -30,7 +30,7 @@ from rlhf.algorithms.kl import (AdaptiveKLController, FixedKLController, apply_k
                                 build_kl_controller, get_kl, kl, register_kl)
 from rlhf.algorithms.losses import (aggregate, entropy_bonus, get_loss_agg, kl_loss,
                                     loss_normalizers, ppo_policy_loss, register_loss_agg,
-                                    value_loss)
+                                    truncated_is_weights, value_loss)
 
 __all__ = [
     "AdaptiveKLController", "FixedKLController", "aggregate", "apply_kl_penalty",
@@ -38,5 +38,5 @@ __all__ = [
     "get_kl", "get_loss_agg", "grpo", "kl", "kl_loss", "loss_normalizers", "masked_whiten",
     "ppo_policy_loss", "register_advantage", "register_kl", "register_loss_agg",
     "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "scores_to_token_rewards",
-    "sequence_scores", "value_loss",
+    "sequence_scores", "truncated_is_weights", "value_loss",
 ]

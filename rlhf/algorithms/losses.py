@@ -10,6 +10,7 @@ Without them, the loss is normalised by the counts of this call's tokens/sequenc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -121,6 +122,14 @@ def _masked_mean(x_T: Tensor, valid_T: Tensor) -> Tensor:
     """Detached mean over valid tokens, 0 when there are none: a metric, not a loss."""
     x_T = x_T.detach().to(torch.float32)
     return x_T.masked_fill(~valid_T, 0).sum() / valid_T.sum().clamp_min(1)
+
+
+def truncated_is_weights(old_log_probs_T: Tensor, rollout_log_probs_T: Tensor,
+                         cap: float) -> Tensor:
+    """min(pi_train / pi_sampler, cap) per token: corrects for the sampler's numerics differing
+    from the trainer's (clamped in log space, so no ratio overflows)."""
+    log_ratio_T = (old_log_probs_T - rollout_log_probs_T).clamp(max=math.log(cap))
+    return torch.exp(log_ratio_T)
 
 
 def ppo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,

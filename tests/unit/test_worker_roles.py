@@ -28,7 +28,8 @@ from rlhf.models.tiny import make_tiny_model  # noqa: E402
 from rlhf.models.transformer import ValueModel  # noqa: E402
 from rlhf.parallel.launch import free_port, run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
-from workers.actor import ActorWorker, truncated_is_weights  # noqa: E402
+from rlhf.algorithms import truncated_is_weights  # noqa: E402
+from workers.actor import ActorWorker  # noqa: E402
 from workers.common import micro_batches  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 from workers.reference import ReferenceWorker  # noqa: E402
