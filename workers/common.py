@@ -41,7 +41,6 @@ shuffle on the driver if wanted, and send a multiple of that many samples.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -122,15 +121,10 @@ def micro_batches(batch: Batch, per_token: Sequence[str],
                   role: ForwardRoleConfig) -> list[MicroBatch]:
     """Pack `batch` into micro-batches within the role's token budget (and, for a training role
     with micro_batch_size, that many samples at most); `sample_ids` index `batch`."""
-    max_seqs = getattr(role, "micro_batch_size", None) or max(len(batch), 1)
-    out = []
-    for start in range(0, len(batch), max_seqs):
-        part = batch[start:start + max_seqs]  # views, no copies
-        fields = {k: _per_token(part, k) for k in per_token}
-        for mb in make_micro_batches(part["prompt_ids"], part["response_ids"], fields,
-                                     max_tokens=role.max_tokens_per_micro_batch):
-            out.append(dataclasses.replace(mb, sample_ids=mb.sample_ids + start))
-    return out
+    fields = {k: _per_token(batch, k) for k in per_token}
+    return make_micro_batches(batch["prompt_ids"], batch["response_ids"], fields,
+                              max_tokens=role.max_tokens_per_micro_batch,
+                              max_seqs=getattr(role, "micro_batch_size", None))
 
 
 def _per_token(batch: Batch, key: str) -> Ragged:

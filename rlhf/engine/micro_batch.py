@@ -82,8 +82,9 @@ def scatter_response_values(values: Ragged, packed: PackedSequences) -> Tensor:
 
 def make_micro_batches(prompts: Ragged | Sequence[Tensor], responses: Ragged | Sequence[Tensor],
                        per_token: Mapping[str, Ragged] | None = None, *,
-                       max_tokens: int) -> list[MicroBatch]:
-    """Fill micro-batches in sample order up to `max_tokens` tokens each.
+                       max_tokens: int, max_seqs: int | None = None) -> list[MicroBatch]:
+    """Fill micro-batches in sample order up to `max_tokens` tokens (and `max_seqs` samples,
+    when given) each.
 
     `per_token[key]` has one row per sample with one entry per response token; it lands in
     `MicroBatch.tensors[key]` at the predicting positions (see the module docstring).
@@ -98,8 +99,10 @@ def make_micro_batches(prompts: Ragged | Sequence[Tensor], responses: Ragged | S
                              "token of every sample (same row lengths as responses)")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if max_seqs is not None and max_seqs < 1:
+        raise ValueError(f"max_seqs must be positive or None, got {max_seqs}")
     _check_prompts(p.lengths, r.lengths)
-    bounds = _greedy_bounds((p.lengths + r.lengths).tolist(), max_tokens)
+    bounds = _greedy_bounds((p.lengths + r.lengths).tolist(), max_tokens, max_seqs)
     out = []
     for start, stop in bounds:
         rows = range(start, stop)
@@ -109,15 +112,16 @@ def make_micro_batches(prompts: Ragged | Sequence[Tensor], responses: Ragged | S
     return out
 
 
-def _greedy_bounds(lengths: list[int], max_tokens: int) -> list[tuple[int, int]]:
-    """[start, stop) sample ranges, each as long as fits in max_tokens."""
+def _greedy_bounds(lengths: list[int], max_tokens: int,
+                   max_seqs: int | None = None) -> list[tuple[int, int]]:
+    """[start, stop) sample ranges, each as long as fits in max_tokens and max_seqs."""
     bounds, start, used = [], 0, 0
     for i, n in enumerate(lengths):
         if n > max_tokens:
             raise ValueError(f"sample {i} has {n} tokens (prompt + response) but a micro-batch "
                              f"holds at most max_tokens={max_tokens}; raise the token budget to "
                              f"at least {n} or shorten the sequence")
-        if used + n > max_tokens:
+        if used + n > max_tokens or (max_seqs is not None and i - start == max_seqs):
             bounds.append((start, i))
             start, used = i, 0
         used += n

@@ -50,6 +50,16 @@ def test_budget_is_respected_in_order():
     assert all(mb.num_tokens <= 8 for mb in mbs)
 
 
+def test_sample_cap_splits_alongside_the_token_budget():
+    prompts, responses = _r([[1, 2]] * 5), _r([[7]] * 5)  # 3 tokens each
+    mbs = make_micro_batches(prompts, responses, max_tokens=100, max_seqs=2)
+    assert [mb.sample_ids.tolist() for mb in mbs] == [[0, 1], [2, 3], [4]]
+    mbs = make_micro_batches(prompts, responses, max_tokens=7, max_seqs=3)  # budget binds first
+    assert [mb.sample_ids.tolist() for mb in mbs] == [[0, 1], [2, 3], [4]]
+    with pytest.raises(ValueError, match="max_seqs"):
+        make_micro_batches(prompts, responses, max_tokens=7, max_seqs=0)
+
+
 def test_a_sequence_longer_than_the_budget_names_both_numbers():
     prompts, responses = _r([[1, 2], [1, 2, 3, 4]]), _r([[5], [5, 6, 7]])
     with pytest.raises(ValueError, match=r"sample 1 has 7 tokens.*max_tokens=6"):
