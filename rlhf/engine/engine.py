@@ -32,12 +32,11 @@ from rlhf.algorithms.losses import loss_normalizers
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.engine import checkpoint as ckpt
 from rlhf.engine.micro_batch import MicroBatch
-from rlhf.engine.optim import (MasterParams, all_reduce_tensors, clip_grads_, global_grad_norm,
-                               lr_at, param_groups)
+from rlhf.engine.optim import MasterParams, clip_grads_, global_grad_norm, lr_at, param_groups
 from rlhf.engine.schedule import LossFn, MicroBatchResult, Outputs, make_schedule
 from rlhf.models.parallelize import build_model, export_full_hf_weights, tp_layout
 from rlhf.models.transformer import ValueModel
-from rlhf.parallel.collectives import group_size
+from rlhf.parallel.collectives import all_reduce_tensors, group_size
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.tensor_parallel import SEQUENCE_PARALLEL_GRAD
 

@@ -5,7 +5,7 @@ gradient collectives (bucketed all-reduce, global norm with TP-replicated params
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,6 @@ from torch.distributed import ProcessGroup
 from rlhf.config.roles import OptimizerConfig
 from rlhf.parallel.collectives import group_rank, group_size
 
-GRAD_BUCKET_BYTES = 64 * 2**20  # at most this much gradient is flattened into one collective
 
 
 def lr_at(step: int, optim: OptimizerConfig, total_steps: int) -> float:
@@ -107,33 +106,6 @@ def _accumulate_into(master: Tensor):
             master.grad.add_(param.grad)
         param.grad = None  # the low-precision grad is never kept across micro-batches
     return hook
-
-
-def all_reduce_tensors(tensors: Sequence[Tensor], *, group: ProcessGroup | None,
-                       bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
-    """Sum `tensors` over `group` in place, flattened into buckets (one collective each)."""
-    if group_size(group) == 1 or not tensors:
-        return
-    for bucket in _buckets(tensors, bucket_bytes):
-        flat = torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
-        for t, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
-            t.copy_(chunk.view_as(t))
-
-
-def _buckets(tensors: Iterable[Tensor], bucket_bytes: int) -> Iterable[list[Tensor]]:
-    """Runs of same-dtype, same-device tensors of at most bucket_bytes (a bigger one alone)."""
-    bucket, size = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        same = not bucket or (t.dtype, t.device) == (bucket[0].dtype, bucket[0].device)
-        if bucket and (not same or size + nbytes > bucket_bytes):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(t)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def global_grad_norm(grads: Sequence[Tensor], replicated: Sequence[bool], *,

@@ -21,10 +21,14 @@ all_gather_into_tensor / reduce_scatter_tensor, used only where the new ones do 
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+GRAD_BUCKET_BYTES = 64 * 2**20  # at most this much gradient is flattened into one collective
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -50,6 +54,33 @@ def all_reduce(x: Tensor, *, group: ProcessGroup | None, op=dist.ReduceOp.SUM) -
     out = x.contiguous().clone()
     dist.all_reduce(out, op=op, group=group)
     return out
+
+
+def all_reduce_tensors(tensors: Sequence[Tensor], *, group: ProcessGroup | None,
+                       bucket_bytes: int = GRAD_BUCKET_BYTES) -> None:
+    """Sum `tensors` over `group` in place, flattened into buckets (one collective each)."""
+    if group_size(group) == 1 or not tensors:
+        return
+    for bucket in _buckets(tensors, bucket_bytes):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        for t, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(chunk.view_as(t))
+
+
+def _buckets(tensors: Iterable[Tensor], bucket_bytes: int) -> Iterable[list[Tensor]]:
+    """Runs of same-dtype, same-device tensors of at most bucket_bytes (a bigger one alone)."""
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        same = not bucket or (t.dtype, t.device) == (bucket[0].dtype, bucket[0].device)
+        if bucket and (not same or size + nbytes > bucket_bytes):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def all_gather(x: Tensor, *, dim: int, group: ProcessGroup | None) -> Tensor:

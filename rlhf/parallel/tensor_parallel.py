@@ -20,13 +20,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from rlhf.parallel.collectives import (
     all_gather,
+    all_reduce_tensors,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -57,17 +57,9 @@ def mark_sequence_parallel_grads(module: nn.Module) -> None:
 
 def allreduce_sequence_parallel_grads(module: nn.Module, *, group: ProcessGroup | None) -> None:
     """Sum over the TP group the grads of parameters marked `sequence_parallel_grad`, in place."""
-    if group_size(group) == 1:
-        return
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for param in module.parameters():
-        if getattr(param, SEQUENCE_PARALLEL_GRAD, False) and param.grad is not None:
-            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
-    for grads in by_dtype.values():  # one collective per dtype
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            grad.copy_(chunk.view_as(grad))
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
+    all_reduce_tensors(grads, group=group)
 
 
 def _init_uniform_(tensor: Tensor, fan_in: int) -> None:
