@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -173,26 +173,33 @@ def _names(names: list[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def bucketed(named: Iterable[tuple[str, Tensor]],
+             bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """(name, tensor) pairs in order, grouped in buckets of at most `bucket_bytes` (a bigger
+    tensor goes alone)."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 def export_hf_weights(model: Model, *, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
     """HF-named full tensors in buckets of at most `bucket_bytes` (a bigger tensor goes alone).
 
     Tensors are detached views of the parameters, not copies. A tied LM head is not exported:
     HF checkpoints and vLLM take it from the embedding.
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, param in model.named_parameters():
-        if name == "lm_head.weight" and model.args.tie_word_embeddings:
-            continue
-        nbytes = param.numel() * param.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, param.detach()))
-        size += nbytes
-    if bucket:
-        yield bucket
+    tied = model.args.tie_word_embeddings
+    return bucketed(((name, param.detach()) for name, param in model.named_parameters()
+                     if not (tied and name == "lm_head.weight")), bucket_bytes)
 
 
 def save_hf_folder(model: Model, folder: str | Path, *, config_source: str | Path,

@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from rlhf.config.roles import ParallelConfig
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.models.config import ModelArgs
-from rlhf.models.hf_io import SliceSpec, load_hf_weights
+from rlhf.models.hf_io import SliceSpec, bucketed, load_hf_weights
 from rlhf.models.transformer import (Attention, CausalLM, RMSNorm, ValueModel,
                                      rope_inv_freq)
 from rlhf.parallel.collectives import all_gather, gather_from_sequence
@@ -275,18 +275,7 @@ def export_full_hf_weights(model: Model, mesh: ParallelMesh, *,
     Replicated tensors are detached views of the parameters; gathered ones are fresh copies.
     A tied LM head is left out (HF and vLLM take it from the embedding).
     """
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, tensor in _full_tensors(model, mesh, grads=False):
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+    return bucketed(_full_tensors(model, mesh, grads=False), bucket_bytes)
 
 
 def gather_full_grads(model: Model, mesh: ParallelMesh) -> dict[str, Tensor]:
