@@ -9,13 +9,12 @@ token, so a default prompt ("12+7=") is about 6 tokens.
 
 import hashlib
 import json
-import os
 import random
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlhf.errors import ConfigError, RLHFError
+from rlhf.files import atomic_write
 
 ARITH_OPS = "+-*"
 MAX_TERMS = 6
@@ -119,20 +118,11 @@ def write_arith_dataset(out: Path, *, task: ArithTask, n: int, seed: int, kind: 
     if out.is_dir():
         raise RLHFError(f"{out} is a folder; give a file path for the JSONL dataset")
     rows = generate_problems(task, n=n, seed=seed, split=split)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Write beside the target and rename, so readers never see a half-written file.
-    # (A named "x"-mode file rather than mkstemp keeps the usual umask permissions.)
-    tmp = out.parent / f".{out.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            for row in rows:
-                record = {"prompt": row["prompt"], "ground_truth": row["ground_truth"],
-                          "data_source": DATA_SOURCE}
-                if kind == "sft":
-                    record["response"] = row["ground_truth"]
-                f.write(json.dumps(record) + "\n")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_write(out, encoding="utf-8") as f:
+        for row in rows:
+            record = {"prompt": row["prompt"], "ground_truth": row["ground_truth"],
+                      "data_source": DATA_SOURCE}
+            if kind == "sft":
+                record["response"] = row["ground_truth"]
+            f.write(json.dumps(record) + "\n")
     return len(rows)

@@ -8,7 +8,6 @@ never leaves a truncated checkpoint under the final name.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.errors import RLHFError
+from rlhf.files import atomic_write
 from rlhf.parallel.mesh import ParallelMesh
 
 FORMAT_VERSION = 1
@@ -36,16 +36,8 @@ def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) ->
     """Write this rank's engine `state` (dp rank 0 only); return once every shard is on disk."""
     path = shard_file(folder, mesh)
     if mesh.dp_rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        with atomic_write(path, "wb") as f:
+            torch.save(state, f)
     # After the dp barrier my (pp, tp) file exists; after the mp barrier, every rank's does.
     dist.barrier(group=mesh.dp_group)
     dist.barrier(group=mesh.mp_group)
