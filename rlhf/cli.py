@@ -4,6 +4,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from rlhf.bench import cli as bench_cli
 from rlhf.errors import RLHFError
 
 
@@ -140,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = commands.add_parser("doctor", help="check that torch, vLLM, Ray and transformers load")
     doctor.set_defaults(run=_doctor)
+
+    bench_cli.add_commands(commands)
     return parser
 
 

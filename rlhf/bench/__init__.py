@@ -1,0 +1,1 @@
+"""Benchmarks behind `rlhf bench NAME`: each prints JSON lines of measured figures."""
