@@ -19,20 +19,53 @@ from rlhf.algorithms import (aggregate, entropy_bonus, kl_loss, ppo_policy_loss,
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.engine.engine import resolve_dtype
+from rlhf.errors import ConfigError
+from rlhf.rollout import ReplicaSpec, RolloutReplica
 from workers.base import Worker
 from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batches,
                             mini_batches, require_fields, response_fields, sampling_temperature,
                             token_share, train_mini_batch)
+from workers.engine_state import CheckpointMixin
+
+SYNC_BUCKET_BYTES = 256 * 2**20  # one gathered bucket of full tensors alive at a time
 
 
-class ActorWorker(Worker):
-    """The policy on its own (config.actor.parallel) layout: log-probs and PPO updates."""
+class ActorWorker(CheckpointMixin, Worker):
+    """The policy on its own (config.actor.parallel) layout: rollouts with the rank's vLLM
+    replica (built on the first generate or sync), log-probs and PPO updates."""
 
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
         self.config = config
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
+        self.rollout = RolloutReplica(rollout_spec(ctx, config))
+
+    @register(dispatch=Dispatch.RANK_SPLIT)
+    def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
+        """rollout.n samples of every `prompt_ids` row (prompt-major; greedy: one, at
+        temperature 0): `response_ids`, `rollout_log_probs` and meta["metrics"].
+
+        Every rank samples its own chunk. Sample j of the prompt in row p of the driver's batch
+        is seeded by (batch.meta["seed"], p, j) when the driver gives that int (reproducible
+        across layouts and resumes), else by (rollout.seed, number of earlier calls, p, j).
+        """
+        require_fields(batch, ("prompt_ids",), "actor.generate")
+        seed = batch.meta.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
+        return self.rollout.generate(batch["prompt_ids"], greedy=greedy, seed=seed)
+
+    @register(dispatch=Dispatch.COLLECTIVE)
+    def sync_weights(self) -> dict[str, float]:
+        """Push the policy into this rank's vLLM replica if it changed since the last sync;
+        sync/bytes (per replica), sync/seconds, sync/gb_per_s, sync/skipped."""
+        return self.rollout.sync(lambda: self.engine.export_hf_weights(
+            bucket_bytes=SYNC_BUCKET_BYTES))
+
+    def _after_load(self) -> None:
+        self.rollout.mark_stale()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -58,6 +91,7 @@ class ActorWorker(Worker):
                              temperature=sampling_temperature(cfg))
             for _ in range(cfg.algorithm.ppo_epochs) for mini in minis
         ]
+        self.rollout.mark_stale()
         return mean_metrics(history, "actor/")
 
     def _per_token_fields(self) -> tuple[str, ...]:
@@ -102,3 +136,22 @@ class ActorWorker(Worker):
 
         return loss_fn
 
+
+def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:
+    """This rank's rollout replica: rollout.tp consecutive ranks form one (collective: every
+    rank builds the same replica groups in the same order)."""
+    tp, world = config.rollout.tp, ctx.world_size
+    if world % tp:
+        raise ConfigError(f"rollout.tp={tp} does not divide the actor's {world} ranks; pick a "
+                          f"rollout.tp that divides {world}")
+    replica_group = None
+    for start in range(0, world, tp) if tp > 1 else ():
+        group = ctx.group_cache.get(range(start, start + tp))
+        if start <= ctx.rank < start + tp:
+            replica_group = group
+    return ReplicaSpec(
+        model_path=config.model.path, config=config.rollout, device=ctx.device,
+        dtype=resolve_dtype(config.actor.dtype, ctx.device),
+        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
+        world_group=ctx.group_cache.get(range(world)), replica_group=replica_group,
+        rank=ctx.rank)

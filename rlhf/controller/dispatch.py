@@ -39,6 +39,12 @@ class Dispatch(enum.Enum):
     DP_COMPUTE_METRICS = "dp_compute_metrics"
     """As DP_COMPUTE, for methods returning {name: number}: the sample-weighted mean over DP
     groups (values a worker already all-reduced pass unchanged)."""
+    RANK_SPLIT = "rank_split"
+    """Batch arguments split into one contiguous chunk per RANK, in rank order, whatever the
+    layout (work each rank does alone, like sampling); results concatenated in rank order."""
+    COLLECTIVE = "collective"
+    """Same arguments to every rank (a collective method); returns rank 0's result, which the
+    method makes the same on every rank (say, metrics reduced over the group)."""
 
 
 def register(*, dispatch: Dispatch) -> Callable[[Callable], Callable]:
@@ -109,6 +115,11 @@ def plan_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> Call
         return CallPlan(_scatter(args, kwargs, n), [True] * n)
     if mode is Dispatch.RANK_ZERO:
         return CallPlan([(args, kwargs)] + [None] * (n - 1), [True] + [False] * (n - 1))
+    if mode is Dispatch.COLLECTIVE:
+        return CallPlan([_share_all(args, kwargs)] * n, [True] + [False] * (n - 1))
+    if mode is Dispatch.RANK_SPLIT:
+        per_rank, weights = _split_dp(args, kwargs, n)
+        return CallPlan(per_rank, [True] * n, weights)
     per_dp, weights = _split_dp(args, kwargs, layout.dp)
     outputs = set(layout.output_ranks())
     return CallPlan(
@@ -122,9 +133,12 @@ def collect(mode: Dispatch, layout: Layout, plan: CallPlan, results: Mapping[int
     """One value from the results of the ranks that `plan` keeps ({rank: result})."""
     if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL):
         return [results[r] for r in range(layout.world_size)]
-    if mode is Dispatch.RANK_ZERO:
+    if mode in (Dispatch.RANK_ZERO, Dispatch.COLLECTIVE):
         return results[0]
-    per_dp = [results[r] for r in layout.output_ranks()]
+    if mode is Dispatch.RANK_SPLIT:
+        per_dp = [results[r] for r in range(layout.world_size)]
+    else:
+        per_dp = [results[r] for r in layout.output_ranks()]
     if mode is Dispatch.DP_COMPUTE_METRICS:
         return reduce_metrics(per_dp, plan.weights)
     if all(isinstance(x, Batch) for x in per_dp):
@@ -190,7 +204,7 @@ def _split_dp(args: tuple, kwargs: dict, dp: int) -> tuple[list[tuple[tuple, dic
     """Per DP rank (args, kwargs): Batch arguments chunked (one put per chunk), others shared."""
     batches = [a for a in (*args, *kwargs.values()) if isinstance(a, Batch)]
     if not batches:
-        raise TypeError("DP_COMPUTE needs at least one Batch argument to split over DP ranks; "
+        raise TypeError("DP_COMPUTE and RANK_SPLIT need at least one Batch argument to split; "
                         "use ONE_TO_ALL for methods that take no Batch")
 
     def split(value: Any) -> list[Any]:

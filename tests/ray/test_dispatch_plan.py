@@ -124,6 +124,25 @@ def test_collect_concatenates_output_ranks_in_dp_order():
     assert collect(Dispatch.DP_COMPUTE, layout, plan, {2: None, 6: None}) is None
 
 
+def test_rank_split_gives_every_rank_a_chunk_and_concatenates_in_rank_order(put_counter):
+    layout = Layout(dp=1, pp=2, tp=2)  # one DP group, yet four chunks
+    plan = plan_call(Dispatch.RANK_SPLIT, layout, (ids(6),), {"greedy": True})
+    assert len(put_counter) == 4 and plan.keep == [True] * 4 and plan.weights == [2, 2, 1, 1]
+    chunks = [ray.get(plan.args[r][0][0]) for r in range(4)]
+    assert [c["id"].tolist() for c in chunks] == [[0, 1], [2, 3], [4], [5]]
+    assert all(plan.args[r][1] == {"greedy": True} for r in range(4))
+    results = {r: Batch({"x": c["id"] * 10}) for r, c in enumerate(chunks)}
+    out = collect(Dispatch.RANK_SPLIT, layout, plan, results)
+    assert out["x"].tolist() == [0, 10, 20, 30, 40, 50]
+
+
+def test_collective_runs_everywhere_and_returns_rank_zero():
+    layout = Layout(dp=2, tp=2)
+    plan = plan_call(Dispatch.COLLECTIVE, layout, (7,), {})
+    assert plan.args == [((7,), {})] * 4 and plan.keep == [True, False, False, False]
+    assert collect(Dispatch.COLLECTIVE, layout, plan, {0: {"m": 1.0}}) == {"m": 1.0}
+
+
 def test_metrics_are_sample_weighted_means():
     out = reduce_metrics([{"loss": 1.0, "acc": torch.tensor(0.5)}, {"loss": 4.0, "acc": 1}], [4, 3])
     assert out == pytest.approx({"loss": (4 * 1.0 + 3 * 4.0) / 7, "acc": (4 * 0.5 + 3) / 7})

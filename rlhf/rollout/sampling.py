@@ -1,0 +1,65 @@
+"""Sampling settings, per-request seeds and the rollout-vs-trainer log-prob gap.
+
+Seeds: sample j of the prompt at position p of a `generate` call (its row in the driver's
+batch) gets `derive_seed(call_seed, p, j)`, so a prompt's samples do not depend on how the
+batch was split over rollout replicas. `call_seed` is the driver's `batch.meta["seed"]` when
+given (resumable), else `derive_seed(rollout.seed, k)` for the k-th call of this worker.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlhf.config import RolloutConfig
+from rlhf.data.ragged import Ragged
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed hashed from non-negative ints; stable across processes and platforms."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1)[0] >> 1)
+
+
+def request_seeds(*, call_seed: int, first_prompt: int, num_prompts: int, n: int) -> list[int]:
+    """Seeds of the num_prompts * n requests of prompts first_prompt.., prompt-major."""
+    return [derive_seed(call_seed, first_prompt + i, j)
+            for i in range(num_prompts) for j in range(n)]
+
+
+def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int]) -> list:
+    """One vLLM SamplingParams (n=1) per request: the config's sampling, or greedy.
+
+    Each request returns the log-prob of its sampled token (logprobs=0); the engine is built
+    with processed log-probs, i.e. after temperature scaling, like the trainer's log-probs.
+    """
+    from vllm import SamplingParams  # vLLM is imported only where an engine is used
+
+    common = dict(n=1, max_tokens=config.max_new_tokens, logprobs=0, stop=list(config.stop),
+                  detokenize=bool(config.stop))  # stop strings need text; ids need none
+    if greedy:
+        return [SamplingParams(temperature=0.0, **common) for _ in seeds]
+    return [SamplingParams(temperature=config.temperature, top_p=config.top_p,
+                           top_k=config.top_k, seed=seed, **common) for seed in seeds]
+
+
+def logprob_gap(old_log_probs: Ragged, rollout_log_probs: Ragged,
+                mask: Ragged | None = None) -> dict[str, float]:
+    """Mean and max |trainer - sampler| log-prob over the (masked) response tokens.
+
+    Near zero right after a weight sync when top_p = 1 and top_k = -1; with either set, vLLM's
+    log-probs are those of the truncated, renormalised distribution it sampled from."""
+    if not torch.equal(old_log_probs.offsets, rollout_log_probs.offsets):
+        raise ValueError("old_log_probs and rollout_log_probs have different row lengths "
+                         f"({old_log_probs.lengths.tolist()[:8]}... vs "
+                         f"{rollout_log_probs.lengths.tolist()[:8]}...); compute both for the "
+                         "same response_ids")
+    gap_T = (old_log_probs.values.double() - rollout_log_probs.values.double()).abs()
+    if mask is not None:
+        if not torch.equal(mask.offsets, old_log_probs.offsets):
+            raise ValueError("mask has different row lengths than the log-probs; pass the "
+                             "batch's response_mask")
+        gap_T = gap_T[mask.values.bool()]
+    if gap_T.numel() == 0:
+        return {"rollout/logprob_gap_mean": 0.0, "rollout/logprob_gap_max": 0.0}
+    return {"rollout/logprob_gap_mean": float(gap_T.mean()),
+            "rollout/logprob_gap_max": float(gap_T.max())}

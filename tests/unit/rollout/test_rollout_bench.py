@@ -1,0 +1,36 @@
+"""`rlhf bench sync` and `rlhf bench rollout` run end to end on a very small model and print
+one JSON line of positive figures."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
+
+ROOT = str(Path(__file__).resolve().parents[3])
+SMALL = ["--layers", "1", "--hidden", "256"]  # 4 heads, 2 KV heads: tp=2 divides both
+
+
+def bench(*argv):
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", *argv, *SMALL],
+                          capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 1, f"stdout must hold one JSON line, got:\n{proc.stdout[-2000:]}"
+    return json.loads(lines[0])
+
+
+def test_bench_sync_reports_gb_per_s_beside_memcpy():
+    out = bench("sync", "--tp", "2", "--repeats", "1", "--bucket-mb", "0.05")
+    assert (out["bench"], out["tp"], out["pp"], out["replicas"]) == ("sync", 2, 1, 2)
+    assert out["bytes_per_replica"] > 0
+    assert out["gb_per_s"] > 0 and out["memcpy_gb_per_s"] > 0
+
+
+def test_bench_rollout_reports_tokens_per_s_of_both_engines():
+    out = bench("rollout", "--prompts", "3", "--prompt-len", "4", "--new-tokens", "5")
+    assert out["bench"] == "rollout" and out["new_tokens"] == 5
+    assert out["vllm_tokens_per_s"] > 0 and out["transformers_tokens_per_s"] > 0

@@ -1,0 +1,220 @@
+"""The rollout package without an engine: seeds, sampling settings, the log-prob gap, engine
+arguments per device, the process edge, and RolloutReplica's bookkeeping over a fake engine."""
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf.config import RolloutConfig
+from rlhf.data.ragged import Ragged
+from rlhf.errors import ConfigError
+from rlhf.parallel.launch import free_port
+from rlhf.parallel.mesh import ProcessGroupCache
+from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, configure_engine_process,
+                          derive_seed, engine_args, logprob_gap, request_seeds, sampling_params)
+
+ROOT = str(Path(__file__).resolve().parents[3])
+
+
+# ---- seeds and sampling settings --------------------------------------------------------------
+
+
+def test_request_seeds_depend_on_position_not_on_the_split():
+    whole = request_seeds(call_seed=11, first_prompt=0, num_prompts=5, n=3)
+    parts = (request_seeds(call_seed=11, first_prompt=0, num_prompts=2, n=3)
+             + request_seeds(call_seed=11, first_prompt=2, num_prompts=3, n=3))
+    assert whole == parts
+    assert len(set(whole)) == 15  # every (prompt, sample) draws its own stream
+    assert request_seeds(call_seed=12, first_prompt=0, num_prompts=5, n=3) != whole
+    assert all(0 <= s < 2**31 for s in whole)
+
+
+def test_derive_seed_is_a_stable_hash():
+    assert derive_seed(1, 2, 3) == derive_seed(1, 2, 3)
+    assert derive_seed(1, 2, 3) != derive_seed(1, 3, 2)
+
+
+def test_sampling_params_follow_the_config():
+    cfg = RolloutConfig(n=4, temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=33,
+                        stop=("\n\n",))
+    params = sampling_params(cfg, greedy=False, seeds=[5, 6])
+    assert [p.seed for p in params] == [5, 6]
+    p = params[0]
+    assert (p.n, p.temperature, p.top_p, p.top_k, p.max_tokens) == (1, 0.7, 0.9, 20, 33)
+    assert p.stop == ["\n\n"] and p.logprobs == 0 and p.detokenize
+    greedy = sampling_params(cfg, greedy=True, seeds=[5])[0]
+    assert greedy.temperature == 0.0 and greedy.max_tokens == 33
+    assert not sampling_params(RolloutConfig(), greedy=False, seeds=[1])[0].detokenize
+
+
+def test_temperatures_outside_vllms_range_are_refused():
+    with pytest.raises(ConfigError, match="temperature must be in \\[0, 2\\], got 2.5"):
+        RolloutConfig(temperature=2.5)
+    assert RolloutConfig(temperature=2.0).temperature == 2.0
+
+
+# ---- log-prob gap -----------------------------------------------------------------------------
+
+
+def test_logprob_gap_by_hand():
+    old = Ragged.from_list([torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])])
+    new = Ragged.from_list([torch.tensor([-1.5, -2.0]), torch.tensor([-0.25])])
+    assert logprob_gap(old, new) == pytest.approx(
+        {"rollout/logprob_gap_mean": 0.75 / 3, "rollout/logprob_gap_max": 0.5})
+    mask = Ragged.from_list([torch.tensor([False, True]), torch.tensor([True])])
+    assert logprob_gap(old, new, mask) == pytest.approx(
+        {"rollout/logprob_gap_mean": 0.125, "rollout/logprob_gap_max": 0.25})
+    empty = Ragged.from_list([torch.empty(0)])
+    assert logprob_gap(empty, empty)["rollout/logprob_gap_max"] == 0.0
+
+
+def test_logprob_gap_refuses_rows_that_do_not_match():
+    a = Ragged.from_list([torch.zeros(2)])
+    with pytest.raises(ValueError, match="different row lengths"):
+        logprob_gap(a, Ragged.from_list([torch.zeros(3)]))
+
+
+# ---- engine arguments and the process edge ----------------------------------------------------
+
+
+def test_engine_args_cpu_bounds_the_kv_cache_and_refuses_tp():
+    cfg = RolloutConfig(cpu_kv_cache_gb=0.5, max_num_seqs=7, seed=3)
+    args = engine_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=64)
+    assert args["kv_cache_memory_bytes"] == 2**29 and args["dtype"] == "float32"
+    assert args["logprobs_mode"] == "processed_logprobs"
+    assert (args["max_num_seqs"], args["seed"], args["max_model_len"]) == (7, 3, 64)
+    assert "enable_sleep_mode" not in args
+    with pytest.raises(ConfigError, match="rollout.tp=2 on the CPU"):
+        engine_args(RolloutConfig(tp=2), on_cuda=False, dtype=torch.float32, max_model_len=64)
+
+
+def test_engine_args_cuda_sleeps_and_shares_the_job_world_for_tp():
+    cfg = RolloutConfig(tp=2, gpu_memory_utilization=0.4)
+    args = engine_args(cfg, on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
+    assert args["enable_sleep_mode"] and args["gpu_memory_utilization"] == 0.4
+    assert args["tensor_parallel_size"] == 2 and args["dtype"] == "bfloat16"
+    assert args["distributed_executor_backend"] == "external_launcher"
+    assert "kv_cache_memory_bytes" not in args
+    one = engine_args(RolloutConfig(), on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
+    assert "distributed_executor_backend" not in one
+
+
+def test_configure_engine_process_sets_the_engine_environment(monkeypatch):
+    keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "RANK", "LOCAL_RANK",
+            "HF_HUB_OFFLINE", "VLLM_CONFIGURE_LOGGING", "TOKENIZERS_PARALLELISM")
+    for key in keys:  # setenv first: monkeypatch then restores each key as it was, even unset
+        monkeypatch.setenv(key, "unset")
+        monkeypatch.delenv(key)
+    configure_engine_process(device_type="cuda")
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and "RANK" not in os.environ
+    configure_engine_process(device_type="cpu")
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    configure_engine_process(device_type="cuda", launcher_rank=5)
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("5", "0")
+
+
+# ---- RolloutReplica over a fake engine ---------------------------------------------------------
+
+
+class FakeEngine:
+    """Responds to each request with [prompt length, seed % 97] and log-probs -1, -2."""
+
+    def __init__(self):
+        self.loaded: list[str] = []
+        self.sleeps = 0
+
+    def generate(self, prompts, params):
+        return [Completion([len(p), (p_.seed or 0) % 97], [-1.0, -2.0], "length")
+                for p, p_ in zip(prompts, params)]
+
+    def load_weights(self, weights):
+        self.loaded += [name for name, _ in weights]
+
+    def sleep(self):
+        self.sleeps += 1
+
+
+@pytest.fixture(scope="module")
+def world():
+    owner = not dist.is_initialized()
+    if owner:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=60))
+    yield dist.group.WORLD
+    if owner:
+        dist.destroy_process_group()
+
+
+def fake_replica(world, **rollout):
+    spec = ReplicaSpec(model_path="unused", config=RolloutConfig(**rollout),
+                       device=torch.device("cpu"), dtype=torch.float32, max_model_len=16,
+                       world_group=world, replica_group=None)
+    replica = RolloutReplica(spec)
+    replica.engine = FakeEngine()
+    return replica
+
+
+def test_generate_returns_n_rows_per_prompt_in_order_with_metrics(world):
+    replica = fake_replica(world, n=3, max_new_tokens=4)
+    prompts = Ragged.from_list([torch.tensor([1, 2]), torch.tensor([3, 4, 5])])
+    out = replica.generate(prompts, greedy=False, seed=9)
+    ids = [r.tolist() for r in out["response_ids"].to_list()]
+    assert [r[0] for r in ids] == [2, 2, 2, 3, 3, 3]
+    seeds = request_seeds(call_seed=9, first_prompt=0, num_prompts=2, n=3)
+    assert [r[1] for r in ids] == [s % 97 for s in seeds]
+    assert out["rollout_log_probs"].values.tolist() == [-1.0, -2.0] * 6
+    assert out.meta["metrics"]["rollout/samples"] == 6
+    assert out.meta["metrics"]["rollout/response_length_mean"] == 2
+    assert len(replica.generate(prompts, greedy=True, seed=None)) == 2
+    assert replica.engine.sleeps == 2
+
+
+def test_calls_without_a_seed_draw_new_samples(world):
+    replica = fake_replica(world, n=2, max_new_tokens=4)
+    prompts = Ragged.from_list([torch.tensor([1, 2])])
+    first = replica.generate(prompts, greedy=False, seed=None)["response_ids"]
+    second = replica.generate(prompts, greedy=False, seed=None)["response_ids"]
+    assert not first.equal(second)
+
+
+def test_too_long_prompts_name_the_setting(world):
+    replica = fake_replica(world, max_new_tokens=10)  # room for prompts of 6
+    with pytest.raises(ValueError, match="data.max_prompt_length"):
+        replica.generate(Ragged.from_list([torch.arange(7)]), greedy=True, seed=None)
+
+
+def test_sync_pushes_only_after_the_policy_changed(world):
+    replica = fake_replica(world)
+    buckets = [[("a", torch.zeros(3))], [("b", torch.zeros(2, dtype=torch.float64))]]
+    assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
+    assert replica.engine.loaded == []
+    replica.mark_stale()
+    metrics = replica.sync(lambda: iter(buckets))
+    assert metrics["sync/skipped"] == 0.0 and metrics["sync/bytes"] == 3 * 4 + 2 * 8
+    assert replica.engine.loaded == ["a", "b"]
+    assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
+
+
+def test_importing_the_actor_does_not_import_vllm():
+    code = "import sys, workers.actor, rlhf.rollout; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
+
+
+def test_an_actor_worker_builds_its_engine_only_on_first_use(tmp_path, world):
+    from tests.unit.test_worker_roles import context, make_config, make_folders
+    from workers.actor import ActorWorker
+
+    policy, _ = make_folders(tmp_path)
+    actor = ActorWorker(context(ProcessGroupCache(), "actor"), config=make_config(policy))
+    assert actor.rollout.engine is None and not actor.rollout.stale
+    assert actor.sync_weights()["sync/skipped"] == 1.0 and actor.rollout.engine is None
