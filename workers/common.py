@@ -51,7 +51,10 @@ from torch import Tensor
 from rlhf.config import ForwardRoleConfig, JobConfig, TrainRoleConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.engine import MicroBatch, TrainEngine, collect_response_values, make_micro_batches
+from rlhf.data.packing import pack_prompt_response
+from rlhf.data.planner import plan_micro_batches
+from rlhf.engine import (MicroBatch, TrainEngine, collect_response_values, predicting_positions,
+                         scatter_response_values)
 from rlhf.errors import ConfigError
 from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import ParallelMesh
@@ -117,14 +120,38 @@ def response_mask(batch: Batch) -> Ragged:
     return Ragged(torch.ones(responses.values.shape[0], dtype=torch.bool), responses.offsets)
 
 
-def micro_batches(batch: Batch, per_token: Sequence[str],
-                  role: ForwardRoleConfig) -> list[MicroBatch]:
-    """Pack `batch` into micro-batches within the role's token budget (and, for a training role
-    with micro_batch_size, that many samples at most); `sample_ids` index `batch`."""
+def micro_batches(batch: Batch, per_token: Sequence[str], role: ForwardRoleConfig, *,
+                  mesh: ParallelMesh | None = None) -> list[MicroBatch]:
+    """Plan `batch` into micro-batches (rlhf.data.planner): within the role's token budget (and,
+    for a training role with micro_batch_size, that many samples at most), ordered
+    small-large-small for the pipeline; `sample_ids` index `batch`.
+
+    With `mesh`, every DP rank runs the same number of micro-batches (the largest any rank
+    needs; collective over DP), short of it only with fewer samples than that.
+    """
     fields = {k: _per_token(batch, k) for k in per_token}
-    return make_micro_batches(batch["prompt_ids"], batch["response_ids"], fields,
-                              max_tokens=role.max_tokens_per_micro_batch,
-                              max_seqs=getattr(role, "micro_batch_size", None))
+    prompts, responses = batch["prompt_ids"], batch["response_ids"]
+    lengths = (prompts.lengths + responses.lengths).tolist()
+    max_seqs = getattr(role, "micro_batch_size", None)
+    budget = role.max_tokens_per_micro_batch
+    count = plan_micro_batches(lengths, dp=1, max_tokens=budget,
+                               max_seqs=max_seqs).num_micro_batches
+    if mesh is not None and group_size(mesh.dp_group) > 1:
+        counts = [None] * mesh.dp_size  # an object gather works on CPU and GPU backends alike
+        dist.all_gather_object(counts, count, group=mesh.dp_group)
+        count = max(counts)
+    plan = plan_micro_batches(lengths, dp=1, max_tokens=budget, max_seqs=max_seqs,
+                              min_micro_batches=count)
+    return [_micro_batch(prompts, responses, fields, rows) for rows in plan.rank(0) if rows]
+
+
+def _micro_batch(prompts: Ragged, responses: Ragged, fields: Mapping[str, Ragged],
+                 rows: Sequence[int]) -> MicroBatch:
+    ids = torch.tensor(rows, dtype=torch.int64)
+    packed = pack_prompt_response(prompts.select(ids), responses.select(ids))
+    predicting_positions(packed)  # ValueError for a response without a prompt
+    tensors = {k: scatter_response_values(v.select(ids), packed) for k, v in fields.items()}
+    return MicroBatch(packed, tensors, ids)
 
 
 def _per_token(batch: Batch, key: str) -> Ragged:
@@ -140,7 +167,7 @@ def _per_token(batch: Batch, key: str) -> Ragged:
 def response_fields(outputs: Sequence[Mapping[str, Tensor]], mbs: Sequence[MicroBatch],
                     names: Mapping[str, str]) -> Batch:
     """A Batch of per-response-token fields {field: engine output name} on the CPU."""
-    if not mbs:  # this DP group got no samples
+    if not mbs or not outputs:  # no samples here, or a pipeline stage before the last
         empty = Ragged(torch.empty(0), torch.zeros(1, dtype=torch.int64))
         return Batch({field: empty for field in names})
     return Batch({field: collect_response_values([o[name] for o in outputs], mbs).to("cpu")
@@ -178,7 +205,7 @@ def train_mini_batch(engine: TrainEngine, mini: Batch, per_token: Sequence[str],
     micro-batches of all DP ranks is the mini-batch value. The engine averages metrics over
     those micro-batches, so the sum is that average times their number.
     """
-    mbs = micro_batches(mini, (*per_token, MASK), role)
+    mbs = micro_batches(mini, (*per_token, MASK), role, mesh=engine.mesh)
     tokens, seqs = engine.loss_normalizers(mbs, mask_key=MASK)
     stats = engine.forward_backward(mbs, make_loss(max(tokens, 1), max(seqs, 1)),
                                     outputs=outputs, temperature=temperature)

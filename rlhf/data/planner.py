@@ -89,9 +89,11 @@ class MicroBatchPlan:
 
 
 def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
-                       cost: Callable[[int], float] | None = None) -> MicroBatchPlan:
+                       cost: Callable[[int], float] | None = None, max_seqs: int | None = None,
+                       min_micro_batches: int = 0) -> MicroBatchPlan:
     """Split samples (packed lengths, prompt + response) over `dp` ranks into micro-batches of at
-    most `max_tokens` tokens, balancing `cost` (default `default_cost`) across ranks."""
+    most `max_tokens` tokens (and `max_seqs` samples), balancing `cost` (default `default_cost`)
+    across ranks; at least `min_micro_batches` per rank (to match other ranks' count)."""
     lengths = [int(n) for n in lengths]
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
@@ -107,8 +109,8 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
     cost = cost or default_cost
     costs = [float(cost(n)) for n in lengths]
     parts = balanced_partition(costs, dp)
-    packed = [_first_fit_decreasing(p, lengths, max_tokens) for p in parts]
-    target = max((len(mbs) for mbs in packed), default=0)
+    packed = [_first_fit_decreasing(p, lengths, max_tokens, max_seqs) for p in parts]
+    target = max(max((len(mbs) for mbs in packed), default=0), min_micro_batches)
     packed = [_split_to_count(mbs, target, lengths) for mbs in packed]
     ordered = [_small_large_small(mbs, costs) for mbs in packed]
     return MicroBatchPlan(
@@ -195,14 +197,15 @@ def _polish(groups: list[list[int]], costs: Sequence[float], max_rounds: int = 2
     return [sorted(g) for g in groups]
 
 
-def _first_fit_decreasing(ids: Sequence[int], lengths: Sequence[int],
-                          max_tokens: int) -> list[list[int]]:
+def _first_fit_decreasing(ids: Sequence[int], lengths: Sequence[int], max_tokens: int,
+                          max_seqs: int | None = None) -> list[list[int]]:
     """Longest sample first, each into the first micro-batch with room: few, well-filled bins."""
     bins: list[list[int]] = []
     used: list[int] = []
     for i in sorted(ids, key=lambda i: (-lengths[i], i)):
         for b in range(len(bins)):
-            if used[b] + lengths[i] <= max_tokens:
+            if used[b] + lengths[i] <= max_tokens and (max_seqs is None
+                                                       or len(bins[b]) < max_seqs):
                 bins[b].append(i)
                 used[b] += lengths[i]
                 break

@@ -11,6 +11,11 @@ backpropagates each micro-batch loss, then syncs gradients:
   or sequence counts (see `loss_normalizers`), so the per-micro-batch losses of all DP ranks
   already add up to the mini-batch loss.
 
+With pp > 1 the model is this rank's pipeline chunks and the schedule is 1F1B or interleaved
+1F1B (`rlhf.engine.pipeline`); a tied embedding has a copy on the first and the last stage
+whose grads are summed between them (counted once in the grad norm); metrics are broadcast
+from the last stage, so every rank returns the same numbers.
+
 Low-precision (bf16) models train through fp32 master weights that also accumulate the grads
 (`optim.MasterParams`); fp32 models are their own masters.
 """
@@ -72,6 +77,13 @@ class TrainEngine:
         self._replicated = [id(p) not in sharded for p in self.masters.model_params]
         self._sequence_parallel = [getattr(p, SEQUENCE_PARALLEL_GRAD, False)
                                    for p in self.masters.model_params]
+        # A pipeline's second copy of a shared parameter (the tied LM head on the last stage):
+        # its grad is summed with the original's, and the pair counts once in the grad norm.
+        names = {id(p): name for name, p in model.named_parameters()}
+        shared = model.shared_parameters()
+        self._shared = [names[id(p)] in shared or names[id(p)] in shared.values()
+                        for p in self.masters.model_params]
+        self._copy = [names[id(p)] in shared for p in self.masters.model_params]
         self.optimizer = torch.optim.AdamW(
             param_groups(self.masters.params, optim.weight_decay), lr=lr_at(0, optim, total_steps),
             betas=optim.betas, eps=optim.eps)
@@ -99,7 +111,8 @@ class TrainEngine:
     def forward(self, micro_batches: Sequence[MicroBatch], *, outputs: Sequence[str] | None = None,
                 temperature: float = 1.0) -> list[Outputs]:
         """Per-token outputs (T,) of every micro-batch, without grad, on the engine's device;
-        log-probs and entropy of softmax(logits / temperature), the sampler's distribution."""
+        log-probs and entropy of softmax(logits / temperature), the sampler's distribution.
+        With pp > 1 the outputs exist on the last stage; the other stages return []."""
         self.model.eval()
         outs = self.schedule.forward(micro_batches, outputs=self._outputs(outputs),
                                      temperature=temperature)
@@ -132,8 +145,10 @@ class TrainEngine:
         """
         self._require_optimizer("step")
         grads = self.masters.grads()
-        norm = global_grad_norm(grads, self._replicated, tp_group=self.mesh.tp_group,
-                                mp_group=self.mesh.mp_group)
+        counted = [not copy for copy in self._copy]
+        norm = global_grad_norm([g for g, c in zip(grads, counted) if c],
+                                [r for r, c in zip(self._replicated, counted) if c],
+                                tp_group=self.mesh.tp_group, mp_group=self.mesh.mp_group)
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
         if not math.isfinite(float(norm)):
             warnings.warn(f"gradient norm is {float(norm)} at step {self.step_count}; "
@@ -229,6 +244,10 @@ class TrainEngine:
         sp = [g for g, flag in zip(grads, self._sequence_parallel) if flag]
         all_reduce_tensors(sp, group=self.mesh.tp_group)  # token chunks -> full-stream grads
         all_reduce_tensors(grads, group=self.mesh.dp_group)  # SUM: losses are globally normalised
+        if self.mesh.pp_size > 1 and self.mesh.embedding_group is not None:
+            # Both stages' copies then step identically: the full model's one tied parameter.
+            tied = [g for g, flag in zip(grads, self._shared) if flag]
+            all_reduce_tensors(tied, group=self.mesh.embedding_group)
         self._grads_synced = True
 
     def _reduce_metrics(self, results: list[MicroBatchResult]) -> dict[str, float]:
@@ -250,6 +269,12 @@ class TrainEngine:
         out = {"loss": totals[0], "num_micro_batches": totals[1]}
         for i, k in enumerate(keys):
             out[k] = totals[2 + 2 * i] / max(totals[3 + 2 * i], 1.0)
+        if self.mesh.pp_size > 1:  # results exist on the last stage only
+            box = [out]
+            last = self.mesh.rank_at(dp=self.mesh.dp_rank, pp=self.mesh.pp_size - 1,
+                                     tp=self.mesh.tp_rank)
+            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
+            out = box[0]
         return out
 
 

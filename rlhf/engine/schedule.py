@@ -3,10 +3,11 @@
 A schedule has two methods over the same plain list of `MicroBatch`:
     forward(micro_batches, outputs, temperature)           -> per-micro-batch outputs
     forward_backward(micro_batches, loss_fn, outputs, ...) -> per-micro-batch loss, metrics
-With pp = 1 this is a loop (`NoPipeline`). A pipelined schedule (1F1B, interleaved) implements
-the same two methods over its stage; every stage receives the same list, so it knows every
-micro-batch's token count and hence every send/recv shape. Its results exist on the last
-stage only (the engine is then to reduce them over the pipeline group). Gradients are left
+With pp = 1 this is a loop (`NoPipeline`). A pipelined schedule (1F1B, interleaved; in
+`rlhf.engine.pipeline`) implements the same two methods over its stage; every stage receives
+the same list, so it knows every micro-batch's token count and hence every send/recv shape.
+Its results exist on the last stage only (the engine broadcasts the reduced metrics from
+there over the pipeline group; other stages return empty lists). Gradients are left
 accumulated in the parameters; the engine syncs them afterwards, so callers never see which
 schedule ran.
 """
@@ -64,22 +65,31 @@ class NoPipeline:
         for mb in micro_batches:
             mb = mb.to(self.device)
             loss, metrics = loss_fn(self._outputs(mb, outputs, temperature), mb)
-            if not isinstance(loss, Tensor) or loss.dim() != 0:
-                raise ValueError("loss_fn must return (0-d loss tensor, metrics dict); got a "
-                                 f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+            check_loss(loss)
             loss.backward()  # frees this micro-batch's activations before the next one
-            results.append(MicroBatchResult(float(loss.detach()), _floats(metrics)))
+            results.append(MicroBatchResult(float(loss.detach()), floats(metrics)))
         return results
 
 
-def _floats(metrics: dict) -> dict[str, float]:
+def check_loss(loss) -> None:
+    """ValueError unless loss_fn gave a 0-d tensor."""
+    if not isinstance(loss, Tensor) or loss.dim() != 0:
+        raise ValueError("loss_fn must return (0-d loss tensor, metrics dict); got a "
+                         f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
+
+
+def floats(metrics: dict) -> dict[str, float]:
+    """Metric values as Python floats."""
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v)
             for k, v in metrics.items()}
 
 
 def make_schedule(model: nn.Module, mesh: ParallelMesh, *, device) -> Schedule:
-    """The schedule for this mesh: a plain loop without pipeline parallelism."""
+    """The schedule for this mesh: a plain loop at pp = 1, else 1F1B (one chunk per rank) or
+    interleaved 1F1B (several: vpp > 1), from `rlhf.engine.pipeline`."""
     if mesh.pp_size == 1:
         return NoPipeline(model, mesh, device=device)
-    raise NotImplementedError(f"pipeline parallelism (pp={mesh.pp_size}) needs the pipeline "
-                              "schedules, which are not built yet; use pp=1")
+    from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB  # imports this module
+    chunks = getattr(model, "pipeline_chunks", ())
+    cls = Interleaved1F1B if len(chunks) > 1 else OneFOneB
+    return cls(model, mesh, device=device)

@@ -83,6 +83,13 @@ def model_outputs(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
     CausalLM: any of "log_probs", "entropy" (of softmax(logits / temperature), the
     distribution a sampler at that temperature draws from). ValueModel: "values".
     """
+    check_outputs(model, outputs, temperature)
+    out = forward_packed(model, packed, mesh=mesh)
+    return head_outputs(model, out, packed, mesh=mesh, outputs=outputs, temperature=temperature)
+
+
+def check_outputs(model: nn.Module, outputs: Sequence[str], temperature: float) -> None:
+    """ValueError unless `model` can give `outputs` at `temperature`."""
     allowed = VALUE_OUTPUTS if isinstance(model, ValueModel) else LM_OUTPUTS
     unknown = [name for name in outputs if name not in allowed]
     if unknown or not outputs:
@@ -90,7 +97,12 @@ def model_outputs(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
                          f"{list(outputs)}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    out = forward_packed(model, packed, mesh=mesh)
+
+
+def head_outputs(model: nn.Module, out: Tensor, packed: Packed, *, mesh: ParallelMesh,
+                 outputs: Sequence[str], temperature: float) -> dict[str, Tensor]:
+    """`model_outputs` from the head's raw output for the T tokens of `packed` (logits_TV_local
+    or values_T): also what the last pipeline stage computes."""
     if isinstance(model, ValueModel):
         return {"values": out.float()}
     logits_TV_local = out if temperature == 1.0 else out / temperature

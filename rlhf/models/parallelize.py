@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
@@ -37,6 +38,7 @@ from rlhf.models.transformer import (Attention, CausalLM, RMSNorm, ValueModel,
                                      rope_inv_freq)
 from rlhf.parallel.collectives import all_gather, gather_from_sequence
 from rlhf.parallel.mesh import ParallelMesh
+from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.tensor_parallel import (SEQUENCE_PARALLEL_GRAD, ColumnParallelLinear,
                                            ParallelLMHead, RowParallelLinear,
                                            VocabParallelEmbedding,
@@ -170,6 +172,17 @@ def sync_tp_grads(model: Model, *, mesh: ParallelMesh) -> None:
         allreduce_sequence_parallel_grads(model, group=mesh.tp_group)
 
 
+def sync_shared_grads(model: Model, *, mesh: ParallelMesh) -> None:
+    """Sum the grads of a pipeline's two copies of a shared parameter (the tied embedding on
+    the first stage, the LM head on the last), in place; a no-op at pp = 1 and off those stages."""
+    if mesh.pp_size == 1 or mesh.embedding_group is None:
+        return
+    shared = model.shared_parameters()
+    for name, param in model.named_parameters():
+        if (name in shared or name in shared.values()) and param.grad is not None:
+            dist.all_reduce(param.grad, group=mesh.embedding_group)
+
+
 def tp_layout(model: Model) -> dict[str, ShardLayout]:
     """Parameter name -> how it is split over TP; parameters not listed are replicated."""
     layout = {}
@@ -205,11 +218,10 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
 
     Built on the meta device, sharded, then materialised with local shapes only; each rank
     reads just its slices from the safetensors files. `head`: "lm" (CausalLM) or "value"
-    (ValueModel; a fresh head from `value_head_seed` if the folder has none).
+    (ValueModel; a fresh head from `value_head_seed` if the folder has none). With pp > 1 the
+    model holds this pipeline rank's chunks only (`rlhf.parallel.stages`; a tied LM head on
+    the last stage is its own copy, loaded from the embedding).
     """
-    if plan.pp > 1:
-        raise UnsupportedLayoutError(f"pipeline parallelism is not supported yet (pp={plan.pp}); "
-                                     "use pp=1")
     if (mesh.tp_size, mesh.pp_size) != (plan.tp, plan.pp):
         raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} but the plan says "
                          f"tp={plan.tp} pp={plan.pp}; build the mesh from the same plan")
@@ -217,8 +229,16 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
     if model_cls is None:
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
     args = ModelArgs.from_pretrained(path)
+    chunks, stage = None, {}
+    if plan.pp > 1:
+        chunks = rank_chunks(args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=mesh.pp_rank,
+                             layers_per_stage=plan.layers_per_stage)
+        stage = dict(layer_ranges=[c.layer_range for c in chunks],
+                     has_embedding=chunks[0].has_embedding, has_head=chunks[-1].has_head)
     with torch.device("meta"):
-        model = model_cls(args)
+        model = model_cls(args, **stage)
+    if chunks is not None:
+        model.pipeline_chunks = chunks  # read by the pipeline schedules
     model.to(dtype=dtype)  # still on meta: nothing allocated
     apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     model.to_empty(device=device)
@@ -251,9 +271,10 @@ def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[
     """(HF name, full tensor) per parameter, shards all-gathered over TP (collective)."""
     layout = tp_layout(model)
     group = mesh.tp_group if mesh.tp_size > 1 else None
+    shared = model.shared_parameters()
     for name, param in model.named_parameters():
-        if name == "lm_head.weight" and model.args.tie_word_embeddings:
-            continue  # stored once, as the embedding
+        if name in shared:
+            continue  # stored once, under the name it shares (the tied embedding)
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{name} has no grad; run backward first")
@@ -266,18 +287,64 @@ def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[
         yield name, tensor
 
 
+def _full_shapes(model: Model) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, full shape, dtype) of what `_full_tensors` yields, without communication."""
+    layout, shared, out = tp_layout(model), model.shared_parameters(), []
+    for name, param in model.named_parameters():
+        if name in shared:
+            continue
+        shape, spec = list(param.shape), layout.get(name)
+        if spec is not None:
+            shape[spec.dim] = spec.full_size
+        out.append((name, tuple(shape), param.dtype))
+    return out
+
+
+def _pipeline_buckets(model: Model, mesh: ParallelMesh, *, grads: bool,
+                      bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Every stage's full tensors, stage by stage, bucket by bucket; the owning stage
+    broadcasts each bucket over the pp group (collective over the model group)."""
+    shapes: list = [None] * mesh.pp_size
+    dist.all_gather_object(shapes, _full_shapes(model), group=mesh.pp_group)
+    device = next(model.parameters()).device
+    for stage, stage_shapes in enumerate(shapes):
+        src = mesh.rank_at(dp=mesh.dp_rank, pp=stage, tp=mesh.tp_rank)
+        mine = _full_tensors(model, mesh, grads=grads) if stage == mesh.pp_rank else None
+        planned = ((name, torch.empty(shape, dtype=dtype, device="meta"))
+                   for name, shape, dtype in stage_shapes)
+        for plan in bucketed(planned, bucket_bytes):
+            bucket = []
+            for name, meta in plan:
+                if mine is not None:
+                    tensor = next(mine)[1].contiguous()
+                else:
+                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
+                dist.broadcast(tensor, src=src, group=mesh.pp_group)
+                bucket.append((name, tensor))
+            yield bucket
+
+
 def export_full_hf_weights(model: Model, mesh: ParallelMesh, *,
                            bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
     """HF-named tensors of FULL shape in buckets of at most `bucket_bytes` (a bigger one alone).
 
-    Collective over the TP group: every TP rank must run the iterator to the end, in step.
-    Every rank of the mesh receives the full tensors (each DP replica gathers on its own).
-    Replicated tensors are detached views of the parameters; gathered ones are fresh copies.
-    A tied LM head is left out (HF and vLLM take it from the embedding).
+    Collective over the model group (tp x pp): every rank must run the iterator to the end, in
+    step, and every rank receives every full tensor once (each DP replica gathers on its own;
+    with pp > 1 the owning stage broadcasts each bucket). Replicated tensors of this stage are
+    detached views of the parameters; the rest are fresh copies. A tied LM head is left out
+    (HF and vLLM take it from the embedding).
     """
+    if mesh.pp_size > 1:
+        return _pipeline_buckets(model, mesh, grads=False, bucket_bytes=bucket_bytes)
     return bucketed(_full_tensors(model, mesh, grads=False), bucket_bytes)
 
 
 def gather_full_grads(model: Model, mesh: ParallelMesh) -> dict[str, Tensor]:
-    """HF name -> full gradient (collective over TP); call sync_tp_grads first."""
-    return dict(_full_tensors(model, mesh, grads=True))
+    """HF name -> copy of the full gradient (collective over the model group); sync the
+    grads first."""
+    if mesh.pp_size > 1:
+        named = (pair for bucket in _pipeline_buckets(model, mesh, grads=True,
+                                                      bucket_bytes=1 << 62) for pair in bucket)
+    else:
+        named = _full_tensors(model, mesh, grads=True)
+    return {name: tensor.clone() for name, tensor in named}

@@ -11,6 +11,7 @@ mapping in `hf_io` is the identity.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -149,16 +150,26 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None = None,
+                 layer_ranges: Sequence[tuple[int, int]] | None = None,
                  has_embedding: bool = True, has_norm: bool = True):
         super().__init__()
-        start, stop = layer_range if layer_range is not None else (0, args.num_layers)
-        if not 0 <= start <= stop <= args.num_layers:
-            raise ValueError(f"layer_range must satisfy 0 <= start <= stop <= {args.num_layers}, "
-                             f"got {layer_range}")
-        self.layer_range = (start, stop)
+        if layer_range is not None and layer_ranges is not None:
+            raise ValueError("pass layer_range or layer_ranges, not both")
+        ranges = (tuple(layer_ranges) if layer_ranges is not None
+                  else (layer_range if layer_range is not None else (0, args.num_layers),))
+        for start, stop in ranges:
+            if not 0 <= start <= stop <= args.num_layers:
+                raise ValueError(f"layer_range must satisfy 0 <= start <= stop <= "
+                                 f"{args.num_layers}, got {(start, stop)}")
+        ids = [i for start, stop in ranges for i in range(start, stop)]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"layer_ranges {list(ranges)} overlap; give each layer to one range")
+        # Several ranges: the virtual pipeline stages (interleaved 1F1B) one rank holds.
+        self.layer_ranges = tuple(tuple(r) for r in ranges)
+        self.layer_range = self.layer_ranges[0] if len(ranges) == 1 else None
         self.embed_tokens = (nn.Embedding(args.vocab_size, args.hidden_size) if has_embedding
                              else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in range(start, stop)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in sorted(ids)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if has_norm else None
         self.rotary_emb = RotaryEmbedding(args)
 
@@ -168,23 +179,31 @@ class Transformer(nn.Module):
 
         The output is after the final norm when this part has it.
         """
-        hidden_TH = self.embed_tokens(inputs) if self.embed_tokens is not None else inputs
+        return self.run(inputs, position_ids_T, cu_seqlens, max_seqlen, layers=self.layers.keys(),
+                        embed=self.embed_tokens is not None, norm=self.norm is not None)
+
+    def run(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+            *, layers: Iterable[str], embed: bool, norm: bool) -> Tensor:
+        """The embedding (if `embed`), the named `layers` in order, the norm (if `norm`):
+        one pipeline chunk of this part."""
+        hidden_TH = self.embed_tokens(inputs) if embed else inputs
         cos_TD, sin_TD = self.rotary_emb(position_ids_T, hidden_TH.dtype)
-        for layer in self.layers.values():
-            hidden_TH = layer(hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen)
-        return self.norm(hidden_TH) if self.norm is not None else hidden_TH
+        for name in layers:
+            hidden_TH = self.layers[name](hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen)
+        return self.norm(hidden_TH) if norm else hidden_TH
 
 
 class _WithBody(nn.Module):
     """Shared constructor of the two model kinds: `self.model` plus stage flags."""
 
     def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None,
-                 has_embedding: bool, has_head: bool):
+                 layer_ranges: Sequence[tuple[int, int]] | None, has_embedding: bool,
+                 has_head: bool):
         super().__init__()
         self.args = args
         self.has_head = has_head
-        self.model = Transformer(args, layer_range=layer_range, has_embedding=has_embedding,
-                                 has_norm=has_head)
+        self.model = Transformer(args, layer_range=layer_range, layer_ranges=layer_ranges,
+                                 has_embedding=has_embedding, has_norm=has_head)
 
     @property
     def is_complete(self) -> bool:
@@ -192,14 +211,20 @@ class _WithBody(nn.Module):
         return (self.model.embed_tokens is not None and self.has_head
                 and self.model.layer_range == (0, self.args.num_layers))
 
+    def shared_parameters(self) -> dict[str, str]:
+        """{name: name of the parameter it equals in the full model}: a pipeline keeps both
+        copies (on different stages) identical by summing their grads."""
+        return {}
+
 
 class CausalLM(_WithBody):
     """Decoder plus LM head: forward gives logits_TV (hidden_TH on a stage without the head)."""
 
     def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None = None,
+                 layer_ranges: Sequence[tuple[int, int]] | None = None,
                  has_embedding: bool = True, has_head: bool = True):
-        super().__init__(args, layer_range=layer_range, has_embedding=has_embedding,
-                         has_head=has_head)
+        super().__init__(args, layer_range=layer_range, layer_ranges=layer_ranges,
+                         has_embedding=has_embedding, has_head=has_head)
         self.lm_head = (nn.Linear(args.hidden_size, args.vocab_size, bias=False) if has_head
                         else None)
         self.tie_weights()
@@ -210,10 +235,18 @@ class CausalLM(_WithBody):
                 and self.model.embed_tokens is not None):
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def shared_parameters(self) -> dict[str, str]:
+        return {"lm_head.weight": "model.embed_tokens.weight"} if self.args.tie_word_embeddings \
+            else {}
+
+    def head(self, hidden_TH: Tensor) -> Tensor:
+        """hidden_TH (after the final norm) -> logits_TV."""
+        return self.lm_head(hidden_TH)
+
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int) -> Tensor:
         hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen)
-        return self.lm_head(hidden_TH) if self.lm_head is not None else hidden_TH
+        return self.head(hidden_TH) if self.lm_head is not None else hidden_TH
 
 
 class ValueModel(_WithBody):
@@ -223,12 +256,17 @@ class ValueModel(_WithBody):
     """
 
     def __init__(self, args: ModelArgs, *, layer_range: tuple[int, int] | None = None,
+                 layer_ranges: Sequence[tuple[int, int]] | None = None,
                  has_embedding: bool = True, has_head: bool = True):
-        super().__init__(args, layer_range=layer_range, has_embedding=has_embedding,
-                         has_head=has_head)
+        super().__init__(args, layer_range=layer_range, layer_ranges=layer_ranges,
+                         has_embedding=has_embedding, has_head=has_head)
         self.score = nn.Linear(args.hidden_size, 1, bias=args.score_bias) if has_head else None
+
+    def head(self, hidden_TH: Tensor) -> Tensor:
+        """hidden_TH (after the final norm) -> values_T."""
+        return self.score(hidden_TH).squeeze(-1)
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int) -> Tensor:
         hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen)
-        return self.score(hidden_TH).squeeze(-1) if self.score is not None else hidden_TH
+        return self.head(hidden_TH) if self.score is not None else hidden_TH

@@ -6,6 +6,9 @@ one loss (mean next-token log-prob plus mean entropy). N gloo processes then bui
 with `build_model` in the requested layout (dp = N / (tp * pp) replicas, each running the
 whole batch), run the engine's forward (`model_outputs`), backward and TP grad sync, and
 compare: logits gathered over the vocabulary for this check only, grads gathered to full.
+With pp > 1 the batch runs as micro-batches of two sequences through the engine's pipeline
+schedule (1F1B, or interleaved with vpp > 1); logits stay on the last stage, so log-probs,
+entropy and grads are compared and "logits" is left out of the report.
 """
 
 from __future__ import annotations
@@ -20,51 +23,54 @@ from rlhf.config.roles import ParallelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.errors import RLHFError
 from rlhf.models.config import ModelArgs
-from rlhf.models.outputs import forward_packed, model_outputs, vocab_shard
-from rlhf.models.parallelize import (UnsupportedLayoutError, build_model, check_tp_compatible,
-                                     gather_full_grads, sync_tp_grads)
+from rlhf.data.packing import pack_prompt_response
+from rlhf.engine.micro_batch import MicroBatch
+from rlhf.engine.schedule import make_schedule
+from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
+from rlhf.models.parallelize import (build_model, check_tp_compatible, gather_full_grads,
+                                     sync_shared_grads, sync_tp_grads)
 from rlhf.parallel.collectives import all_gather
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from rlhf.parallel.stages import split_layers
 
 CHECKS = ("logits", "log_probs", "entropy", "grads")
 
 
-def verify_model(folder: str | Path, *, tp: int, pp: int = 1, sequence_parallel: bool = False,
-                 nproc: int | None = None, tolerance: float = 1e-5, seed: int = 0,
+def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
+                 sequence_parallel: bool = False, nproc: int | None = None, tolerance: float = 1e-5, seed: int = 0,
                  num_seqs: int = 6, max_len: int = 48, timeout_s: float = 600.0) -> dict:
     """Run the comparison; return the report (`passed` says whether every max abs difference
     is within `tolerance`). Bad input raises RLHFError before any process starts."""
     folder = Path(folder)
-    plan, nproc, args = _check_inputs(folder, tp=tp, pp=pp, sequence_parallel=sequence_parallel,
-                                      nproc=nproc, num_seqs=num_seqs, max_len=max_len)
+    plan, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
+                                      sequence_parallel=sequence_parallel, nproc=nproc,
+                                      num_seqs=num_seqs, max_len=max_len)
     seqs = random_batch(args, _pad_id(folder), num_seqs=num_seqs, max_len=max_len, seed=seed)
     with tempfile.TemporaryDirectory(prefix="rlhf-verify-") as tmp:
         ref_path = Path(tmp) / "reference.pt"
         torch.save(hf_reference(folder, seqs), ref_path)
         per_rank = run_distributed(_rank_check, nproc, str(folder), plan, str(ref_path), seqs,
                                    timeout_s=timeout_s)
-    diffs = {check: max(r[check] for r in per_rank) for check in CHECKS}
+    diffs = {check: max(r[check] for r in per_rank) for check in CHECKS if check in per_rank[0]}
     worst = max(per_rank, key=lambda r: r["grads"])["worst_grad"]
     return {
         "model": str(folder), "model_type": args.model_type,
         "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * pp), "nproc": nproc,
-                   "sequence_parallel": sequence_parallel},
+                   "sequence_parallel": sequence_parallel, **({"vpp": vpp} if vpp > 1 else {})},
         "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
         "max_abs_diff": diffs, "worst_grad": worst, "tolerance": tolerance,
         "passed": all(d <= tolerance for d in diffs.values()),
     }
 
 
-def _check_inputs(folder: Path, *, tp, pp, sequence_parallel, nproc, num_seqs, max_len):
-    plan = ParallelConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel)  # ConfigError
-    if pp > 1:
-        raise UnsupportedLayoutError(f"pipeline parallelism is not supported yet (--pp {pp}); "
-                                     f"use --pp 1")
+def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len):
+    plan = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
     if not folder.is_dir():
         raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
     args = ModelArgs.from_pretrained(folder)
     check_tp_compatible(args, tp)
+    split_layers(args.num_layers, stages=pp * vpp)  # ConfigError when there are too few layers
     nproc = tp * pp if nproc is None else nproc
     if nproc < 1 or nproc % (tp * pp):
         raise RLHFError(f"--nproc {nproc} is not a positive multiple of tp * pp = {tp * pp}")
@@ -126,6 +132,8 @@ def _rank_check(rank: int, world: int, folder: str, plan: ParallelConfig, ref_pa
     ref = torch.load(ref_path, mmap=True)
     mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
     model = build_model(folder, mesh=mesh, plan=plan, head="lm")
+    if plan.pp > 1:
+        return _pipeline_check(model, mesh, seqs, ref)
     packed = pack(seqs)
     with torch.no_grad():
         shard = vocab_shard(model, mesh)
@@ -134,16 +142,43 @@ def _rank_check(rank: int, world: int, folder: str, plan: ParallelConfig, ref_pa
     out = model_outputs(model, packed, mesh=mesh)
     verification_loss(out["log_probs"], out["entropy"], ref["valid"]).backward()
     sync_tp_grads(model, mesh=mesh)
+    return {"logits": _max_diff("logits", logits_TV, ref["logits"]),
+            "log_probs": _max_diff("log_probs", out["log_probs"], ref["log_probs"]),
+            "entropy": _max_diff("entropy", out["entropy"], ref["entropy"]),
+            **_grad_diffs(model, mesh, ref)}
+
+
+def _grad_diffs(model, mesh: ParallelMesh, ref: dict) -> dict:
     grads = gather_full_grads(model, mesh)
     if grads.keys() != ref["grads"].keys():
         raise RLHFError(f"parameter names differ from transformers': "
                         f"{sorted(grads.keys() ^ ref['grads'].keys())}")
     grad_diffs = {n: _max_diff(n, grads[n], ref["grads"][n]) for n in grads}
     worst = max(grad_diffs, key=grad_diffs.get)
-    return {"logits": _max_diff("logits", logits_TV, ref["logits"]),
-            "log_probs": _max_diff("log_probs", out["log_probs"], ref["log_probs"]),
-            "entropy": _max_diff("entropy", out["entropy"], ref["entropy"]),
-            "grads": grad_diffs[worst], "worst_grad": worst}
+    return {"grads": grad_diffs[worst], "worst_grad": worst}
+
+
+def _pipeline_check(model, mesh: ParallelMesh, seqs: list[torch.Tensor], ref: dict) -> dict:
+    """The pipeline schedule's backward and forward-only pass over micro-batches of two."""
+    mbs = [MicroBatch(pack_prompt_response([s[:1] for s in part], [s[1:] for s in part]))
+           for part in (seqs[i:i + 2] for i in range(0, len(seqs), 2))]
+    num_valid, num_tokens = ref["valid"].sum().clamp(min=1), ref["valid"].numel()
+
+    def loss_fn(out, mb):  # each micro-batch's share of verification_loss
+        _, valid_T = shifted_targets(mb.packed)
+        return ((out["log_probs"] * valid_T).sum() / num_valid
+                + out["entropy"].sum() / num_tokens), {}
+
+    schedule = make_schedule(model, mesh, device=torch.device("cpu"))
+    schedule.forward_backward(mbs, loss_fn, outputs=LM_OUTPUTS)
+    sync_tp_grads(model, mesh=mesh)
+    sync_shared_grads(model, mesh=mesh)
+    with torch.no_grad():
+        outs = schedule.forward(mbs, outputs=LM_OUTPUTS)
+    diffs = {"log_probs": 0.0, "entropy": 0.0}  # outputs exist on the last stage only
+    for key in diffs if outs else ():
+        diffs[key] = _max_diff(key, torch.cat([o[key] for o in outs]), ref[key])
+    return {**diffs, **_grad_diffs(model, mesh, ref)}
 
 
 def _max_diff(name: str, got: torch.Tensor, want: torch.Tensor) -> float:

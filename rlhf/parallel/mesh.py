@@ -97,6 +97,9 @@ class ParallelMesh:
                 self._add(axis, tuple(row.tolist()), cache)
         for row in self.grid.reshape(self.dp_size, -1):
             self._add("mp", tuple(row.tolist()), cache)
+        if self.pp_size > 1:  # first + last stage: the two copies of tied embeddings
+            for row in self.grid[:, [0, -1], :].movedim(1, -1).reshape(-1, 2):
+                self._add("embedding", tuple(row.tolist()), cache)
         self.device_mesh: DeviceMesh | None = None
         if self.is_member:
             self.device_mesh = DeviceMesh.from_group(
@@ -163,11 +166,19 @@ class ParallelMesh:
         """Model-parallel group (pp × tp): the ranks that together hold one model replica."""
         return self._group("mp")
 
+    @property
+    def embedding_group(self) -> ProcessGroup | None:
+        """First and last pipeline stage of this (dp, tp) line; None off those stages or at pp=1."""
+        self._require_member()
+        return self._groups.get("embedding")
+
     def group_ranks(self, axis: str) -> tuple[int, ...]:
-        """Global ranks of this process's group along `axis` ("dp", "pp", "tp" or "mp")."""
+        """Global ranks of this process's group along `axis` ("dp", "pp", "tp", "mp" or
+        "embedding", the last only on the first and last stage of a pipeline)."""
         self._require_member()
         if axis not in self._group_ranks:
-            raise ValueError(f"unknown axis {axis!r}; use one of {AXES + ('mp',)}")
+            raise ValueError(f"unknown axis {axis!r} for rank {self.rank}; use one of "
+                             f"{AXES + ('mp', 'embedding')}")
         return self._group_ranks[axis]
 
     def _group(self, axis: str) -> ProcessGroup:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
-from rlhf.errors import ConfigError, RLHFError
+from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_shard
@@ -301,12 +301,6 @@ def test_sp_pad_appends_one_dummy_sequence():
     assert padded.position_ids.tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
     assert padded.max_seqlen == 3
     assert sp_pad(packed, 5) is packed
-
-
-def test_pipeline_parallelism_is_refused():
-    with pytest.raises(RLHFError, match="pipeline parallelism is not supported yet") as info:
-        build_model("unused", mesh=None, plan=ParallelConfig(pp=2), head="lm")
-    assert isinstance(info.value, NotImplementedError)
 
 
 def test_tp_must_divide_heads_and_mlp_width():

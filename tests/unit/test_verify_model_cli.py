@@ -37,6 +37,17 @@ def test_tp2_matches_transformers(folder, capsys):
     assert all(d < 1e-5 for d in report["max_abs_diff"].values()), report
 
 
+def test_tp2_x_pp2_matches_transformers(folder, capsys):
+    """The pipeline path: 3 micro-batches through 1F1B, tp=2 with SP inside each stage."""
+    assert main(["verify-model", folder, "--tp", "2", "--pp", "2", "--sequence-parallel",
+                 "--num-seqs", "5"]) == 0
+    report = _report(capsys)
+    assert report["layout"] == {"tp": 2, "pp": 2, "dp": 1, "nproc": 4, "sequence_parallel": True}
+    assert report["passed"] is True
+    assert set(report["max_abs_diff"]) == {"log_probs", "entropy", "grads"}
+    assert all(d < 1e-5 for d in report["max_abs_diff"].values()), report
+
+
 def test_a_tolerance_below_fp32_noise_fails(folder, capsys):
     """Sharded sums round differently from transformers' by ~1e-7, far above 1e-12."""
     argv = ["verify-model", folder, "--tp", "2", "--sequence-parallel", "--nproc", "4",
@@ -50,7 +61,9 @@ def test_a_tolerance_below_fp32_noise_fails(folder, capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tp", "1", "--pp", "2"], "pipeline parallelism is not supported yet"),
+    (["--tp", "1", "--pp", "2", "--vpp", "2"], "pp * vpp = 4 stages need at least 4 decoder "
+                                                "layers but the model has 2"),
+    (["--tp", "1", "--vpp", "2"], "vpp=2 needs pp > 1"),
     (["--tp", "4"], "tp=4 does not divide num_key_value_heads=2"),
     (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a positive multiple of tp * pp = 2"),
     (["--tp", "1", "--sequence-parallel"], "sequence_parallel needs tp > 1"),

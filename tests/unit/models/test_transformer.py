@@ -241,6 +241,35 @@ def test_layer_range_is_validated():
     assert CausalLM(args).is_complete
 
 
+def test_interleaved_chunks_compose_to_the_full_model():
+    """A rank's non-contiguous chunks (vpp) keep HF names; running every chunk in order through
+    `Transformer.run` and the head gives the full model's logits, tied head copy included."""
+    args = ModelArgs.from_hf_config({"model_type": "llama", "vocab_size": 384, "hidden_size": 64,
+                                     "intermediate_size": 96, "num_hidden_layers": 4,
+                                     "num_attention_heads": 4, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    full = CausalLM(args)
+    first = CausalLM(args, layer_ranges=[(0, 1), (2, 3)], has_head=False)
+    last = CausalLM(args, layer_ranges=[(1, 2), (3, 4)], has_embedding=False)
+    assert list(first.model.layers) == ["0", "2"] and list(last.model.layers) == ["1", "3"]
+    assert first.model.layer_range is None and not last.is_complete
+    assert last.shared_parameters() == {"lm_head.weight": "model.embed_tokens.weight"}
+    params = dict(full.named_parameters())
+    for stage in (first, last):
+        stage.load_state_dict({n: params[n if n != "lm_head.weight"
+                                         else "model.embed_tokens.weight"]
+                               for n, _ in stage.named_parameters()})
+    packed = pack([torch.randint(0, 384, (n,)) for n in (5, 3, 7)])
+    inputs = (packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
+    hidden = packed.tokens
+    for stage, name, embed, norm in ((first, "0", True, False), (last, "1", False, False),
+                                     (first, "2", False, False), (last, "3", False, True)):
+        hidden = stage.model.run(hidden, *inputs, layers=[name], embed=embed, norm=norm)
+    torch.testing.assert_close(last.head(hidden), full(packed.tokens, *inputs), rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="overlap"):
+        CausalLM(args, layer_ranges=[(0, 2), (1, 3)])
+
+
 def _gpu_inputs():
     gen = torch.Generator().manual_seed(0)
     lengths = [5, 1, 33, 17]
