@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from rlhf.bench import cli as bench_cli
+from rlhf.trainer import cli as trainer_cli
 from rlhf.errors import RLHFError
 
 
@@ -58,7 +59,8 @@ def _verify_model(args) -> int:
 
     try:
         report = verify_model(
-            args.model_dir, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel,
+            args.model_dir, tp=args.tp, pp=args.pp, vpp=args.vpp,
+            sequence_parallel=args.sequence_parallel,
             nproc=args.nproc, tolerance=args.tolerance, seed=args.seed, num_seqs=args.num_seqs,
             max_len=args.max_len, timeout_s=args.timeout)
     except DistributedRunError as exc:
@@ -125,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(logits, log-probs, gradients); prints one JSON line")
     verify.add_argument("model_dir", help="Hugging Face model folder (safetensors)")
     verify.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
-    verify.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (1 for now)")
+    verify.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
+    verify.add_argument("--vpp", type=int, default=1,
+                        help="virtual stages per pipeline rank (interleaved 1F1B; needs --pp > 1)")
     verify.add_argument("--sequence-parallel", action="store_true",
                         help="shard activations along the token axis (needs --tp > 1)")
     verify.add_argument("--nproc", type=int, default=None,
@@ -143,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(run=_doctor)
 
     bench_cli.add_commands(commands)
+    trainer_cli.add_commands(commands)
     return parser
 
 

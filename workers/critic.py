@@ -18,9 +18,10 @@ from workers.base import Worker
 from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batches,
                             mini_batches, require_fields, response_fields, token_share,
                             train_mini_batch)
+from workers.engine_state import CheckpointMixin
 
 
-class CriticWorker(Worker):
+class CriticWorker(CheckpointMixin, Worker):
     """The value model on its own (config.critic.parallel) layout: values and value updates.
 
     Loads critic.model_path, or model.path with a value head drawn from trainer.seed.

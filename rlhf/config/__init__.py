@@ -11,13 +11,14 @@ from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, OptimizerConfig,
                                RewardConfig, RewardFunctionConfig, TrainRoleConfig)
 from rlhf.config.schema import (AlgorithmConfig, DataConfig, JobConfig, ModelConfig, RayConfig,
                                 RolloutConfig, TrainerConfig)
+from rlhf.config.sft import SFTConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.errors import ConfigError
 
 __all__ = [
     "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "ForwardRoleConfig",
     "JobConfig", "ModelConfig", "OptimizerConfig", "ParallelConfig", "RayConfig",
-    "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "TinyModelConfig", "TrainerConfig",
+    "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "SFTConfig", "TinyModelConfig", "TrainerConfig",
     "TrainRoleConfig", "check_config", "config_from_dict", "config_to_dict", "format_config",
     "load_config", "reference_markdown",
 ]

@@ -10,6 +10,7 @@ from typing import Literal
 
 from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, RewardConfig, TrainRoleConfig)
 from rlhf.config.rules import require_min, require_positive_or_none, require_range
+from rlhf.config.sft import SFTConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.errors import ConfigError
 
@@ -40,7 +41,7 @@ class RolloutConfig:
     n: int = 1
     """Responses sampled per prompt (the group size of grpo/rloo)."""
     temperature: float = 1.0
-    """Sampling temperature; 0 = greedy."""
+    """Sampling temperature in [0, 2] (vLLM's range); 0 = greedy."""
     top_p: float = 1.0
     """Nucleus sampling mass, in (0, 1]."""
     top_k: int = -1
@@ -64,7 +65,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         require_min(self, 1, "tp", "n", "max_new_tokens", "max_num_seqs")
-        require_min(self, 0, "temperature")
+        require_range(self, "temperature", 0, 2)
         require_range(self, "top_p", 0, 1, low_open=True)
         if self.top_k != -1 and self.top_k < 1:
             raise ConfigError(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
@@ -214,11 +215,19 @@ class TrainerConfig:
     experiment_name: str = "rlhf"
     """Name shown in logs and TensorBoard."""
     tensorboard: bool = False
-    """Also write TensorBoard event files under output_dir."""
+    """Also write TensorBoard event files under output_dir (needs the tensorboard package)."""
+    val_before_train: bool = True
+    """Validate once before the first step (when val_every > 0), as the baseline."""
+    ray_metrics: bool = True
+    """Export every logged metric as a Ray gauge (Ray dashboard, Prometheus)."""
+    max_keep: int = 0
+    """Keep only this many newest checkpoints; 0 = keep all."""
+    critic_warmup: int = 0
+    """Train only the critic for this many first steps (the actor waits for useful values)."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
-        require_min(self, 0, "val_every", "save_every")
+        require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
         for key in ("output_dir", "resume", "experiment_name"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")
@@ -279,6 +288,8 @@ class JobConfig:
     """The training loop, its devices and its outputs."""
     ray: RayConfig = field(default_factory=RayConfig)
     """How the driver joins or starts a Ray cluster."""
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """Supervised fine-tuning (`rlhf sft`) that warm-starts the policy."""
 
     def role_world_size(self, role: ForwardRoleConfig) -> int:
         """Ranks a role runs on: the shared pool when colocated, its own pool when separate."""

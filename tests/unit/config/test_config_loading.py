@@ -43,7 +43,7 @@ def test_shipped_grpo_inherits_quickstart():
     base, cfg = load_config(QUICKSTART), load_config(GRPO)
     assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.use_critic
     assert cfg.algorithm.use_kl_loss and not cfg.algorithm.kl_in_reward
-    assert cfg.algorithm.lam == base.algorithm.lam == 0.95  # kept from the base file
+    assert cfg.rollout.n == base.rollout.n == 8  # kept from the base file
     assert (cfg.model, cfg.actor, cfg.data, cfg.rollout) == (base.model, base.actor, base.data,
                                                              base.rollout)
     assert cfg.trainer.output_dir != base.trainer.output_dir
@@ -94,7 +94,7 @@ OVERRIDES = {
     "fixed-tuple": ("actor.optim.betas=[0.8, 0.95]", lambda c: c.actor.optim.betas, (0.8, 0.95)),
     "nested-field": ("model.tiny.num_layers=2", lambda c: c.model.tiny.num_layers, 2),
     "nested-dataclass": ("critic.optim={weight_decay: 0.1}", lambda c: c.critic.optim,
-                         OptimizerConfig(lr=1e-4, weight_decay=0.1)),
+                         OptimizerConfig(lr=1e-3, weight_decay=0.1)),
     "tuple-of-dataclasses": ("reward.functions=[{path: 'm:f', weight: 2}, {path: 'r.py:g'}]",
                              lambda c: c.reward.functions,
                              (RewardFunctionConfig(path="m:f", weight=2.0),
@@ -116,7 +116,7 @@ def test_tuple_override_of_ints():
 def test_later_overrides_win_and_nested_mapping_keeps_the_file_values():
     cfg = load_config(QUICKSTART, ["actor.optim.lr=1e-3", "actor.optim.lr=2e-3"])
     assert cfg.actor.optim.lr == 2e-3
-    assert cfg.actor.max_tokens_per_micro_batch == 512  # from the file, untouched
+    assert cfg.actor.max_tokens_per_micro_batch == 2048  # from the file, untouched
 
 
 @pytest.mark.parametrize("override, expected_type, got", [
@@ -193,7 +193,7 @@ def test_base_chain_is_relative_to_each_file(tmp_path):
 
 def test_base_can_unset_a_mapping_with_null(write):
     cfg = load_config(write("c.yaml", f"base: {QUICKSTART}\nmodel:\n  tiny: null\n"))
-    assert cfg.model.tiny is None and cfg.model.path == "outputs/quickstart/model"
+    assert cfg.model.tiny is None and cfg.model.path == "outputs/quickstart/sft_model"
 
 
 def test_base_loop_is_reported(write):

@@ -1,0 +1,1 @@
+"""Single-controller training loops (`rlhf train`, `rlhf sft`), their logging and checkpoints."""

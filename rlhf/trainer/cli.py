@@ -1,0 +1,163 @@
+"""`rlhf train`, `rlhf sft` and `rlhf export-hf`; heavy imports happen inside each command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from rlhf.errors import RLHFError
+
+FINAL_MODEL = "hf_model"
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    """Register the trainer's commands on the top-level subparsers."""
+    for name, run, text in (
+            ("train", _train, "PPO/GRPO training: connects to RAY_ADDRESS when set, else starts "
+                              "a local Ray; writes trainer.output_dir"),
+            ("sft", _sft, "supervised fine-tuning on prompt/answer rows (the sft section); "
+                          "writes an HF folder to warm-start a policy")):
+        parser = commands.add_parser(name, help=text)
+        parser.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
+        parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                            help="overrides, e.g. trainer.total_steps=5 actor.parallel.tp=2")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        parser.set_defaults(run=run)
+    export = commands.add_parser(
+        "export-hf", help="write a Hugging Face folder of the policy in a training checkpoint")
+    export.add_argument("checkpoint", help="a checkpoint folder, OUTPUT_DIR/checkpoints/step_N")
+    export.add_argument("out", help="folder to create")
+    export.set_defaults(run=_export_hf)
+
+
+def _load(args):
+    from rlhf.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _env_address() -> str | None:
+    # The launcher edge: `ray job submit` sets RAY_ADDRESS for the driver it starts.
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def _train(args) -> int:
+    from rlhf.trainer.session import init_ray
+
+    cfg = _load(args)
+    init_ray(cfg, env_address=_env_address())
+    records = run_train(cfg, progress=not args.no_progress)
+    _print_summary(records, Path(cfg.trainer.output_dir))
+    return 0
+
+
+def _sft(args) -> int:
+    from rlhf.trainer.session import init_ray
+    from rlhf.trainer.sft import run_sft, sft_output_path
+
+    cfg = _load(args)
+    init_ray(cfg, env_address=_env_address())
+    records = run_sft(cfg, job_name=f"{cfg.trainer.experiment_name}-sft",
+                      progress=not args.no_progress)
+    print(f"sft: loss {records[0]['sft/nll']:.4f} (step {records[0]['step']}) -> "
+          f"{records[-1]['sft/nll']:.4f} (step {records[-1]['step']}); wrote "
+          f"{sft_output_path(cfg)}", flush=True)
+    return 0
+
+
+def run_train(cfg, *, progress: bool = True) -> list[dict]:
+    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model."""
+    from rlhf.config import format_config
+    from rlhf.trainer.ppo import PPOTrainer
+    from rlhf.trainer.session import RoleGroups
+    from rlhf.trainer.setup import ensure_model, load_tokenizer
+    from rlhf.trainer.sft import export_folder, sft_output_path
+
+    if (Path(cfg.model.path) == sft_output_path(cfg) and cfg.sft.total_steps > 0
+            and not (Path(cfg.model.path) / "config.json").is_file()):
+        raise RLHFError(f"model.path {cfg.model.path} is where `rlhf sft` writes its model, and "
+                        "it is not there yet; run `rlhf sft CONFIG` first")
+    ensure_model(cfg.model.path, cfg.model.tiny)
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(format_config(cfg), encoding="utf-8")
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    roles, role_configs = _roles(cfg)
+    groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
+                        role_configs=role_configs)
+    try:
+        trainer = PPOTrainer(cfg, groups.views, tokenizer=tokenizer,
+                             job_name=cfg.trainer.experiment_name, progress=progress)
+        records = trainer.fit()
+        export_folder(trainer.export_policy, out / FINAL_MODEL)
+    finally:
+        groups.shutdown()
+    return records
+
+
+def _roles(cfg):
+    from workers.actor import ActorWorker
+
+    roles = {"actor": (ActorWorker, {"config": cfg})}
+    role_configs = {"actor": cfg.actor}
+    if cfg.algorithm.use_critic:
+        from workers.critic import CriticWorker
+        roles["critic"], role_configs["critic"] = (CriticWorker, {"config": cfg}), cfg.critic
+    if cfg.algorithm.use_ref:
+        from workers.reference import ReferenceWorker
+        roles["ref"], role_configs["ref"] = (ReferenceWorker, {"config": cfg}), cfg.ref
+    if cfg.reward.model_path is not None:
+        from workers.reward_model import RewardModelWorker
+        roles["reward"], role_configs["reward"] = (RewardModelWorker, {"config": cfg}), cfg.reward
+    return roles, role_configs
+
+
+def _print_summary(records: list[dict], out: Path) -> None:
+    vals = [(r["step"], r["val/accuracy"]) for r in records if "val/accuracy" in r]
+    if len(vals) >= 2:
+        (s0, a0), (s1, a1) = vals[0], vals[-1]
+        print(f"val/accuracy: {a0:.3f} at step {s0} -> {a1:.3f} at step {s1}", flush=True)
+    print(f"metrics: {out / 'metrics.jsonl'}; policy: {out / FINAL_MODEL}", flush=True)
+
+
+def _export_hf(args) -> int:
+    cfg, folder = checkpoint_config(Path(args.checkpoint))
+    from rlhf.trainer.session import init_ray
+
+    init_ray(cfg, env_address=_env_address())
+    export_checkpoint(cfg, folder, Path(args.out))
+    print(f"wrote the policy of {folder} to {args.out}")
+    return 0
+
+
+def checkpoint_config(folder: Path):
+    """The JobConfig a checkpoint was written with."""
+    from rlhf.config import config_from_dict
+    from rlhf.trainer.checkpoint import STATE_FILE, CheckpointManager
+
+    if not (folder / STATE_FILE).is_file():
+        raise RLHFError(f"{folder} is not a training checkpoint (no {STATE_FILE}); give an "
+                        "OUTPUT_DIR/checkpoints/step_N folder")
+    state = CheckpointManager(folder.parent.parent).load_state(folder)
+    return config_from_dict(state["config"]), folder
+
+
+def export_checkpoint(cfg, folder: Path, out: Path) -> Path:
+    """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder."""
+    from rlhf.trainer.session import RoleGroups
+    from rlhf.trainer.sft import export_folder
+    from workers.sft import SFTWorker
+
+    if out.exists() and any(out.iterdir()):
+        raise RLHFError(f"{out} exists and is not empty; give a new folder")
+    spec = (SFTWorker, {"config": cfg, "init_path": cfg.model.path, "plan_key": "actor",
+                        "train": False})
+    groups = RoleGroups(cfg, {"export": spec}, job_name=f"{cfg.trainer.experiment_name}-export",
+                        role_configs={"export": cfg.actor})
+    try:
+        view = groups.views["export"]
+        view.load_checkpoint(str(folder / "actor"))
+        return export_folder(lambda tmp: view.export_hf(str(tmp), cfg.model.path), out)
+    finally:
+        groups.shutdown()

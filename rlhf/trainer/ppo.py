@@ -1,0 +1,197 @@
+"""The PPO/GRPO loop: one controller drives the role worker groups step by step.
+
+One step (see workers/common.py for the fields each call reads and writes):
+sync weights -> generate -> rewards -> old log-probs -> ref log-probs -> values ->
+advantages (driver) -> critic update -> actor update; every phase timed. Validation
+(greedy, held-out prompts) every trainer.val_every steps; checkpoints every save_every.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlhf.algorithms import build_kl_controller
+from rlhf.config import JobConfig, config_to_dict
+from rlhf.controller import RoleView
+from rlhf.data.batch import Batch
+from rlhf.data.dataset import PromptLoader, build_prompt_dataset
+from rlhf.rewards import RewardRunner
+from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
+from rlhf.trainer.phases import (batch_metrics, compute_advantages, dp_mini_batch_order,
+                                 score_batch, step_seed)
+
+VAL_SEED = 12345
+
+
+class PPOTrainer:
+    """Drives `views` (actor, and critic / ref / reward when the config uses them)."""
+
+    def __init__(self, cfg: JobConfig, views: dict[str, RoleView], *, tokenizer, job_name: str,
+                 progress: bool = True):
+        self.cfg, self.views, self.tokenizer = cfg, views, tokenizer
+        self.job_name, self.progress = job_name, progress
+        self.output_dir = Path(cfg.trainer.output_dir)
+        data = cfg.data
+        self.loader = PromptLoader(build_prompt_dataset(data.train_files, tokenizer, data),
+                                   batch_size=data.train_batch_size, shuffle=data.shuffle,
+                                   seed=data.seed)
+        self.val_data = (build_prompt_dataset(data.val_files, tokenizer, data)
+                         if data.val_files else None)
+        algo = cfg.algorithm
+        self.kl_ctrl = build_kl_controller(algo.kl_ctrl, coef=algo.kl_coef, target=algo.kl_target,
+                                           horizon=algo.kl_horizon)
+        self.ckpt = CheckpointManager(self.output_dir, max_keep=cfg.trainer.max_keep)
+        self.runner: RewardRunner | None = None
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def fit(self) -> list[dict]:
+        """Train to trainer.total_steps (resuming per trainer.resume); returns the new records."""
+        t = self.cfg.trainer
+        self.ckpt.remove_stale()
+        start = self.resume()
+        # Kept on the trainer: its Ray gauge actor lives as long as the logger does.
+        self.logger = logger = MetricsLogger(
+            self.output_dir, total_steps=t.total_steps, start_step=start, job_name=self.job_name,
+            tensorboard=t.tensorboard, ray_metrics=t.ray_metrics, progress=self.progress)
+        records = []
+        self.runner = RewardRunner.from_config(self.cfg.reward)
+        try:
+            if start == 0 and t.val_every > 0 and t.val_before_train:
+                records.append(logger.log(0, self.validate()))
+            for step in range(start + 1, t.total_steps + 1):
+                metrics = self.train_step(step)
+                if t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps):
+                    metrics.update(self.validate())
+                records.append(logger.log(step, metrics))
+                if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:
+                    self.save(step)
+        finally:
+            self.runner.close()
+            logger.close()
+        return records
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """One PPO step on the next batch of prompts; returns its metrics."""
+        cfg, views, timer = self.cfg, self.views, PhaseTimer()
+        with timer("step"):
+            prompts = next(self.loader).with_meta(seed=step_seed(cfg.rollout.seed, step))
+            batch, metrics = self._rollout(prompts, timer, greedy=False)
+            with timer("reward"):
+                rm = (views["reward"].compute_rm_score(batch)["rm_scores"]
+                      if cfg.reward.model_path else None)
+                scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
+                                                     rm_scores=rm)
+            with timer("old_log_prob"):
+                batch = batch.union(views["actor"].compute_log_prob(batch))
+            if cfg.algorithm.use_ref:
+                with timer("ref"):
+                    batch = batch.union(views["ref"].compute_ref_log_prob(batch))
+            if cfg.algorithm.use_critic:
+                with timer("values"):
+                    batch = batch.union(views["critic"].compute_values(batch))
+            with timer("advantages"):
+                advantages, adv_metrics = compute_advantages(batch, scores, cfg, self.kl_ctrl)
+                batch = batch.union(advantages)
+            metrics.update(self._logprob_gap(batch))
+            update_metrics = self._update(batch, timer, step=step)
+        stats = batch_metrics(batch)
+        metrics.update(reward_metrics, **adv_metrics, **update_metrics, **timer.seconds)
+        metrics.setdefault("actor/kl", update_metrics.get("actor/approx_kl", 0.0))
+        metrics.update(stats)
+        metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
+        return metrics
+
+    def _rollout(self, prompts: Batch, timer: PhaseTimer, *, greedy: bool) -> tuple[Batch, dict]:
+        actor = self.views["actor"]
+        with timer("sync_weights"):
+            sync = actor.sync_weights()
+        with timer("generate"):
+            out = actor.generate(prompts, greedy=greedy)
+        metrics = {**dict(out.meta.get("metrics", {})), **_sync_metrics(sync)}
+        fields = Batch({k: out[k] for k in out.keys()})  # the rollout's meta stays out
+        n = 1 if greedy else self.cfg.rollout.n
+        return prompts.repeat_interleave(n).union(fields), metrics
+
+    def _logprob_gap(self, batch: Batch) -> dict[str, float]:
+        if "rollout_log_probs" not in batch:
+            return {}
+        from rlhf.rollout import logprob_gap
+        from workers.common import response_mask
+
+        return dict(logprob_gap(batch["old_log_probs"], batch["rollout_log_probs"],
+                                mask=response_mask(batch)))
+
+    def _update(self, batch: Batch, timer: PhaseTimer, *, step: int) -> dict[str, float]:
+        metrics = {}
+        if self.cfg.algorithm.use_critic:
+            with timer("update_critic"):
+                metrics.update(self.views["critic"].update_critic(self._for_role(batch, "critic")))
+            if step <= self.cfg.trainer.critic_warmup:
+                return metrics
+        with timer("update_actor"):
+            metrics.update(self.views["actor"].update_actor(self._for_role(batch, "actor")))
+        return metrics
+
+    def _for_role(self, batch: Batch, role: str) -> Batch:
+        """The batch reordered so the role's optimizer steps see the same samples at any DP."""
+        mini = getattr(self.cfg, role).ppo_mini_batch_size * self.cfg.rollout.n
+        return batch.select(dp_mini_batch_order(len(batch), mini_size=mini,
+                                                dp=self.views[role].layout.dp))
+
+    def validate(self) -> dict[str, float]:
+        """Greedy responses to every held-out prompt: val/accuracy is their mean reward."""
+        loader = PromptLoader(self.val_data, batch_size=self.cfg.data.val_batch_size,
+                              shuffle=False, drop_last=False)
+        timer, scores, lengths = PhaseTimer(), [], []
+        with timer("validate"):
+            for _ in range(loader.batches_per_epoch):
+                prompts = next(loader).with_meta(seed=VAL_SEED)
+                batch, _ = self._rollout(prompts, timer, greedy=True)
+                batch_scores, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
+                scores += batch_scores.tolist()
+                lengths += batch["response_ids"].lengths.tolist()
+        return {"val/accuracy": sum(scores) / len(scores),
+                "val/response_length": sum(lengths) / len(lengths),
+                "timing/validate": timer.seconds["timing/validate"]}
+
+    # ---- checkpoints -------------------------------------------------------------------------
+
+    def save(self, step: int) -> Path:
+        """Checkpoint every trained role, the data position, RNG and KL controller states."""
+        def write_roles(folder: Path) -> None:
+            for role in self._trained_roles():
+                self.views[role].save_checkpoint(str(folder / role))
+
+        state = {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(),
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "config": config_to_dict(self.cfg)}
+        return self.ckpt.save(step, write_roles=write_roles, state=state)
+
+    def resume(self) -> int:
+        """Restore the checkpoint trainer.resume names, if any; returns its step (else 0)."""
+        folder = self.ckpt.resolve(self.cfg.trainer.resume)
+        if folder is None:
+            return 0
+        state = self.ckpt.load_state(folder)
+        for role in self._trained_roles():
+            self.views[role].load_checkpoint(str(folder / role))
+        self.loader.load_state_dict(state["loader"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        set_rng_state(state["rng"])
+        print(f"resumed from {folder} (step {state['step']})", flush=True)
+        return int(state["step"])
+
+    def export_policy(self, folder: Path) -> Path:
+        """The actor's weights as a Hugging Face folder."""
+        self.views["actor"].export_hf(str(folder), self.cfg.model.path)
+        return folder
+
+    def _trained_roles(self) -> list[str]:
+        return ["actor"] + (["critic"] if self.cfg.algorithm.use_critic else [])
+
+
+def _sync_metrics(sync) -> dict[str, float]:
+    if isinstance(sync, list):  # one result per rank: report the first
+        sync = sync[0] if sync else {}
+    return {k: float(v) for k, v in (sync or {}).items()}

@@ -1,0 +1,86 @@
+"""`rlhf sft`: supervised fine-tuning on prompt/answer rows with the SFTWorker role."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+
+from rlhf.config import JobConfig
+from rlhf.data.batch import Batch
+from rlhf.data.dataset import PromptDataset, PromptLoader, read_rows
+from rlhf.data.ragged import Ragged
+from rlhf.errors import RLHFError
+from rlhf.trainer.metrics import MetricsLogger
+from rlhf.trainer.session import RoleGroups
+from rlhf.trainer.setup import ensure_model, load_tokenizer
+
+
+def sft_output_path(cfg: JobConfig) -> Path:
+    """Where `rlhf sft` writes the fine-tuned HF folder."""
+    return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
+
+
+def response_ids(texts: list, tokenizer) -> Ragged:
+    """The answer tokens of each text followed by EOS: what the policy learns to emit."""
+    if tokenizer.eos_token_id is None:
+        raise RLHFError("the tokenizer has no eos token; SFT appends it to every answer")
+    ids = tokenizer([str(t) for t in texts], add_special_tokens=False)["input_ids"]
+    return Ragged.from_list([row + [tokenizer.eos_token_id] for row in ids], dtype=torch.int64)
+
+
+def run_sft(cfg: JobConfig, *, job_name: str, progress: bool = True) -> list[dict]:
+    """Fine-tune sft.init_path (or model.path) for sft.total_steps; write sft_output_path."""
+    sft = cfg.sft
+    if sft.total_steps == 0 or not sft.train_files:
+        raise RLHFError("rlhf sft needs sft.train_files and sft.total_steps > 0; set them in "
+                        "the config or as overrides (sft.total_steps=200)")
+    out = sft_output_path(cfg)
+    if (out / "config.json").exists():
+        raise RLHFError(f"{out} already holds a model; delete it or set sft.output_path")
+    init = ensure_model(sft.init_path or cfg.model.path, cfg.model.tiny)
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or init)
+    rows = read_rows(sft.train_files, prompt_key=sft.prompt_key,
+                     ground_truth_key=sft.response_key)
+    loader = PromptLoader(PromptDataset(rows, tokenizer,
+                                        max_prompt_length=cfg.data.max_prompt_length),
+                          batch_size=sft.batch_size, shuffle=True, seed=cfg.data.seed)
+    from workers.sft import SFTWorker
+
+    groups = RoleGroups(cfg, {"sft": (SFTWorker, {"config": cfg, "init_path": str(init)})},
+                        job_name=job_name, role_configs={"sft": sft})
+    logger = MetricsLogger(Path(cfg.trainer.output_dir) / "sft", total_steps=sft.total_steps,
+                           start_step=0, job_name=job_name, progress=progress)
+    records = []
+    try:
+        view = groups.views["sft"]
+        for step in range(1, sft.total_steps + 1):
+            batch = next(loader)
+            batch = batch.union(Batch({"response_ids": response_ids(batch["ground_truth"],
+                                                                     tokenizer)}))
+            metrics = view.train_step(batch)
+            if step % sft.log_every == 0 or step == sft.total_steps:
+                records.append(logger.log(step, metrics))
+        export_folder(lambda tmp: view.export_hf(str(tmp), str(init)), out)
+    finally:
+        logger.close()
+        groups.shutdown()
+    return records
+
+
+def export_folder(write, out: Path) -> Path:
+    """Run `write(tmp)` into a sibling temporary folder, then rename it to `out`."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        write(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

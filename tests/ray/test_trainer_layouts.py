@@ -1,0 +1,66 @@
+"""The first PPO step is the same whatever the actor's layout: on 4 ranks, dp=4, tp=2, pp=2
+and tp=2 x pp=2 give the same old log-probs, losses, grad norm and updated log-probs for the
+same batch (driver-side GRPO advantages from fixed scores; two mini-batches, put in the
+driver's layout-independent order)."""
+
+import pytest
+import torch
+
+from rlhf.controller import ResourcePool, WorkerGroup
+from rlhf.data.batch import Batch
+from rlhf.data.ragged import Ragged
+from rlhf.trainer.phases import compute_advantages, dp_mini_batch_order
+from tests.unit.trainer.jobs import job_config, make_assets
+from workers.actor import ActorWorker
+
+pytestmark = pytest.mark.timeout(300)
+
+LAYOUTS = {"tp1": {"tp": 1}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "tp2xpp2": {"tp": 2, "pp": 2}}
+METRICS = ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/approx_kl")
+
+
+def first_batch(n_prompts=4, n=2):
+    torch.manual_seed(0)
+    prompts = [torch.randint(5, 300, (int(k),)).tolist() for k in torch.randint(3, 9, (n_prompts,))]
+    responses = [torch.randint(5, 300, (int(k),)).tolist()
+                 for k in torch.randint(1, 6, (n_prompts * n,))]
+    batch = Batch({"prompt_ids": Ragged.from_list(prompts, dtype=torch.int64)})
+    return batch.repeat_interleave(n).union(
+        Batch({"response_ids": Ragged.from_list(responses, dtype=torch.int64)}))
+
+
+def step(cfg, name):
+    pool = ResourcePool(f"layouts-{name}", ranks_per_node=4, use_gpu=False)
+    group = WorkerGroup(pool, {"actor": (ActorWorker, {"config": cfg})}, job_name=f"lay-{name}")
+    try:
+        batch = first_batch()
+        batch = batch.union(group.compute_log_prob(batch))
+        scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
+        advantages, _ = compute_advantages(batch, scores, cfg, kl_ctrl=None)
+        batch = batch.union(advantages)
+        dp = group.role_views()["actor"].layout.dp
+        metrics = group.update_actor(batch.select(dp_mini_batch_order(len(batch), mini_size=4,
+                                                                      dp=dp)))
+        after = group.compute_log_prob(batch)["old_log_probs"]
+        return batch["old_log_probs"], metrics, after
+    finally:
+        group.shutdown()
+
+
+def test_first_step_is_the_same_for_every_actor_layout(ray_cluster, tmp_path):
+    assets = make_assets(tmp_path)
+    results = {}
+    for name, plan in LAYOUTS.items():
+        cfg = job_config(assets, tmp_path / name, actor={"parallel": plan},
+                         algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
+                         trainer={"ranks_per_node": 4})
+        results[name] = step(cfg, name)
+    ref_lp, ref_metrics, ref_after = results["tp1"]
+    assert not torch.allclose(ref_after.values, ref_lp.values, atol=1e-3)  # it trained
+    for name, (lp, metrics, after) in results.items():
+        torch.testing.assert_close(lp.values, ref_lp.values, atol=1e-5, rtol=0, msg=name)
+        for key in METRICS:
+            assert metrics[key] == pytest.approx(ref_metrics[key], rel=1e-4, abs=1e-6), \
+                (name, key)
+        torch.testing.assert_close(after.values, ref_after.values,
+                                   atol=1e-4, rtol=0, msg=name)
