@@ -3,7 +3,8 @@
 #
 #   bash examples/ray_job_submit/submit.sh [section.key=value ...]
 #
-# RAY_ADDRESS (default http://127.0.0.1:8265) is the cluster's dashboard address. Without a
+# RAY_API_SERVER_ADDRESS (or RAY_ADDRESS; default http://127.0.0.1:8265) is the cluster's
+# dashboard address. Without a
 # cluster, the script starts a local one (`ray start --head`) and stops it at the end. The
 # driver (`rlhf train`) runs on the head node and joins the cluster through the RAY_ADDRESS
 # that `ray job submit` sets for it, so the config's ray.num_cpus is not used.
@@ -21,10 +22,15 @@ if [ ! -f "$out/sft_model/config.json" ]; then
   bash examples/quickstart.sh trainer.total_steps=1 trainer.val_every=0
 fi
 
-export RAY_ADDRESS=${RAY_ADDRESS:-http://127.0.0.1:8265}
+# `ray job submit` talks to the dashboard's job server. Ray 2.60 clusters require a token: the
+# CLI sends ~/.ray/auth_token (written by `ray start` on this machine; copy it, or set
+# RAY_AUTH_TOKEN, to submit from elsewhere) only when RAY_AUTH_MODE=token.
+export RAY_API_SERVER_ADDRESS=${RAY_API_SERVER_ADDRESS:-${RAY_ADDRESS:-http://127.0.0.1:8265}}
+unset RAY_ADDRESS  # inside the job, Ray sets it to the cluster the driver must join
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 started=0
 if ! "$ray" job list >/dev/null 2>&1; then
-  echo "no Ray cluster at $RAY_ADDRESS: starting a local one"
+  echo "no Ray cluster at $RAY_API_SERVER_ADDRESS: starting a local one"
   "$ray" start --head --num-cpus=2 --include-dashboard=true --dashboard-port=8265 >/dev/null
   started=1
 fi
@@ -34,10 +40,10 @@ trap cleanup EXIT
 # --working-dir ships this checkout to the cluster; its outputs/ folder is excluded, so the
 # job reads and writes outputs through absolute paths of the (shared) file system.
 "$ray" job submit --working-dir . \
-  --runtime-env-json '{"excludes": [".venv", "outputs", ".git"], "env_vars": {"OMP_NUM_THREADS": "1"}}' \
-  -- "$repo/$rlhf" train "$config" \
+  --runtime-env-json '{"excludes": [".venv", "outputs", ".git"]}' \
+  -- "$repo/$rlhf" train --no-progress "$config" \
      "model.path=$repo/$out/sft_model" \
      "data.train_files=[$repo/$out/data/train.jsonl]" \
      "data.val_files=[$repo/$out/data/val.jsonl]" \
      "trainer.output_dir=$repo/outputs/ray_job_submit" \
-     trainer.experiment_name=ray_job_submit --no-progress "$@"
+     trainer.experiment_name=ray_job_submit "$@"
