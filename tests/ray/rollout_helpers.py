@@ -7,17 +7,28 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from rlhf.config import ParallelConfig, TinyModelConfig
+from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.models.tiny import make_tiny_model
 from tests.unit.test_worker_roles import make_config
+from workers.actor import ActorWorker
 
 MAX_NEW = 8
+GAP_TOL = 2e-4  # fp32: vLLM's and the trainer's kernels differ in summation order only
 # Below this top-2 logit gap, fp32 rounding differences between vLLM and transformers may
 # flip the greedy choice, so the comparison of one prompt stops there.
 NEAR_TIE = 1e-4
 TINY = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=192,
             vocab_size=384, max_position_embeddings=128)  # head size 32: a vLLM CPU size
+
+
+def actor_group(cfg, name: str):
+    """A 2-rank WorkerGroup holding only the actor role; yields its view, then shuts down."""
+    group = WorkerGroup(ResourcePool(f"{name}-pool", ranks_per_node=2, use_gpu=False),
+                        {"actor": (ActorWorker, {"config": cfg})}, job_name=f"{name}-test")
+    yield group.role_views()["actor"]
+    group.shutdown()
 
 
 def make_policy(root) -> str:

@@ -5,17 +5,15 @@ checked against transformers loaded from the exported policy."""
 import pytest
 import torch
 
-from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.rollout import logprob_gap
-from tests.ray.rollout_helpers import (MAX_NEW, assert_greedy_equal, hf_greedy, make_policy,
-                                       ppo_batch, prompts, rollout_config)
-from workers.actor import ActorWorker
+from tests.ray.rollout_helpers import (GAP_TOL, MAX_NEW, actor_group, assert_greedy_equal,
+                                       hf_greedy, make_policy, ppo_batch, prompts,
+                                       rollout_config)
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.vllm]
 
 N = 2
-GAP_TOL = 2e-4  # fp32: vLLM's and the trainer's kernels differ in summation order only
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +24,7 @@ def policy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def actor(ray_cluster, policy):
     cfg = rollout_config(policy, ranks=2, tp=2, n=N)
-    group = WorkerGroup(ResourcePool("rollout-pool", ranks_per_node=2, use_gpu=False),
-                        {"actor": (ActorWorker, {"config": cfg})}, job_name="rollout-test")
-    yield group.role_views()["actor"]
-    group.shutdown()
+    yield from actor_group(cfg, "rollout")
 
 
 @pytest.fixture(scope="module")

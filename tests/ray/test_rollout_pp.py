@@ -3,17 +3,14 @@ layers, and both rollout replicas end up with the trained policy."""
 
 import pytest
 
-from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.rollout import logprob_gap
-from tests.ray.rollout_helpers import (assert_greedy_equal, hf_greedy, make_policy, ppo_batch,
-                                       prompts, rollout_config)
-from workers.actor import ActorWorker
+from tests.ray.rollout_helpers import (GAP_TOL, actor_group, assert_greedy_equal, hf_greedy,
+                                       make_policy, ppo_batch, prompts, rollout_config)
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.vllm]
 
 N = 2
-GAP_TOL = 2e-4
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +21,7 @@ def policy(tmp_path_factory):
 @pytest.fixture(scope="module")
 def actor(ray_cluster, policy):
     cfg = rollout_config(policy, ranks=2, pp=2, n=N)
-    group = WorkerGroup(ResourcePool("rollout-pp-pool", ranks_per_node=2, use_gpu=False),
-                        {"actor": (ActorWorker, {"config": cfg})}, job_name="rollout-pp-test")
-    yield group.role_views()["actor"]
-    group.shutdown()
+    yield from actor_group(cfg, "rollout-pp")
 
 
 def test_sync_from_two_pipeline_stages(actor, policy, tmp_path):
