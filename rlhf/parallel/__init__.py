@@ -4,6 +4,8 @@
 - `collectives.py`: group-taking collectives, plain and differentiable (TP and sequence axis).
 - `tensor_parallel.py`: column/row-parallel linears, vocab-parallel embedding, LM head, SP grads.
 - `vocab_parallel.py`: log-probs and entropy over vocab-sharded logits.
+- `stages.py`: pipeline stage layout (even or uneven layers, virtual stages for interleaving).
+- `p2p.py`: activation and gradient transfer between stages, shapes from the micro-batch plan.
 - `launch.py`: run a function on N local processes (tests, `rlhf verify-model`).
 """
 
