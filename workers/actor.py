@@ -28,8 +28,6 @@ from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batc
                             token_share, train_mini_batch)
 from workers.engine_state import CheckpointMixin
 
-SYNC_BUCKET_BYTES = 256 * 2**20  # one gathered bucket of full tensors alive at a time
-
 
 class ActorWorker(CheckpointMixin, Worker):
     """The policy on its own (config.actor.parallel) layout: rollouts with the rank's vLLM
@@ -61,8 +59,8 @@ class ActorWorker(CheckpointMixin, Worker):
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into this rank's vLLM replica if it changed since the last sync;
         sync/bytes (per replica), sync/seconds, sync/gb_per_s, sync/skipped."""
-        return self.rollout.sync(lambda: self.engine.export_hf_weights(
-            bucket_bytes=SYNC_BUCKET_BYTES))
+        bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time
+        return self.rollout.sync(lambda: self.engine.export_hf_weights(bucket_bytes=bucket_bytes))
 
     def _after_load(self) -> None:
         self.rollout.mark_stale()

@@ -60,11 +60,16 @@ class RolloutConfig:
     """Most sequences vLLM decodes at once."""
     enforce_eager: bool = False
     """Disable CUDA graphs (slower decoding, faster start, less memory)."""
+    sync_bucket_mb: float = 256.0
+    """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
 
     def __post_init__(self):
         require_min(self, 1, "tp", "n", "max_new_tokens", "max_num_seqs")
+        if self.sync_bucket_mb <= 0:
+            raise ConfigError("rollout.sync_bucket_mb must be positive, got "
+                              f"{self.sync_bucket_mb}")
         require_range(self, "temperature", 0, 2)
         require_range(self, "top_p", 0, 1, low_open=True)
         if self.top_k != -1 and self.top_k < 1:

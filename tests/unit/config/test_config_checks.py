@@ -98,6 +98,7 @@ BAD = {
     "top-p": (["rollout.top_p=0"], "rollout.top_p"),
     "top-k": (["rollout.top_k=0"], "rollout.top_k"),
     "temperature": (["rollout.temperature=-0.5"], "rollout.temperature"),
+    "sync-bucket": (["rollout.sync_bucket_mb=0"], "rollout.sync_bucket_mb"),
     "tis-cap": (["rollout.tis_cap=0.5"], "rollout.tis_cap"),
     "float16-on-cpu": (["actor.dtype=float16"], "actor.dtype"),
     "ray-address-and-cpus": (["ray.address=auto"], "ray.num_cpus"),
