@@ -26,7 +26,7 @@ from rlhf.models.transformer import CausalLM, ValueModel
 VALUE_HEAD_INIT_STD = 0.02
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-# Files copied next to the weights by save_hf_folder (tokenizer, chat template, generation).
+# Files copied next to the weights by write_hf_folder (tokenizer, chat template, generation).
 _SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
 _HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
@@ -206,36 +206,54 @@ def save_hf_folder(model: Model, folder: str | Path, *, config_source: str | Pat
                    max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write a folder transformers and vLLM load: config.json (from `config_source`, updated),
     safetensors shards, and the tokenizer/generation files of `config_source`."""
-    folder, config_source = Path(folder), Path(config_source)
+    folder = Path(folder)
     if not model.is_complete:
         raise RLHFError("save_hf_folder needs the whole model; this is a pipeline stage "
                         f"(layers {model.model.layer_range}); gather the stages first")
     if folder.is_dir() and (any(folder.glob("*.safetensors")) or (folder / INDEX_FILE).exists()):
         raise RLHFError(f"{folder} already holds weights; save into an empty folder")
+    return write_hf_folder(folder, export_hf_weights(model, bucket_bytes=max_shard_bytes),
+                           config_source=config_source, config=hf_config(model, config_source))
+
+
+def write_hf_folder(folder: str | Path, buckets: Iterable[list[tuple[str, Tensor]]], *,
+                    config_source: str | Path, config: dict) -> Path:
+    """One safetensors file per bucket of HF-named full tensors (an index when there are
+    several), `config` as config.json, and the tokenizer/generation files of `config_source`.
+
+    The buckets are streamed: only one is held at a time, so they may come from a collective
+    exporter (`export_full_hf_weights`).
+    """
+    folder, config_source = Path(folder), Path(config_source)
     folder.mkdir(parents=True, exist_ok=True)
-    shards = list(export_hf_weights(model, bucket_bytes=max_shard_bytes))
-    names = ([SINGLE_FILE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map, total = {}, 0
-    for file, shard in zip(names, shards):
-        tensors = {name: t.contiguous().cpu() for name, t in shard}
-        save_file(tensors, folder / file, metadata={"format": "pt"})
-        weight_map.update({name: file for name in tensors})
+    parts, total = [], 0  # (file written, names in it); final names need the file count
+    for i, bucket in enumerate(buckets):
+        tensors = {name: t.detach().contiguous().cpu() for name, t in bucket}
+        part = folder / f".part-{i:05d}.safetensors"
+        save_file(tensors, part, metadata={"format": "pt"})
+        parts.append((part, list(tensors)))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-    if len(shards) > 1:
+    names = ([SINGLE_FILE] if len(parts) == 1 else
+             [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))])
+    weight_map = {}
+    for (part, keys), file in zip(parts, names):
+        part.rename(folder / file)
+        weight_map.update(dict.fromkeys(keys, file))
+    if len(parts) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
     for pattern in _SIDE_FILES:
         for path in config_source.glob(pattern):
             if path.is_file():
                 shutil.copy2(path, folder / path.name)
-    config = _updated_config(model, config_source)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return folder
 
 
-def _updated_config(model: Model, config_source: Path) -> dict:
-    config = json.loads((config_source / "config.json").read_text(encoding="utf-8"))
+def hf_config(model: Model, config_source: str | Path) -> dict:
+    """config.json of `config_source` with the architecture and dtype of `model` (a whole model
+    or any pipeline stage of it)."""
+    config = json.loads((Path(config_source) / "config.json").read_text(encoding="utf-8"))
     prefix = _HF_PREFIX[model.args.model_type]
     if isinstance(model, CausalLM):
         config["architectures"] = [f"{prefix}ForCausalLM"]
