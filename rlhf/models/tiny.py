@@ -5,10 +5,7 @@ own engine, so tests and the quickstart need no model hub. Weights are float32 a
 function of the spec: the same spec gives bit-identical tensors.
 """
 
-import os
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import torch
@@ -18,6 +15,7 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, M
 
 from rlhf.config.tiny import VLLM_CPU_HEAD_SIZES, TinyModelConfig
 from rlhf.errors import RLHFError
+from rlhf.files import atomic_folder
 from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 
 INIT_STD = 0.02
@@ -90,21 +88,6 @@ def _check_target(out_dir: Path, overwrite: bool) -> None:
                         f"(overwrite=True) to replace it")
 
 
-def _move_into_place(new: Path, out_dir: Path) -> None:
-    if not out_dir.exists():
-        new.rename(out_dir)
-        return
-    # Swap the complete new folder in, then delete the old one.
-    old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
-    out_dir.rename(old)
-    try:
-        new.rename(out_dir)
-    except BaseException:
-        old.rename(out_dir)  # put the previous model back
-        raise
-    shutil.rmtree(old)
-
-
 def make_tiny_model(spec: TinyModelConfig, out_dir: Path, *, overwrite: bool = False) -> Path:
     """Write a random-init model folder for spec to out_dir, atomically; return out_dir.
 
@@ -116,14 +99,6 @@ def make_tiny_model(spec: TinyModelConfig, out_dir: Path, *, overwrite: bool = F
         print(f"warning: head size {spec.head_dim} (hidden_size / num_heads) is not one that "
               f"vLLM's CPU attention supports {VLLM_CPU_HEAD_SIZES}; the model works in "
               f"transformers, but vLLM on CPU will refuse it", file=sys.stderr)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    # A sibling folder, so the final rename stays on one file system.
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
+    with atomic_folder(out_dir) as tmp:
         _write_model(spec, tmp)
-        _move_into_place(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir

@@ -7,11 +7,9 @@ leaves a partial step_N and never touches the previous ones.
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import numpy as np
 import torch
 
 from rlhf.errors import RLHFError
-from rlhf.files import atomic_write
+from rlhf.files import atomic_folder, atomic_write
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -71,23 +69,12 @@ class CheckpointManager:
 
     def save(self, step: int, *, write_roles: Callable[[Path], None], state: dict) -> Path:
         """Run `write_roles(tmp)` (engine shards), write `state`, then publish as step_N."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
         final = self.root / f"step_{step}"
-        try:
-            tmp.mkdir()
+        # A folder saved again (a resumed run's final save) is swapped whole, like a new one.
+        with atomic_folder(final) as tmp:
             write_roles(tmp)
             with atomic_write(tmp / STATE_FILE, "wb") as f:
                 torch.save(state, f)
-            if final.exists():  # the same step saved again (a resumed run's final save)
-                old = self.root / f".step_{step}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(final, old)
-                os.replace(tmp, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
         self._prune()
         return final
 

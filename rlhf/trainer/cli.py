@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from rlhf.errors import RLHFError
+from rlhf.files import atomic_folder
 
 FINAL_MODEL = "hf_model"
 
@@ -72,7 +73,7 @@ def run_train(cfg, *, progress: bool = True) -> list[dict]:
     from rlhf.trainer.ppo import PPOTrainer
     from rlhf.trainer.session import RoleGroups
     from rlhf.trainer.setup import ensure_model, load_tokenizer
-    from rlhf.trainer.sft import export_folder, sft_output_path
+    from rlhf.trainer.sft import sft_output_path
 
     if (Path(cfg.model.path) == sft_output_path(cfg) and cfg.sft.total_steps > 0
             and not (Path(cfg.model.path) / "config.json").is_file()):
@@ -90,7 +91,8 @@ def run_train(cfg, *, progress: bool = True) -> list[dict]:
         trainer = PPOTrainer(cfg, groups.views, tokenizer=tokenizer,
                              job_name=cfg.trainer.experiment_name, progress=progress)
         records = trainer.fit()
-        export_folder(trainer.export_policy, out / FINAL_MODEL)
+        with atomic_folder(out / FINAL_MODEL) as tmp:
+            trainer.export_policy(tmp)
     finally:
         groups.shutdown()
     return records
@@ -146,7 +148,6 @@ def checkpoint_config(folder: Path):
 def export_checkpoint(cfg, folder: Path, out: Path) -> Path:
     """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder."""
     from rlhf.trainer.session import RoleGroups
-    from rlhf.trainer.sft import export_folder
     from workers.sft import SFTWorker
 
     if out.exists() and any(out.iterdir()):
@@ -158,6 +159,8 @@ def export_checkpoint(cfg, folder: Path, out: Path) -> Path:
     try:
         view = groups.views["export"]
         view.load_checkpoint(str(folder / "actor"))
-        return export_folder(lambda tmp: view.export_hf(str(tmp), cfg.model.path), out)
+        with atomic_folder(out) as tmp:
+            view.export_hf(str(tmp), cfg.model.path)
+        return out
     finally:
         groups.shutdown()

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -14,6 +11,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptDataset, PromptLoader, read_rows
 from rlhf.data.ragged import Ragged
 from rlhf.errors import RLHFError
+from rlhf.files import atomic_folder
 from rlhf.trainer.metrics import MetricsLogger
 from rlhf.trainer.session import RoleGroups
 from rlhf.trainer.setup import ensure_model, load_tokenizer
@@ -64,23 +62,9 @@ def run_sft(cfg: JobConfig, *, job_name: str, progress: bool = True) -> list[dic
             metrics = view.train_step(batch)
             if step % sft.log_every == 0 or step == sft.total_steps:
                 records.append(logger.log(step, metrics))
-        export_folder(lambda tmp: view.export_hf(str(tmp), str(init)), out)
+        with atomic_folder(out) as tmp:
+            view.export_hf(str(tmp), str(init))
     finally:
         logger.close()
         groups.shutdown()
     return records
-
-
-def export_folder(write, out: Path) -> Path:
-    """Run `write(tmp)` into a sibling temporary folder, then rename it to `out`."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
