@@ -23,9 +23,8 @@ from rlhf.engine.engine import resolve_dtype
 from rlhf.errors import ConfigError
 from rlhf.rollout import ReplicaSpec, RolloutReplica
 from workers.base import Worker
-from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batches,
-                            mini_batches, require_fields, response_fields, sampling_temperature,
-                            token_share, train_mini_batch)
+from workers.common import (MASK, TOKENS, build_engine, micro_batches, ppo_updates,
+                            require_fields, response_fields, sampling_temperature, token_share)
 from workers.engine_state import CheckpointMixin
 
 
@@ -80,17 +79,11 @@ class ActorWorker(CheckpointMixin, Worker):
         actor.ppo_mini_batch_size prompts (times rollout.n samples), in order."""
         per_token = self._per_token_fields()
         require_fields(batch, (*TOKENS, *per_token), "actor.update_actor")
-        cfg = self.config
-        size = cfg.actor.ppo_mini_batch_size * cfg.rollout.n // self.mesh.dp_size
-        minis = mini_batches(batch, size, self.mesh, "actor")
-        history = [
-            train_mini_batch(self.engine, mini, per_token, cfg.actor, self._loss_fn,
-                             outputs=("log_probs", "entropy"),
-                             temperature=sampling_temperature(cfg))
-            for _ in range(cfg.algorithm.ppo_epochs) for mini in minis
-        ]
+        metrics = ppo_updates(self.engine, batch, self.config, "actor", per_token, self._loss_fn,
+                              outputs=("log_probs", "entropy"),
+                              temperature=sampling_temperature(self.config))
         self.rollout.mark_stale()
-        return mean_metrics(history, "actor/")
+        return metrics
 
     def _per_token_fields(self) -> tuple[str, ...]:
         fields = ["old_log_probs", "advantages"]

@@ -215,6 +215,21 @@ def train_mini_batch(engine: TrainEngine, mini: Batch, per_token: Sequence[str],
     return {**metrics, **engine.step()}
 
 
+def ppo_updates(engine: TrainEngine, batch: Batch, config: JobConfig, key: str,
+                per_token: Sequence[str], make_loss, *, outputs: Sequence[str],
+                temperature: float = 1.0) -> dict[str, float]:
+    """algorithm.ppo_epochs passes over this rank's chunk, one `train_mini_batch` step per
+    `<key>.ppo_mini_batch_size` prompts' samples, in order; metrics averaged over the steps,
+    named `<key>/...`."""
+    role: TrainRoleConfig = getattr(config, key)
+    size = role.ppo_mini_batch_size * config.rollout.n // engine.mesh.dp_size
+    minis = mini_batches(batch, size, engine.mesh, key)
+    history = [train_mini_batch(engine, mini, per_token, role, make_loss, outputs=outputs,
+                                temperature=temperature)
+               for _ in range(config.algorithm.ppo_epochs) for mini in minis]
+    return mean_metrics(history, f"{key}/")
+
+
 def token_share(mask_T: Tensor, global_tokens: int) -> Tensor:
     """This micro-batch's fraction of the mini-batch's counted tokens: the weight that turns a
     per-micro-batch token mean into its share of the mini-batch token mean."""

@@ -15,9 +15,8 @@ from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.errors import ConfigError
 from workers.base import Worker
-from workers.common import (MASK, TOKENS, build_engine, mean_metrics, micro_batches,
-                            mini_batches, require_fields, response_fields, token_share,
-                            train_mini_batch)
+from workers.common import (MASK, TOKENS, build_engine, micro_batches, ppo_updates,
+                            require_fields, response_fields, token_share)
 from workers.engine_state import CheckpointMixin
 
 
@@ -52,15 +51,8 @@ class CriticWorker(CheckpointMixin, Worker):
         needs `values` (from compute_values, before any update) and `returns`."""
         per_token = ("values", "returns")
         require_fields(batch, (*TOKENS, *per_token), "critic.update_critic")
-        cfg = self.config
-        size = cfg.critic.ppo_mini_batch_size * cfg.rollout.n // self.mesh.dp_size
-        minis = mini_batches(batch, size, self.mesh, "critic")
-        history = [
-            train_mini_batch(self.engine, mini, per_token, cfg.critic, self._loss_fn,
-                             outputs=("values",))
-            for _ in range(cfg.algorithm.ppo_epochs) for mini in minis
-        ]
-        return mean_metrics(history, "critic/")
+        return ppo_updates(self.engine, batch, self.config, "critic", per_token, self._loss_fn,
+                           outputs=("values",))
 
     def _loss_fn(self, global_tokens: int, global_seqs: int):
         algo = self.config.algorithm
