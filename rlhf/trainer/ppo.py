@@ -16,10 +16,12 @@ from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.rewards import RewardRunner
+from rlhf.rollout import logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.phases import (batch_metrics, compute_advantages, dp_mini_batch_order,
                                  score_batch, step_seed)
+from workers.common import response_mask
 
 VAL_SEED = 12345
 
@@ -109,7 +111,7 @@ class PPOTrainer:
             sync = actor.sync_weights()
         with timer("generate"):
             out = actor.generate(prompts, greedy=greedy)
-        metrics = {**dict(out.meta.get("metrics", {})), **_sync_metrics(sync)}
+        metrics = {**dict(out.meta.get("metrics", {})), **{k: float(v) for k, v in sync.items()}}
         fields = Batch({k: out[k] for k in out.keys()})  # the rollout's meta stays out
         n = 1 if greedy else self.cfg.rollout.n
         return prompts.repeat_interleave(n).union(fields), metrics
@@ -117,9 +119,6 @@ class PPOTrainer:
     def _logprob_gap(self, batch: Batch) -> dict[str, float]:
         if "rollout_log_probs" not in batch:
             return {}
-        from rlhf.rollout import logprob_gap
-        from workers.common import response_mask
-
         return dict(logprob_gap(batch["old_log_probs"], batch["rollout_log_probs"],
                                 mask=response_mask(batch)))
 
@@ -190,8 +189,3 @@ class PPOTrainer:
     def _trained_roles(self) -> list[str]:
         return ["actor"] + (["critic"] if self.cfg.algorithm.use_critic else [])
 
-
-def _sync_metrics(sync) -> dict[str, float]:
-    if isinstance(sync, list):  # one result per rank: report the first
-        sync = sync[0] if sync else {}
-    return {k: float(v) for k, v in (sync or {}).items()}
