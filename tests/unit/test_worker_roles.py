@@ -1,13 +1,11 @@
 """Worker roles without Ray: role objects built in a one-process gloo world (and a two-process
 one for data parallelism), checked against transformers and against hand-computed losses."""
 
-import datetime
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaForSequenceClassification
 
@@ -26,7 +24,7 @@ from rlhf.models.config import ModelArgs  # noqa: E402
 from rlhf.models.hf_io import load_hf_weights  # noqa: E402
 from rlhf.models.tiny import make_tiny_model  # noqa: E402
 from rlhf.models.transformer import ValueModel  # noqa: E402
-from rlhf.parallel.launch import free_port, run_distributed  # noqa: E402
+from rlhf.parallel.launch import run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from rlhf.algorithms import truncated_is_weights  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
@@ -65,15 +63,8 @@ def folders(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def world():
-    """A gloo world of this one process (reused if a previous module left one)."""
-    owner = not dist.is_initialized()
-    if owner:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield ProcessGroupCache()
-    if owner:
-        dist.destroy_process_group()
+def world(single_process_world):
+    return ProcessGroupCache()
 
 
 def make_config(policy, *, ranks=1, actor=None, critic=None, algorithm=None, rollout=None,

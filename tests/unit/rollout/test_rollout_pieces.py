@@ -1,7 +1,6 @@
 """The rollout package without an engine: seeds, sampling settings, the log-prob gap, engine
 arguments per device, the process edge, and RolloutReplica's bookkeeping over a fake engine."""
 
-import datetime
 import os
 import subprocess
 import sys
@@ -9,12 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from rlhf.config import RolloutConfig
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
-from rlhf.parallel.launch import free_port
 from rlhf.parallel.mesh import ProcessGroupCache
 from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, configure_engine_process,
                           derive_seed, engine_args, logprob_gap, request_seeds, sampling_params)
@@ -142,14 +139,8 @@ class FakeEngine:
 
 
 @pytest.fixture(scope="module")
-def world():
-    owner = not dist.is_initialized()
-    if owner:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=60))
-    yield dist.group.WORLD
-    if owner:
-        dist.destroy_process_group()
+def world(single_process_world):
+    return single_process_world
 
 
 def fake_replica(world, **rollout):
