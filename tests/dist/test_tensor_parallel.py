@@ -17,8 +17,7 @@ from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
                                            RowParallelLinear, VocabParallelEmbedding,
-                                           allreduce_sequence_parallel_grads,
-                                           mark_sequence_parallel_grads, shard_for_rank)
+                                           allreduce_sequence_parallel_grads, shard_for_rank)
 from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
                                           vocab_parallel_log_probs, vocab_shard_range)
 
@@ -52,13 +51,27 @@ def _real_vocab(t, dim, group):
     return C.all_gather(t.detach(), dim=dim, group=group).narrow(dim, 0, V)
 
 
-def _column(group, sp, gather_output):
-    r, tp, e = C.group_rank(group), C.group_size(group), _Errors()
-    torch.manual_seed(1)
-    full, x, R = nn.Linear(H, FF), torch.randn(T, H), torch.randn(T, FF)
+def _reference_linear(seed, in_features, out_features):
+    """An nn.Linear, its input x, a random output cotangent R, and the backward of (y * R)."""
+    torch.manual_seed(seed)
+    full = nn.Linear(in_features, out_features)
+    x, R = torch.randn(T, in_features), torch.randn(T, out_features)
     xr = _leaf(x)
     yr = full(xr)
     (yr * R).sum().backward()
+    return full, x, R, xr, yr
+
+
+def _check_export(e, layer, full):
+    w, b = layer.full_weight()
+    e.cmp("export_w", w, full.weight)
+    e.cmp("export_b", b, full.bias)
+    return e.errors
+
+
+def _column(group, sp, gather_output):
+    r, tp, e = C.group_rank(group), C.group_size(group), _Errors()
+    full, x, R, xr, yr = _reference_linear(1, H, FF)
     layer = ColumnParallelLinear.from_linear(full, group=group, gather_output=gather_output,
                                              sequence_parallel=sp)
     xin = _leaf(shard_for_rank(x, 0, r, tp) if sp else x)
@@ -72,19 +85,12 @@ def _column(group, sp, gather_output):
     e.cmp("grad_x", xin.grad, shard_for_rank(xr.grad, 0, r, tp) if sp else xr.grad)
     e.cmp("grad_w", layer.weight.grad, shard_for_rank(full.weight.grad, 0, r, tp))
     e.cmp("grad_b", layer.bias.grad, shard_for_rank(full.bias.grad, 0, r, tp))
-    w, b = layer.full_weight()
-    e.cmp("export_w", w, full.weight)
-    e.cmp("export_b", b, full.bias)
-    return e.errors
+    return _check_export(e, layer, full)
 
 
 def _row(group, sp, input_is_parallel):
     r, tp, e = C.group_rank(group), C.group_size(group), _Errors()
-    torch.manual_seed(2)
-    full, x, R = nn.Linear(FF, H), torch.randn(T, FF), torch.randn(T, H)
-    xr = _leaf(x)
-    yr = full(xr)
-    (yr * R).sum().backward()
+    full, x, R, xr, yr = _reference_linear(2, FF, H)
     layer = RowParallelLinear.from_linear(full, group=group, input_is_parallel=input_is_parallel,
                                           sequence_parallel=sp)
     xin = _leaf(shard_for_rank(x, 1, r, tp) if input_is_parallel else x)
@@ -95,10 +101,7 @@ def _row(group, sp, input_is_parallel):
     e.cmp("grad_x", xin.grad, shard_for_rank(xr.grad, 1, r, tp) if input_is_parallel else xr.grad)
     e.cmp("grad_w", layer.weight.grad, shard_for_rank(full.weight.grad, 1, r, tp))
     e.cmp("grad_b", layer.bias.grad, full.bias.grad)
-    w, b = layer.full_weight()
-    e.cmp("export_w", w, full.weight)
-    e.cmp("export_b", b, full.bias)
-    return e.errors
+    return _check_export(e, layer, full)
 
 
 def _mlp(group, sp, seed=3):
@@ -368,45 +371,3 @@ def test_two_meshes_with_different_layouts_in_the_same_processes():
     assert all(res["sizes"] == (2, 4) for res in results)
     for key in ("a", "b_sp", "a_sp_again", "b_log_probs"):
         _assert_small([res[key] for res in results], key)
-
-
-def test_helpers_without_a_process_group():
-    assert padded_vocab_size(11, 4) == 12 and padded_vocab_size(12, 4) == 12
-    assert padded_vocab_size(11, 2, pad_to_multiple_of=8) == 16
-    assert vocab_shard_range(12, 3, 4) == (9, 12)
-    full = torch.arange(12).reshape(3, 4)
-    assert shard_for_rank(full, 1, 1, 2).tolist() == [[2, 3], [6, 7], [10, 11]]
-    with pytest.raises(ValueError, match="not divisible"):
-        shard_for_rank(full, 0, 0, 2)
-    with pytest.raises(ValueError, match="not divisible by tp=1|positive"):
-        padded_vocab_size(0, 2)
-    layer = nn.Linear(2, 2)
-    mark_sequence_parallel_grads(layer)
-    assert all(p.sequence_parallel_grad for p in layer.parameters())
-    with pytest.raises(ValueError, match="vocab range"):
-        vocab_parallel_entropy(torch.zeros(2, 3), group=None, vocab_start=0, vocab_end=4,
-                               real_vocab_size=4)
-
-
-def test_vocab_functions_in_bf16_and_with_masked_logits_without_a_group():
-    torch.manual_seed(0)
-    logits = torch.randn(5, 7) * 4
-    logits[0, 3] = float("-inf")  # a caller-masked token
-    targets = torch.tensor([0, 6, 2, 3, 1])
-    kw = dict(group=None, vocab_start=0, vocab_end=7, real_vocab_size=7)
-    for dtype in (torch.float32, torch.bfloat16):
-        x = _leaf(logits.to(dtype))
-        # reference: -inf as a finite logit whose exp underflows to exactly 0 (no nan grads)
-        ref_in = _leaf(x.detach().float().clamp(min=-1e4))
-        logp_ref = torch.log_softmax(ref_in, -1)
-        ent_ref = -(logp_ref.exp() * logp_ref).sum(-1)
-        (logp_ref.gather(-1, targets[:, None])[:, 0].sum() + ent_ref.sum()).backward()
-        logp = vocab_parallel_log_probs(x, targets, **kw)
-        ent = vocab_parallel_entropy(x, **kw)
-        (logp.sum() + ent.sum()).backward()
-        assert logp.dtype == ent.dtype == torch.float32 and x.grad.dtype == dtype
-        torch.testing.assert_close(logp, logp_ref.gather(-1, targets[:, None])[:, 0].detach())
-        torch.testing.assert_close(ent, ent_ref.detach())
-        assert torch.isfinite(x.grad).all() and x.grad[0, 3] == 0
-        tol = 1e-5 if dtype == torch.float32 else 2e-2  # the grad is rounded to bf16
-        torch.testing.assert_close(x.grad.float(), ref_in.grad, atol=tol, rtol=tol)
