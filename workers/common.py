@@ -134,14 +134,13 @@ def micro_batches(batch: Batch, per_token: Sequence[str], role: ForwardRoleConfi
     lengths = (prompts.lengths + responses.lengths).tolist()
     max_seqs = getattr(role, "micro_batch_size", None)
     budget = role.max_tokens_per_micro_batch
-    count = plan_micro_batches(lengths, dp=1, max_tokens=budget,
-                               max_seqs=max_seqs).num_micro_batches
+    plan = plan_micro_batches(lengths, dp=1, max_tokens=budget, max_seqs=max_seqs)
     if mesh is not None and group_size(mesh.dp_group) > 1:
         counts = [None] * mesh.dp_size  # an object gather works on CPU and GPU backends alike
-        dist.all_gather_object(counts, count, group=mesh.dp_group)
-        count = max(counts)
-    plan = plan_micro_batches(lengths, dp=1, max_tokens=budget, max_seqs=max_seqs,
-                              min_micro_batches=count)
+        dist.all_gather_object(counts, plan.num_micro_batches, group=mesh.dp_group)
+        if max(counts) > plan.num_micro_batches:  # split further to match the busiest rank
+            plan = plan_micro_batches(lengths, dp=1, max_tokens=budget, max_seqs=max_seqs,
+                                      min_micro_batches=max(counts))
     return [_micro_batch(prompts, responses, fields, rows) for rows in plan.rank(0) if rows]
 
 
