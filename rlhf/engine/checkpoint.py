@@ -1,9 +1,11 @@
-"""Engine checkpoints: one file per model-parallel rank, written atomically.
+"""Engine checkpoints: one file per model-parallel rank, plus one per ZeRO-1 optimizer shard.
 
-Data-parallel replicas hold bit-identical weights and optimizer state (their gradients are
-all-reduced), so only dp rank 0 writes; every rank reads the file of its (pp, tp) coordinate.
-A file is written to a temporary name, flushed to disk, then renamed into place, so a crash
-never leaves a truncated checkpoint under the final name.
+Data-parallel replicas hold bit-identical weights, so only dp rank 0 writes the file of its
+(pp, tp) coordinate. Without ZeRO-1 the optimizer state is replicated too and goes in that
+file; with ZeRO-1 each dp rank writes its own shard to `optim_pp.._tp.._dp...pt` and the main
+file records how many shards there are. A shard only loads into the same dp size (the error
+names both sizes). Each file is written to a temporary name, flushed to disk, then renamed
+into place, so a crash never leaves a truncated checkpoint under the final name.
 """
 
 from __future__ import annotations
@@ -18,12 +20,18 @@ from rlhf.errors import RLHFError
 from rlhf.files import atomic_write
 from rlhf.parallel.mesh import ParallelMesh
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: flat (ZeRO-1 capable) optimizer state
 
 
 def shard_file(folder: str | Path, mesh: ParallelMesh) -> Path:
     """The file of this rank's (pp, tp) coordinate inside `folder`."""
     return Path(folder) / f"engine_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
+
+
+def optimizer_file(folder: str | Path, mesh: ParallelMesh) -> Path:
+    """The file of this rank's ZeRO-1 optimizer shard inside `folder`."""
+    return (Path(folder) /
+            f"optim_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}_dp{mesh.dp_rank:03d}.pt")
 
 
 def layout(mesh: ParallelMesh) -> dict[str, int]:
@@ -33,8 +41,14 @@ def layout(mesh: ParallelMesh) -> dict[str, int]:
 
 
 def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) -> Path:
-    """Write this rank's engine `state` (dp rank 0 only); return once every shard is on disk."""
+    """Write this rank's engine `state` (the model by dp rank 0 only, a ZeRO-1 optimizer
+    shard by every dp rank); return once every file is on disk."""
     path = shard_file(folder, mesh)
+    optim = state.get("optimizer")
+    if optim is not None and optim["shards"] > 1:
+        with atomic_write(optimizer_file(folder, mesh), "wb") as f:
+            torch.save(optim, f)
+        state = {**state, "optimizer": {"shards": optim["shards"], "sharded": True}}
     if mesh.dp_rank == 0:
         with atomic_write(path, "wb") as f:
             torch.save(state, f)
@@ -52,6 +66,14 @@ def load_shard(folder: str | Path, mesh: ParallelMesh, *, device) -> dict[str, A
                         f"tp={mesh.tp_size} pp={mesh.pp_size}?")
     state = torch.load(path, map_location=device, weights_only=True)
     check_layout(state, mesh, str(path))
+    optim = state.get("optimizer")
+    if optim is not None and optim.get("sharded"):
+        shard = optimizer_file(folder, mesh)
+        if not shard.is_file():
+            raise RLHFError(f"{folder} holds optimizer state sharded over a data-parallel size "
+                            f"of {optim['shards']} (ZeRO-1) but this rank is dp rank "
+                            f"{mesh.dp_rank} of {mesh.dp_size}; resume with dp={optim['shards']}")
+        state["optimizer"] = torch.load(shard, map_location=device, weights_only=True)
     return state
 
 
