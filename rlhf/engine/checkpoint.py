@@ -3,9 +3,10 @@
 Data-parallel replicas hold bit-identical weights, so only dp rank 0 writes the file of its
 (pp, tp) coordinate. Without ZeRO-1 the optimizer state is replicated too and goes in that
 file; with ZeRO-1 each dp rank writes its own shard to `optim_pp.._tp.._dp...pt` and the main
-file records how many shards there are. A shard only loads into the same dp size (the error
-names both sizes). Each file is written to a temporary name, flushed to disk, then renamed
-into place, so a crash never leaves a truncated checkpoint under the final name.
+file records how many shards there are. Loading at the same split reads one shard; at
+another dp size (or with ZeRO-1 switched) every shard of the coordinate is read and
+resharded. Each file is written to a temporary name, flushed to disk, then renamed into
+place, so a crash never leaves a truncated checkpoint under the final name.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ def shard_file(folder: str | Path, mesh: ParallelMesh) -> Path:
     return Path(folder) / f"engine_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
 
 
-def optimizer_file(folder: str | Path, mesh: ParallelMesh) -> Path:
-    """The file of this rank's ZeRO-1 optimizer shard inside `folder`."""
+def optimizer_file(folder: str | Path, mesh: ParallelMesh, *, dp_rank: int | None = None) -> Path:
+    """The file of a ZeRO-1 optimizer shard (this rank's by default) inside `folder`."""
+    dp_rank = mesh.dp_rank if dp_rank is None else dp_rank
     return (Path(folder) /
-            f"optim_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}_dp{mesh.dp_rank:03d}.pt")
+            f"optim_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}_dp{dp_rank:03d}.pt")
 
 
 def layout(mesh: ParallelMesh) -> dict[str, int]:
@@ -58,8 +60,14 @@ def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) ->
     return path
 
 
-def load_shard(folder: str | Path, mesh: ParallelMesh, *, device) -> dict[str, Any]:
-    """Read this rank's shard file and check that it was written for the same layout."""
+def load_shard(folder: str | Path, mesh: ParallelMesh, *, device,
+               shards: int = 1) -> dict[str, Any]:
+    """Read this rank's shard file and check that it was written for the same layout.
+
+    `shards`: how many ways this engine splits its optimizer state. When the checkpoint's
+    split differs (another dp size, or ZeRO-1 on one side only), its "optimizer" is
+    {"shards": k, "all": [every saved shard of this (pp, tp) coordinate]} for resharding.
+    """
     path = shard_file(folder, mesh)
     if not path.is_file():
         raise RLHFError(f"{path} does not exist; is {folder} an engine checkpoint written with "
@@ -67,13 +75,23 @@ def load_shard(folder: str | Path, mesh: ParallelMesh, *, device) -> dict[str, A
     state = torch.load(path, map_location=device, weights_only=True)
     check_layout(state, mesh, str(path))
     optim = state.get("optimizer")
-    if optim is not None and optim.get("sharded"):
-        shard = optimizer_file(folder, mesh)
-        if not shard.is_file():
-            raise RLHFError(f"{folder} holds optimizer state sharded over a data-parallel size "
-                            f"of {optim['shards']} (ZeRO-1) but this rank is dp rank "
-                            f"{mesh.dp_rank} of {mesh.dp_size}; resume with dp={optim['shards']}")
-        state["optimizer"] = torch.load(shard, map_location=device, weights_only=True)
+    if optim is None or optim["shards"] == shards == 1:
+        return state
+    saved = optim["shards"]
+    dp_ranks = [mesh.dp_rank] if saved == shards else range(saved)
+    if not optim.get("sharded"):  # one replicated state, in this file
+        parts = [optim]
+    else:
+        parts = []
+        for dp_rank in dp_ranks:
+            file = optimizer_file(folder, mesh, dp_rank=dp_rank)
+            if not file.is_file():
+                raise RLHFError(f"{file} is missing: {folder} holds optimizer state sharded "
+                                f"over a data-parallel size of {saved} (ZeRO-1) and this "
+                                f"engine runs dp={mesh.dp_size}; copy the whole checkpoint "
+                                f"folder, or resume with dp={saved}")
+            parts.append(torch.load(file, map_location=device, weights_only=True))
+    state["optimizer"] = parts[0] if saved == shards else {"shards": saved, "all": parts}
     return state
 
 

@@ -260,8 +260,11 @@ class TrainEngine:
         return ckpt.save_shard(self.state_dict(), folder, self.mesh)
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate."""
-        self.load_state_dict(ckpt.load_shard(folder, self.mesh, device=self.device))
+        """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
+        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting."""
+        shards = self.grads.part.shards if self.grads is not None else 1
+        self.load_state_dict(ckpt.load_shard(folder, self.mesh, device=self.device,
+                                             shards=shards))
 
     # ---- internals ---------------------------------------------------------------------------
 

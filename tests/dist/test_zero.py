@@ -2,15 +2,19 @@
 
 One launch of 4 gloo processes runs every case: for each, a ZeRO-1 engine and a
 non-distributed engine of the same layout take three steps on the same micro-batches; the
-ZeRO-1 engine is also checkpointed after two steps and resumed into a fresh engine. The
+ZeRO-1 engine is also checkpointed after two steps and resumed into a fresh engine (of the
+same layout, of another dp size, and without ZeRO-1: the optimizer state is resharded). The
 pytest process computes the single-process reference (three steps of torch AdamW on the
 unsharded model). Small buckets make the flat buffer hold several padded buckets.
 """
 
 import dataclasses
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
@@ -86,11 +90,23 @@ def _run_case(mesh, folder, plan, dtype, ckpt):
             "buckets": len(zero.grads.part.buckets), "dp": mesh.dp_size}
 
 
-def _wrong_dp(folder, mesh, ckpt):
-    """Load a checkpoint written at another dp size (or without ZeRO-1); the error text."""
+def _resumed_elsewhere(folder, mesh, ckpt, *, distributed):
+    """Load a checkpoint written at another dp size (or ZeRO-1 setting), take the third step."""
+    engine = _engine(folder, mesh, ParallelConfig(), "float32", distributed=distributed)
+    engine.load_checkpoint(ckpt)
+    stats = _step(engine, SEEDS[2])
+    return {"params": exported(engine), "grad_norm": stats["grad_norm"]}
+
+
+def _missing_shard(folder, mesh, ckpt, root):
+    """A ZeRO-1 checkpoint with a shard file deleted: the error text."""
+    if mesh.rank == 0:
+        shutil.copytree(ckpt, f"{root}/broken")
+        Path(f"{root}/broken/optim_pp00_tp00_dp001.pt").unlink()
+    dist.barrier()
     engine = _engine(folder, mesh, ParallelConfig(), "float32", distributed=True)
     try:
-        engine.load_checkpoint(ckpt)
+        engine.load_checkpoint(f"{root}/broken")
     except RLHFError as e:
         return str(e)
     return None
@@ -106,9 +122,13 @@ def _run_all(rank, world, folders, root):
             results[name] = _run_case(mesh, folders[model], plan, dtype, f"{root}/{name}")
     dp2 = ParallelMesh([0, 1], cache=cache)
     dp4 = ParallelMesh([0, 1, 2, 3], cache=cache)
-    if dp2.is_member:  # dp4 ZeRO-1 shards into a dp2 engine
-        results["dp4-into-dp2"] = _wrong_dp(folders["llama"], dp2, f"{root}/dp4")
-    results["dp2-into-dp4"] = _wrong_dp(folders["llama"], dp4, f"{root}/dp2")
+    llama = folders["llama"]
+    if dp2.is_member:
+        results["dp4-into-dp2"] = _resumed_elsewhere(llama, dp2, f"{root}/dp4", distributed=True)
+    results["dp2-into-dp4"] = _resumed_elsewhere(llama, dp4, f"{root}/dp2", distributed=True)
+    results["dp4-into-dp4-plain"] = _resumed_elsewhere(llama, dp4, f"{root}/dp4",
+                                                       distributed=False)
+    results["missing-shard"] = _missing_shard(llama, dp4, f"{root}/dp2", root)
     return results
 
 
@@ -173,14 +193,21 @@ def test_zero1_checkpoint_round_trip_is_exact(setup, name):
             assert torch.equal(got["resumed"][key], tensor), (rank, key)
 
 
-def test_loading_at_another_dp_size_names_both_sizes(setup):
+@pytest.mark.parametrize("name,saved,ranks", [("dp4-into-dp2", "dp4", 2),
+                                               ("dp2-into-dp4", "dp2", 4),
+                                               ("dp4-into-dp4-plain", "dp4", 4)])
+def test_loading_at_another_dp_size_or_zero1_setting_reshards(setup, name, saved, ranks):
     _, results = setup
-    for rank in (0, 1):
-        message = results[rank]["dp4-into-dp2"]
-        assert message and "data-parallel size of 4" in message and "2 ways" in message
-    for rank in (2, 3):  # no shard file for dp ranks 2 and 3 in a dp=2 checkpoint
-        message = results[rank]["dp2-into-dp4"]
-        assert message and "size of 2" in message and "dp rank" in message
-    for rank in (0, 1):
-        message = results[rank]["dp2-into-dp4"]
-        assert message and "data-parallel size of 2" in message and "4 ways" in message
+    want = results[0][saved]  # the engine that wrote the checkpoint, after its third step
+    for rank in range(ranks):
+        got = results[rank][name]
+        assert max_param_error(got["params"], want["zero"]) < TOL, rank
+        assert got["grad_norm"] == pytest.approx(want["stats"]["zero"][2]["grad_norm"],
+                                                 rel=1e-6)
+
+
+def test_a_missing_shard_file_names_both_dp_sizes(setup):
+    _, results = setup
+    for rank in range(4):
+        message = results[rank]["missing-shard"]
+        assert message and "data-parallel size of 2" in message and "dp=4" in message, rank
