@@ -15,8 +15,10 @@ from rlhf.algorithms import aggregate
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.data.fields import MASK
 from workers.base import Worker
-from workers.common import MASK, TOKENS, build_engine, require_fields, train_mini_batch
+from workers.common import (TOKENS, build_engine, build_micro_batches, group_plan,
+                            require_fields, train_mini_batch)
 from workers.engine_state import CheckpointMixin
 
 
@@ -38,8 +40,10 @@ class SFTWorker(CheckpointMixin, Worker):
     def train_step(self, batch: Batch) -> dict[str, float]:
         """One optimizer step on `batch` (prompt_ids, response_ids); returns sft/ metrics."""
         require_fields(batch, TOKENS, "sft.train_step")
-        metrics = train_mini_batch(self.engine, batch, (), self.config.sft, _nll_loss,
-                                   outputs=("log_probs",))
+        # One step per call: each DP group plans its own chunk (no step count to agree on).
+        plan = group_plan(batch, self.config.sft, None, dp_size=1, key="sft")
+        mbs = build_micro_batches(batch, plan.mini_batches[0], (MASK,))
+        metrics = train_mini_batch(self.engine, mbs, _nll_loss, outputs=("log_probs",))
         return {f"sft/{k}": v for k, v in metrics.items()}
 
 
