@@ -1,7 +1,7 @@
 """The first PPO step is the same whatever the actor's layout: on 4 ranks, dp=4, tp=2, pp=2
 and tp=2 x pp=2 give the same old log-probs, losses, grad norm and updated log-probs for the
-same batch (driver-side GRPO advantages from fixed scores; two mini-batches, put in the
-driver's layout-independent order)."""
+same batch (driver-side GRPO advantages from fixed scores; two mini-batches, each balanced
+over the DP groups by the driver's plan, so dp 4, 2 and 1 step on the same samples)."""
 
 import pytest
 import torch
@@ -9,7 +9,8 @@ import torch
 from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.phases import compute_advantages, dp_mini_batch_order
+from rlhf.trainer.phases import compute_advantages
+from rlhf.trainer.step_plan import StepPlanner
 from tests.unit.trainer.jobs import job_config, make_assets
 from workers.actor import ActorWorker
 
@@ -34,14 +35,14 @@ def step(cfg, name):
     group = WorkerGroup(pool, {"actor": (ActorWorker, {"config": cfg})}, job_name=f"lay-{name}")
     try:
         batch = first_batch()
-        batch = batch.union(group.compute_log_prob(batch))
+        plans = StepPlanner(cfg, {"actor": group.role_views()["actor"].layout.dp}, batch)
+        batch = batch.union(group.compute_log_prob(batch, plan=plans.forward("actor")))
         scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
         advantages, _ = compute_advantages(batch, scores, cfg, kl_ctrl=None)
         batch = batch.union(advantages)
-        dp = group.role_views()["actor"].layout.dp
-        metrics = group.update_actor(batch.select(dp_mini_batch_order(len(batch), mini_size=4,
-                                                                      dp=dp)))
-        after = group.compute_log_prob(batch)["old_log_probs"]
+        assert plans.update("actor").num_mini_batches == 2
+        metrics = group.update_actor(batch, plan=plans.update("actor"))
+        after = group.compute_log_prob(batch, plan=plans.forward("actor"))["old_log_probs"]
         return batch["old_log_probs"], metrics, after
     finally:
         group.shutdown()
