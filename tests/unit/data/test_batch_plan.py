@@ -5,9 +5,13 @@ import pickle
 
 import numpy as np
 import pytest
+import torch
 
+from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import plan_batch
 from rlhf.data.planner import default_cost
+from rlhf.data.ragged import Ragged
+from workers.common import build_micro_batches
 
 
 def rl_lengths(seed, n):
@@ -102,3 +106,24 @@ def test_errors_name_the_fix():
         plan_batch([3] * 10, dp=2, max_tokens=8, mini_size=4, what="actor.x")
     with pytest.raises(ValueError, match="raise the budget to at least 9"):
         plan_batch([3, 9], dp=1, max_tokens=8)
+
+
+def test_groups_build_equal_micro_batch_counts_small_large_small():
+    """Long samples first, short last: contiguous chunks would give group 0 more micro-batches;
+    the plan gives every group the same count, each built by workers.common."""
+    lengths = [14, 13, 12, 11, 10, 9, 8, 4, 3, 3, 2, 2, 2]
+    batch = Batch({"prompt_ids": Ragged.from_list([[1, 1]] * len(lengths), dtype=torch.int64),
+                   "response_ids": Ragged.from_list([[2] * (n - 2) for n in lengths],
+                                                    dtype=torch.int64)})
+    plan = plan_batch(lengths, dp=2, max_tokens=24, max_seqs=3)
+    built = []
+    for rows, grp in zip(plan.rows, plan.groups):
+        mbs = build_micro_batches(batch.select(list(rows)), grp.mini_batches[0])
+        assert [mb.num_tokens for mb in mbs] == list(grp.token_counts[0])
+        assert sorted(torch.cat([mb.sample_ids for mb in mbs]).tolist()) == \
+            list(range(len(rows)))
+        assert max(mb.num_seqs for mb in mbs) <= 3 and max(mb.num_tokens for mb in mbs) <= 24
+        tokens = [mb.num_tokens for mb in mbs]
+        assert max(tokens[0], tokens[-1]) <= max(tokens[1:-1])  # cheap ones at both ends
+        built.append(len(mbs))
+    assert built[0] == built[1] >= 3
