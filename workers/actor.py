@@ -75,8 +75,7 @@ class ActorWorker(CheckpointMixin, Worker):
     def compute_log_prob(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`old_log_probs` and `entropy` of every response token at the sampling temperature."""
         require_fields(batch, TOKENS, "actor.compute_log_prob")
-        mbs = forward_micro_batches(batch, self.config.actor, plan,
-                                    dp_size=self.engine.mesh.dp_size, key="actor")
+        mbs = forward_micro_batches(batch, self.config.actor, plan, key="actor")
         outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
                                       temperature=sampling_temperature(self.config))
         return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})

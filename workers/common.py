@@ -1,4 +1,4 @@
-"""What the worker roles share: the Batch field contract, role checks, micro- and mini-batching.
+"""What the worker roles share: the Batch field contract, role checks, executing the plan.
 
 Batch fields (the contract with the PPO driver)
 -----------------------------------------------
@@ -31,13 +31,15 @@ response token j of sample i, computed at the position that predicts it):
                                 rollout.tis_cap set, update_actor needs it and weights each
                                 token's policy loss by min(exp(old - rollout), tis_cap)
 
-One PPO step, from the driver (each call reads the fields listed above):
+One PPO step, from the driver (each call reads the fields listed above and takes its plan,
+`plan=plans.forward(role)` or `plans.update(role)`, see rlhf/trainer/step_plan.py):
     batch |= rm.compute_rm_score(batch)           if reward.model_path (rm_scores)
-    batch |= actor.compute_log_prob(batch)        old_log_probs, entropy
+    batch |= actor.compute_log_prob(batch)        old_log_probs, entropy (unless fused)
     batch |= ref.compute_ref_log_prob(batch)      if algorithm.use_ref
     batch |= critic.compute_values(batch)         if algorithm.use_critic
     advantages, returns: on the driver (KL penalty, estimator)
     critic.update_critic(batch); actor.update_actor(batch)   -> {"critic/...": x}, {"actor/...": x}
+    (fused: actor.update_actor -> ({"actor/...": x}, Batch of old_log_probs, entropy))
 (`|=` standing for `batch = batch.union(...)`). Updates step once per mini-batch of the plan:
 <role>.ppo_mini_batch_size prompts (x rollout.n samples), consecutive in the driver's order
 whatever the DP size: shuffle on the driver if wanted, and send a multiple of that many.
@@ -114,7 +116,7 @@ def require_fields(batch: Batch, names: Sequence[str], where: str) -> None:
 
 
 def group_plan(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
-               dp_size: int, mini_size: int | None = None, key: str = "") -> GroupPlan:
+               dp_size: int, mini_size: int | None = None, key: str) -> GroupPlan:
     """The plan this DP group executes: the driver's, checked against `batch`; or, without
     one, a plan of `batch` alone (forward: one mini-batch; update: `mini_size` samples each,
     only at dp = 1, since other groups' mini-batch counts are not known here)."""
@@ -150,13 +152,14 @@ def build_micro_batches(batch: Batch, micro: Sequence[Sequence[int]],
 
 
 def forward_micro_batches(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
-                          dp_size: int, key: str) -> list[MicroBatch]:
-    """The micro-batches of a forward pass over `batch` (one mini-batch) by `plan`."""
-    plan = group_plan(batch, role, plan, dp_size=dp_size, key=key)
+                          key: str, per_token: Sequence[str] = ()) -> list[MicroBatch]:
+    """The micro-batches of a call that runs `batch` as one mini-batch (a forward pass, an SFT
+    step) by `plan`, or by this group's own plan of `batch` without one."""
+    plan = group_plan(batch, role, plan, dp_size=1, key=key)
     if len(plan.mini_batches) != 1:
-        raise ValueError(f"{key}: a forward pass runs one mini-batch but the plan has "
+        raise ValueError(f"{key}: this call runs one mini-batch but the plan has "
                          f"{len(plan.mini_batches)}; plan it with mini_size=None")
-    return build_micro_batches(batch, plan.mini_batches[0])
+    return build_micro_batches(batch, plan.mini_batches[0], per_token)
 
 
 def _per_token(batch: Batch, key: str) -> Ragged:

@@ -43,8 +43,7 @@ class CriticWorker(CheckpointMixin, Worker):
     def compute_values(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`values` of every response token (see the module docstring)."""
         require_fields(batch, TOKENS, "critic.compute_values")
-        mbs = forward_micro_batches(batch, self.config.critic, plan,
-                                    dp_size=self.engine.mesh.dp_size, key="critic")
+        mbs = forward_micro_batches(batch, self.config.critic, plan, key="critic")
         outputs = self.engine.forward(mbs, outputs=("values",))
         return response_fields(outputs, mbs, {"values": "values"})
 

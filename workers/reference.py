@@ -29,8 +29,7 @@ class ReferenceWorker(Worker):
     def compute_ref_log_prob(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
         require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
-        mbs = forward_micro_batches(batch, self.config.ref, plan,
-                                    dp_size=self.engine.mesh.dp_size, key="ref")
+        mbs = forward_micro_batches(batch, self.config.ref, plan, key="ref")
         outputs = self.engine.forward(mbs, outputs=("log_probs",),
                                       temperature=sampling_temperature(self.config))
         return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

@@ -37,8 +37,7 @@ class RewardModelWorker(Worker):
     def compute_rm_score(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`rm_scores` (n,) float32: the value at each sample's last token."""
         require_fields(batch, TOKENS, "reward.compute_rm_score")
-        mbs = forward_micro_batches(batch, self.config.reward, plan,
-                                    dp_size=self.engine.mesh.dp_size, key="reward")
+        mbs = forward_micro_batches(batch, self.config.reward, plan, key="reward")
         outputs = self.engine.forward(mbs, outputs=("values",))
         scores = torch.zeros(len(batch), dtype=torch.float32)
         for out, mb in zip(outputs, mbs):

@@ -127,7 +127,7 @@ def hf_token_stats(policy, batch, temperature):
 def test_micro_batches_respect_token_budget_and_sample_cap(folders):
     batch = make_batch(n=9)
     role = TrainRoleConfig(max_tokens_per_micro_batch=24, micro_batch_size=2)
-    mbs = forward_micro_batches(batch, role, None, dp_size=1, key="actor")
+    mbs = forward_micro_batches(batch, role, None, key="actor")
     assert max(mb.num_seqs for mb in mbs) <= 2
     assert max(mb.num_tokens for mb in mbs) <= 24
     assert torch.equal(torch.cat([mb.sample_ids for mb in mbs]).sort().values, torch.arange(9))
@@ -139,7 +139,7 @@ def test_compute_log_prob_matches_transformers(folders, world, micro_batch_size)
     cfg = make_config(policy, actor={"micro_batch_size": micro_batch_size})
     actor = ActorWorker(context(world, "actor"), config=cfg)
     batch = make_batch()
-    mbs = forward_micro_batches(batch, cfg.actor, None, dp_size=1, key="actor")
+    mbs = forward_micro_batches(batch, cfg.actor, None, key="actor")
     assert len(mbs) >= 3, "the test should span micro-batches"
     out = actor.compute_log_prob(batch)
     assert out.keys() == ["old_log_probs", "entropy"]
