@@ -8,6 +8,11 @@ Fields in and out are listed in workers/common.py. The loss of one micro-batch i
 
 each aggregated by algorithm.loss_agg_mode and normalised by the mini-batch's global token /
 sequence counts (over every DP rank), so the micro-batch losses add up to the mini-batch loss.
+
+On-policy (one PPO epoch of one mini-batch) the driver may skip compute_log_prob and send a
+batch without `old_log_probs` (rlhf.trainer.step_plan.fuse_old_log_probs decides): the first
+forward of the update then gives them (detached, so the ratio is exactly 1 there, as it is
+with a separate pass) and update_actor returns them with `entropy`.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ from rlhf.algorithms import (aggregate, entropy_bonus, kl_loss, ppo_policy_loss,
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.fields import MASK
 from rlhf.engine.engine import resolve_dtype
 from rlhf.errors import ConfigError
 from rlhf.rollout import ReplicaSpec, RolloutReplica
 from workers.base import Worker
-from workers.common import (MASK, TOKENS, build_engine, micro_batches, ppo_updates,
+from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
                             require_fields, response_fields, sampling_temperature, token_share)
 from workers.engine_state import CheckpointMixin
 
@@ -65,35 +72,48 @@ class ActorWorker(CheckpointMixin, Worker):
         self.rollout.mark_stale()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_log_prob(self, batch: Batch) -> Batch:
+    def compute_log_prob(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`old_log_probs` and `entropy` of every response token at the sampling temperature."""
         require_fields(batch, TOKENS, "actor.compute_log_prob")
-        mbs = micro_batches(batch, (), self.config.actor)
+        mbs = forward_micro_batches(batch, self.config.actor, plan, key="actor")
         outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
                                       temperature=sampling_temperature(self.config))
         return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
-    def update_actor(self, batch: Batch) -> dict[str, float]:
+    def update_actor(self, batch: Batch,
+                     plan: GroupPlan | None = None) -> dict[str, float] | tuple[dict, Batch]:
         """algorithm.ppo_epochs passes over the batch, one optimizer step per mini-batch of
-        actor.ppo_mini_batch_size prompts (times rollout.n samples), in order."""
-        per_token = self._per_token_fields()
+        actor.ppo_mini_batch_size prompts (times rollout.n samples), in order. Without
+        `old_log_probs` in the batch (on-policy only): (metrics, Batch of the `old_log_probs`
+        and `entropy` its first forward gave)."""
+        fused = "old_log_probs" not in batch
+        per_token = self._per_token_fields(fused)
         require_fields(batch, (*TOKENS, *per_token), "actor.update_actor")
-        metrics = ppo_updates(self.engine, batch, self.config, "actor", per_token, self._loss_fn,
-                              outputs=("log_probs", "entropy"),
+        seen: list | None = [] if fused else None
+        metrics = ppo_updates(self.engine, batch, plan, self.config, "actor", per_token,
+                              lambda tokens, seqs: self._loss_fn(tokens, seqs, seen=seen),
+                              outputs=("log_probs", "entropy"), on_policy=fused,
                               temperature=sampling_temperature(self.config))
         self.rollout.mark_stale()
-        return metrics
+        if not fused:
+            return metrics
+        outputs = [{"log_probs": lp, "entropy": ent} for lp, ent, _ in seen]
+        fields = response_fields(outputs, [mb for _, _, mb in seen],
+                                 {"old_log_probs": "log_probs", "entropy": "entropy"})
+        return metrics, fields
 
-    def _per_token_fields(self) -> tuple[str, ...]:
-        fields = ["old_log_probs", "advantages"]
+    def _per_token_fields(self, fused: bool) -> tuple[str, ...]:
+        fields = ["advantages"] if fused else ["old_log_probs", "advantages"]
         if self.config.algorithm.use_kl_loss:
             fields.append("ref_log_probs")
         if self.config.rollout.tis_cap is not None:
             fields.append("rollout_log_probs")
         return tuple(fields)
 
-    def _loss_fn(self, global_tokens: int, global_seqs: int):
+    def _loss_fn(self, global_tokens: int, global_seqs: int, *, seen: list | None = None):
+        """The PPO loss; with `seen` (fused old log-probs), the detached current log-probs
+        stand in for `old_log_probs`, and each micro-batch's (log-probs, entropy, mb) is kept."""
         algo, tis_cap = self.config.algorithm, self.config.rollout.tis_cap
         norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
                     global_seqs=global_seqs, max_response_length=self.config.rollout.max_new_tokens)
@@ -101,12 +121,16 @@ class ActorWorker(CheckpointMixin, Worker):
         def loss_fn(out: dict[str, Tensor], mb) -> tuple[Tensor, dict]:
             t, cu = mb.tensors, mb.packed.cu_seqlens
             mask_T = t[MASK].bool()
+            if seen is None:
+                old_T = t["old_log_probs"]
+            else:
+                old_T = out["log_probs"].detach()
+                seen.append((old_T, out["entropy"].detach(), mb))
             is_weights_T = None
             if tis_cap is not None:
-                is_weights_T = truncated_is_weights(t["old_log_probs"], t["rollout_log_probs"],
-                                                    tis_cap)
+                is_weights_T = truncated_is_weights(old_T, t["rollout_log_probs"], tis_cap)
             pg, pg_metrics = ppo_policy_loss(
-                out["log_probs"], t["old_log_probs"], t["advantages"], mask_T, cu,
+                out["log_probs"], old_T, t["advantages"], mask_T, cu,
                 clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
                 clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
             loss = pg - algo.entropy_coeff * entropy_bonus(out["entropy"], mask_T, cu, **norm)

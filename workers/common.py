@@ -1,10 +1,13 @@
-"""What the worker roles share: the Batch field contract, role checks, micro- and mini-batching.
+"""What the worker roles share: the Batch field contract, role checks, executing the plan.
 
 Batch fields (the contract with the PPO driver)
 -----------------------------------------------
-Samples stay in the driver's order: DP_COMPUTE hands each DP group a contiguous chunk and
-concatenates the chunks' results back. A role method returns a NEW Batch holding only the
-fields it produced (on the CPU); the driver merges it: `batch = batch.union(result)`.
+The driver plans (rlhf.data.batch_plan): a role method takes `plan=`, the driver's BatchPlan;
+the dispatcher hands DP group g the rows the plan gives it with its GroupPlan (mini-batches of
+micro-batches, as indices into those rows) and puts results back in the driver's order. The
+worker only executes the plan. Without one, a group plans its own contiguous chunk (forward
+passes at any DP size; updates only at dp = 1). A role method returns a NEW Batch holding only
+the fields it produced (on the CPU); the driver merges it: `batch = batch.union(result)`.
 
 Per sample:
     prompt_ids         Ragged int64   prompt tokens; at least one (a BOS is enough), because
@@ -15,8 +18,9 @@ Per sample:
 Per response token (Ragged with the row lengths of `response_ids`; entry j of row i is about
 response token j of sample i, computed at the position that predicts it):
     old_log_probs      float32  ActorWorker.compute_log_prob: log pi(token | prefix) at the
-                                sampling temperature (rollout.temperature; 1 when greedy)
-    entropy            float32  ActorWorker.compute_log_prob: entropy of that distribution
+                                sampling temperature (rollout.temperature; 1 when greedy);
+                                or, on-policy, update_actor's first forward (see actor.py)
+    entropy            float32  the same pass: entropy of that distribution
     ref_log_probs      float32  ReferenceWorker.compute_ref_log_prob, same temperature
     values             float32  CriticWorker.compute_values: V(prompt + response[:j])
     advantages         float    the driver (rlhf.algorithms advantage estimators)
@@ -27,40 +31,39 @@ response token j of sample i, computed at the position that predicts it):
                                 rollout.tis_cap set, update_actor needs it and weights each
                                 token's policy loss by min(exp(old - rollout), tis_cap)
 
-One PPO step, from the driver (each call reads the fields listed above):
+One PPO step, from the driver (each call reads the fields listed above and takes its plan,
+`plan=plans.forward(role)` or `plans.update(role)`, see rlhf/trainer/step_plan.py):
     batch |= rm.compute_rm_score(batch)           if reward.model_path (rm_scores)
-    batch |= actor.compute_log_prob(batch)        old_log_probs, entropy
+    batch |= actor.compute_log_prob(batch)        old_log_probs, entropy (unless fused)
     batch |= ref.compute_ref_log_prob(batch)      if algorithm.use_ref
     batch |= critic.compute_values(batch)         if algorithm.use_critic
     advantages, returns: on the driver (KL penalty, estimator)
     critic.update_critic(batch); actor.update_actor(batch)   -> {"critic/...": x}, {"actor/...": x}
-(`|=` standing for `batch = batch.union(...)`). Updates step once per mini-batch of
-<role>.ppo_mini_batch_size prompts (x rollout.n samples), taken in order from each DP chunk:
-shuffle on the driver if wanted, and send a multiple of that many samples.
+    (fused: actor.update_actor -> ({"actor/...": x}, Batch of old_log_probs, entropy))
+(`|=` standing for `batch = batch.union(...)`). Updates step once per mini-batch of the plan:
+<role>.ppo_mini_batch_size prompts (x rollout.n samples), consecutive in the driver's order
+whatever the DP size: shuffle on the driver if wanted, and send a multiple of that many.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from rlhf.config import ForwardRoleConfig, JobConfig, TrainRoleConfig
 from rlhf.data.batch import Batch
-from rlhf.data.ragged import Ragged
+from rlhf.data.batch_plan import GroupPlan, plan_role_batch
+from rlhf.data.fields import MASK, response_mask, sample_lengths
 from rlhf.data.packing import pack_prompt_response
-from rlhf.data.planner import plan_micro_batches
+from rlhf.data.ragged import Ragged
 from rlhf.engine import (MicroBatch, TrainEngine, collect_response_values, predicting_positions,
                          scatter_response_values)
 from rlhf.errors import ConfigError
-from rlhf.parallel.collectives import group_size
-from rlhf.parallel.mesh import ParallelMesh
 from workers.base import Worker
 
-MASK = "response_mask"
 TOKENS = ("prompt_ids", "response_ids")
 
 
@@ -101,10 +104,10 @@ def sampling_temperature(config: JobConfig) -> float:
     return config.rollout.temperature if config.rollout.temperature > 0 else 1.0
 
 
-# ---- batches ---------------------------------------------------------------------------------
+# ---- batches and plans ----------------------------------------------------------------------
 
 
-def require_fields(batch: Batch, names: Iterable[str], where: str) -> None:
+def require_fields(batch: Batch, names: Sequence[str], where: str) -> None:
     """ValueError naming what `where` needs when the batch lacks some of `names`."""
     missing = [n for n in names if n not in batch]
     if missing:
@@ -112,45 +115,51 @@ def require_fields(batch: Batch, names: Iterable[str], where: str) -> None:
                          f"(it has {batch.keys()}); see workers/common.py for who makes them")
 
 
-def response_mask(batch: Batch) -> Ragged:
-    """The batch's `response_mask` as bool, or all True over the response tokens."""
-    responses = batch["response_ids"]
-    if MASK in batch:
-        return Ragged(batch[MASK].values.bool(), batch[MASK].offsets)
-    return Ragged(torch.ones(responses.values.shape[0], dtype=torch.bool), responses.offsets)
+def group_plan(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
+               dp_size: int, mini_size: int | None = None, key: str) -> GroupPlan:
+    """The plan this DP group executes: the driver's, checked against `batch`; or, without
+    one, a plan of `batch` alone (forward: one mini-batch; update: `mini_size` samples each,
+    only at dp = 1, since other groups' mini-batch counts are not known here)."""
+    if plan is not None:
+        if plan.num_rows != len(batch):
+            raise ValueError(f"{key}: the plan covers {plan.num_rows} rows but the batch has "
+                             f"{len(batch)}; pass the plan made for this batch")
+        return plan
+    if mini_size is not None and dp_size > 1:
+        raise ValueError(f"{key}: an update on {dp_size} DP groups needs the driver's plan: "
+                         "pass plan=rlhf.trainer.step_plan.update_plan(...) (or a BatchPlan "
+                         "from rlhf.data.batch_plan)")
+    what = f"{key}.ppo_mini_batch_size * rollout.n"
+    return plan_role_batch(sample_lengths(batch), role, dp=1, mini_size=mini_size,
+                           what=what).groups[0]
 
 
-def micro_batches(batch: Batch, per_token: Sequence[str], role: ForwardRoleConfig, *,
-                  mesh: ParallelMesh | None = None) -> list[MicroBatch]:
-    """Plan `batch` into micro-batches (rlhf.data.planner): within the role's token budget (and,
-    for a training role with micro_batch_size, that many samples at most), ordered
-    small-large-small for the pipeline; `sample_ids` index `batch`.
-
-    With `mesh`, every DP rank runs the same number of micro-batches (the largest any rank
-    needs; collective over DP), short of it only with fewer samples than that.
-    """
+def build_micro_batches(batch: Batch, micro: Sequence[Sequence[int]],
+                        per_token: Sequence[str] = ()) -> list[MicroBatch]:
+    """The micro-batches `micro` lists (rows of `batch`, one list per micro-batch), with the
+    per-response-token fields `per_token` at their predicting positions; `sample_ids` index
+    `batch`. Every worker builds its micro-batches here."""
     fields = {k: _per_token(batch, k) for k in per_token}
     prompts, responses = batch["prompt_ids"], batch["response_ids"]
-    lengths = (prompts.lengths + responses.lengths).tolist()
-    max_seqs = getattr(role, "micro_batch_size", None)
-    budget = role.max_tokens_per_micro_batch
-    plan = plan_micro_batches(lengths, dp=1, max_tokens=budget, max_seqs=max_seqs)
-    if mesh is not None and group_size(mesh.dp_group) > 1:
-        counts = [None] * mesh.dp_size  # an object gather works on CPU and GPU backends alike
-        dist.all_gather_object(counts, plan.num_micro_batches, group=mesh.dp_group)
-        if max(counts) > plan.num_micro_batches:  # split further to match the busiest rank
-            plan = plan_micro_batches(lengths, dp=1, max_tokens=budget, max_seqs=max_seqs,
-                                      min_micro_batches=max(counts))
-    return [_micro_batch(prompts, responses, fields, rows) for rows in plan.rank(0) if rows]
+    out = []
+    for rows in micro:
+        ids = torch.tensor(rows, dtype=torch.int64)
+        packed = pack_prompt_response(prompts.select(ids), responses.select(ids))
+        predicting_positions(packed)  # ValueError for a response without a prompt
+        tensors = {k: scatter_response_values(v.select(ids), packed) for k, v in fields.items()}
+        out.append(MicroBatch(packed, tensors, ids))
+    return out
 
 
-def _micro_batch(prompts: Ragged, responses: Ragged, fields: Mapping[str, Ragged],
-                 rows: Sequence[int]) -> MicroBatch:
-    ids = torch.tensor(rows, dtype=torch.int64)
-    packed = pack_prompt_response(prompts.select(ids), responses.select(ids))
-    predicting_positions(packed)  # ValueError for a response without a prompt
-    tensors = {k: scatter_response_values(v.select(ids), packed) for k, v in fields.items()}
-    return MicroBatch(packed, tensors, ids)
+def forward_micro_batches(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
+                          key: str, per_token: Sequence[str] = ()) -> list[MicroBatch]:
+    """The micro-batches of a call that runs `batch` as one mini-batch (a forward pass, an SFT
+    step) by `plan`, or by this group's own plan of `batch` without one."""
+    plan = group_plan(batch, role, plan, dp_size=1, key=key)
+    if len(plan.mini_batches) != 1:
+        raise ValueError(f"{key}: this call runs one mini-batch but the plan has "
+                         f"{len(plan.mini_batches)}; plan it with mini_size=None")
+    return build_micro_batches(batch, plan.mini_batches[0], per_token)
 
 
 def _per_token(batch: Batch, key: str) -> Ragged:
@@ -173,38 +182,19 @@ def response_fields(outputs: Sequence[Mapping[str, Tensor]], mbs: Sequence[Micro
                   for field, name in names.items()})
 
 
-def mini_batches(batch: Batch, size: int, mesh: ParallelMesh, key: str) -> list[Batch]:
-    """Consecutive mini-batches of `size` samples of this rank's chunk.
-
-    Every DP rank must run the same number of optimizer steps, so the chunk sizes are gathered
-    over DP first and every rank raises the same error when they cannot split evenly.
-    """
-    sizes = [len(batch)]
-    if group_size(mesh.dp_group) > 1:
-        sizes = [None] * mesh.dp_size
-        dist.all_gather_object(sizes, len(batch), group=mesh.dp_group)
-    if size < 1 or any(s != sizes[0] or s % size for s in sizes) or sizes[0] == 0:
-        raise ValueError(f"{key}: the DP ranks hold {sizes} samples, which do not split into "
-                         f"mini-batches of {size} ({key}.ppo_mini_batch_size * rollout.n / "
-                         f"{mesh.dp_size} DP ranks); send a multiple of "
-                         f"{max(size, 1) * mesh.dp_size} samples")
-    return batch.split([size] * (len(batch) // size))
-
-
 # ---- training --------------------------------------------------------------------------------
 
 
-def train_mini_batch(engine: TrainEngine, mini: Batch, per_token: Sequence[str],
-                     role: TrainRoleConfig, make_loss, *, outputs: Sequence[str],
-                     temperature: float = 1.0) -> dict[str, float]:
-    """One optimizer step on one mini-batch; returns its metrics plus grad_norm and lr.
+def train_mini_batch(engine: TrainEngine, mbs: Sequence[MicroBatch], make_loss, *,
+                     outputs: Sequence[str], temperature: float = 1.0) -> dict[str, float]:
+    """One optimizer step on one mini-batch's micro-batches (this DP group's share); returns
+    its metrics plus grad_norm and lr.
 
     `make_loss(global_tokens, global_seqs)` gives the engine's loss_fn; its metrics must be
     each micro-batch's SHARE of the mini-batch value (like the losses), so their sum over all
     micro-batches of all DP ranks is the mini-batch value. The engine averages metrics over
     those micro-batches, so the sum is that average times their number.
     """
-    mbs = micro_batches(mini, (*per_token, MASK), role, mesh=engine.mesh)
     tokens, seqs = engine.loss_normalizers(mbs, mask_key=MASK)
     stats = engine.forward_backward(mbs, make_loss(max(tokens, 1), max(seqs, 1)),
                                     outputs=outputs, temperature=temperature)
@@ -214,18 +204,24 @@ def train_mini_batch(engine: TrainEngine, mini: Batch, per_token: Sequence[str],
     return {**metrics, **engine.step()}
 
 
-def ppo_updates(engine: TrainEngine, batch: Batch, config: JobConfig, key: str,
-                per_token: Sequence[str], make_loss, *, outputs: Sequence[str],
-                temperature: float = 1.0) -> dict[str, float]:
-    """algorithm.ppo_epochs passes over this rank's chunk, one `train_mini_batch` step per
-    `<key>.ppo_mini_batch_size` prompts' samples, in order; metrics averaged over the steps,
-    named `<key>/...`."""
+def ppo_updates(engine: TrainEngine, batch: Batch, plan: GroupPlan | None, config: JobConfig,
+                key: str, per_token: Sequence[str], make_loss, *, outputs: Sequence[str],
+                temperature: float = 1.0, on_policy: bool = False) -> dict[str, float]:
+    """algorithm.ppo_epochs passes over the plan's mini-batches (the driver's plan, or this
+    group's own at dp = 1: `<key>.ppo_mini_batch_size` prompts' samples each, in order), one
+    `train_mini_batch` step each; metrics averaged over the steps, named `<key>/...`.
+    `on_policy`: ValueError unless that is one step (the loss reads the old policy from it)."""
     role: TrainRoleConfig = getattr(config, key)
-    size = role.ppo_mini_batch_size * config.rollout.n // engine.mesh.dp_size
-    minis = mini_batches(batch, size, engine.mesh, key)
-    history = [train_mini_batch(engine, mini, per_token, role, make_loss, outputs=outputs,
-                                temperature=temperature)
-               for _ in range(config.algorithm.ppo_epochs) for mini in minis]
+    plan = group_plan(batch, role, plan, dp_size=engine.mesh.dp_size, key=key,
+                      mini_size=role.ppo_mini_batch_size * config.rollout.n)
+    steps = config.algorithm.ppo_epochs * len(plan.mini_batches)
+    if on_policy and steps != 1:
+        raise ValueError(f"{key}: the batch has no old_log_probs, which the update can take from "
+                         f"its first forward only when it is one step; this one is {steps} "
+                         f"(algorithm.ppo_epochs x mini-batches): call compute_log_prob first")
+    minis = [build_micro_batches(batch, micro, (*per_token, MASK)) for micro in plan.mini_batches]
+    history = [train_mini_batch(engine, mbs, make_loss, outputs=outputs, temperature=temperature)
+               for _ in range(config.algorithm.ppo_epochs) for mbs in minis]
     return mean_metrics(history, f"{key}/")
 
 

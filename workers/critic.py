@@ -13,9 +13,11 @@ from rlhf.algorithms import aggregate, value_loss
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.fields import MASK
 from rlhf.errors import ConfigError
 from workers.base import Worker
-from workers.common import (MASK, TOKENS, build_engine, micro_batches, ppo_updates,
+from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
                             require_fields, response_fields, token_share)
 from workers.engine_state import CheckpointMixin
 
@@ -38,21 +40,21 @@ class CriticWorker(CheckpointMixin, Worker):
                                    head="value", train=True)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_values(self, batch: Batch) -> Batch:
+    def compute_values(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`values` of every response token (see the module docstring)."""
         require_fields(batch, TOKENS, "critic.compute_values")
-        mbs = micro_batches(batch, (), self.config.critic)
+        mbs = forward_micro_batches(batch, self.config.critic, plan, key="critic")
         outputs = self.engine.forward(mbs, outputs=("values",))
         return response_fields(outputs, mbs, {"values": "values"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
-    def update_critic(self, batch: Batch) -> dict[str, float]:
+    def update_critic(self, batch: Batch, plan: GroupPlan | None = None) -> dict[str, float]:
         """algorithm.ppo_epochs passes, one step per critic.ppo_mini_batch_size prompts' samples;
         needs `values` (from compute_values, before any update) and `returns`."""
         per_token = ("values", "returns")
         require_fields(batch, (*TOKENS, *per_token), "critic.update_critic")
-        return ppo_updates(self.engine, batch, self.config, "critic", per_token, self._loss_fn,
-                           outputs=("values",))
+        return ppo_updates(self.engine, batch, plan, self.config, "critic", per_token,
+                           self._loss_fn, outputs=("values",))
 
     def _loss_fn(self, global_tokens: int, global_seqs: int):
         algo = self.config.algorithm

@@ -5,9 +5,10 @@ from __future__ import annotations
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import GroupPlan
 from rlhf.errors import ConfigError
 from workers.base import Worker
-from workers.common import (TOKENS, build_engine, micro_batches, require_fields,
+from workers.common import (TOKENS, build_engine, forward_micro_batches, require_fields,
                             response_fields, sampling_temperature)
 
 
@@ -25,10 +26,10 @@ class ReferenceWorker(Worker):
                                    train=False)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+    def compute_ref_log_prob(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
         require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
-        mbs = micro_batches(batch, (), self.config.ref)
+        mbs = forward_micro_batches(batch, self.config.ref, plan, key="ref")
         outputs = self.engine.forward(mbs, outputs=("log_probs",),
                                       temperature=sampling_temperature(self.config))
         return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

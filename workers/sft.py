@@ -15,8 +15,11 @@ from rlhf.algorithms import aggregate
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.fields import MASK
 from workers.base import Worker
-from workers.common import MASK, TOKENS, build_engine, require_fields, train_mini_batch
+from workers.common import (TOKENS, build_engine, forward_micro_batches, require_fields,
+                            train_mini_batch)
 from workers.engine_state import CheckpointMixin
 
 
@@ -35,11 +38,13 @@ class SFTWorker(CheckpointMixin, Worker):
                                    train=train)
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step on `batch` (prompt_ids, response_ids); returns sft/ metrics."""
+    def train_step(self, batch: Batch, plan: GroupPlan | None = None) -> dict[str, float]:
+        """One optimizer step on `batch` (prompt_ids, response_ids); returns sft/ metrics.
+        Without the driver's plan each DP group plans its own chunk: one step per call, so
+        there is no step count for the groups to agree on."""
         require_fields(batch, TOKENS, "sft.train_step")
-        metrics = train_mini_batch(self.engine, batch, (), self.config.sft, _nll_loss,
-                                   outputs=("log_probs",))
+        mbs = forward_micro_batches(batch, self.config.sft, plan, key="sft", per_token=(MASK,))
+        metrics = train_mini_batch(self.engine, mbs, _nll_loss, outputs=("log_probs",))
         return {f"sft/{k}": v for k, v in metrics.items()}
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 
 from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import BatchPlan
 
 _DISPATCH_ATTR = "_rlhf_dispatch"
 _INLINE_TYPES = (type(None), bool, int, float, str, enum.Enum)  # cheap to send by value
@@ -35,10 +36,13 @@ class Dispatch(enum.Enum):
     """Only rank 0 runs the method; returns its result."""
     DP_COMPUTE = "dp_compute"
     """Batch arguments split over DP groups; results of each DP group's output rank, in DP order
-    (Batches concatenated, so the driver's sample order comes back; other values as a list)."""
+    (Batches concatenated, so the driver's sample order comes back; other values as a list).
+    With a `BatchPlan` argument, group g gets the rows `plan.rows[g]` in that order and
+    `plan.groups[g]` in the plan's place, and Batch results come back in the driver's order."""
     DP_COMPUTE_METRICS = "dp_compute_metrics"
     """As DP_COMPUTE, for methods returning {name: number}: the sample-weighted mean over DP
-    groups (values a worker already all-reduced pass unchanged)."""
+    groups (values a worker already all-reduced pass unchanged). A method may instead return
+    (metrics, Batch): then (reduced metrics, Batches in the driver's order) comes back."""
     RANK_SPLIT = "rank_split"
     """Batch arguments split into one contiguous chunk per RANK, in rank order, whatever the
     layout (work each rank does alone, like sampling); results concatenated in rank order."""
@@ -103,6 +107,7 @@ class CallPlan:
     args: list[tuple[tuple, dict] | None]
     keep: list[bool]
     weights: list[int] | None = None  # samples per DP group, for DP_COMPUTE_METRICS
+    order: list[int] | None = None  # driver row of each concatenated result row (a BatchPlan)
 
 
 def plan_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> CallPlan:
@@ -118,14 +123,15 @@ def plan_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> Call
     if mode is Dispatch.COLLECTIVE:
         return CallPlan([_share_all(args, kwargs)] * n, [True] + [False] * (n - 1))
     if mode is Dispatch.RANK_SPLIT:
-        per_rank, weights = _split_dp(args, kwargs, n)
+        per_rank, weights, _ = _split_dp(args, kwargs, n, planned=False)
         return CallPlan(per_rank, [True] * n, weights)
-    per_dp, weights = _split_dp(args, kwargs, layout.dp)
+    per_dp, weights, order = _split_dp(args, kwargs, layout.dp, planned=True)
     outputs = set(layout.output_ranks())
     return CallPlan(
         [per_dp[layout.coordinate(r)[0]] for r in range(n)],
         [r in outputs for r in range(n)],
         weights,
+        order,
     )
 
 
@@ -140,12 +146,30 @@ def collect(mode: Dispatch, layout: Layout, plan: CallPlan, results: Mapping[int
     else:
         per_dp = [results[r] for r in layout.output_ranks()]
     if mode is Dispatch.DP_COMPUTE_METRICS:
+        if all(isinstance(x, tuple) and len(x) == 2 for x in per_dp):
+            return (reduce_metrics([m for m, _ in per_dp], plan.weights),
+                    _in_driver_order([b for _, b in per_dp], plan.order))
         return reduce_metrics(per_dp, plan.weights)
     if all(isinstance(x, Batch) for x in per_dp):
-        return Batch.concat(per_dp)
+        return _in_driver_order(per_dp, plan.order)
     if all(x is None for x in per_dp):
         return None
     return per_dp
+
+
+def _in_driver_order(per_dp: Sequence[Batch], order: Sequence[int] | None) -> Batch:
+    """Concatenated results; with a plan's `order` (driver row of each concatenated row), put
+    back so that row i is the driver's row i."""
+    out = Batch.concat(per_dp)
+    if order is None:
+        return out
+    if len(out) != len(order):
+        raise ValueError(f"the DP groups returned {len(out)} rows for the {len(order)} rows the "
+                         "plan sent them; a planned method must return one row per row it got")
+    inverse = [0] * len(order)
+    for position, row in enumerate(order):
+        inverse[row] = position
+    return out.select(inverse)
 
 
 def reduce_metrics(per_dp: Sequence[Mapping[str, Any]], weights: Sequence[int] | None) -> dict:
@@ -200,16 +224,28 @@ def _scatter(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
     return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(n)]
 
 
-def _split_dp(args: tuple, kwargs: dict, dp: int) -> tuple[list[tuple[tuple, dict]], list[int]]:
-    """Per DP rank (args, kwargs): Batch arguments chunked (one put per chunk), others shared."""
+def _split_dp(args: tuple, kwargs: dict, dp: int, *,
+              planned: bool) -> tuple[list[tuple[tuple, dict]], list[int], list[int] | None]:
+    """Per DP rank (args, kwargs): Batch arguments chunked (one put per chunk), others shared;
+    the chunk sizes; and, with a BatchPlan argument (`planned` modes only), the rows it sends
+    each group instead of contiguous chunks, and its driver order."""
     batches = [a for a in (*args, *kwargs.values()) if isinstance(a, Batch)]
     if not batches:
         raise TypeError("DP_COMPUTE and RANK_SPLIT need at least one Batch argument to split; "
                         "use ONE_TO_ALL for methods that take no Batch")
+    plans = [a for a in (*args, *kwargs.values()) if isinstance(a, BatchPlan)]
+    plan = _check_plan(plans, batches, dp) if planned else None
+    if plans and not planned:
+        raise TypeError("a BatchPlan argument is only for DP_COMPUTE and DP_COMPUTE_METRICS "
+                        "methods")
 
     def split(value: Any) -> list[Any]:
         if isinstance(value, Batch):
+            if plan is not None:
+                return [ray.put(value.select(list(rows))) for rows in plan.rows]
             return [ray.put(chunk) for chunk in value.chunk(dp)]
+        if isinstance(value, BatchPlan):
+            return list(value.groups)  # small: index lists, sent by value
         return [_share(value)] * dp
 
     split_args = [split(a) for a in args]
@@ -218,5 +254,23 @@ def _split_dp(args: tuple, kwargs: dict, dp: int) -> tuple[list[tuple[tuple, dic
         (tuple(a[d] for a in split_args), {k: v[d] for k, v in split_kwargs.items()})
         for d in range(dp)
     ]
+    if plan is not None:
+        return per_dp, [len(r) for r in plan.rows], [i for rows in plan.rows for i in rows]
     weights = [len(c) for c in batches[0].chunk(dp)]  # chunk is a cheap view: sizes only
-    return per_dp, weights
+    return per_dp, weights, None
+
+
+def _check_plan(plans: list[BatchPlan], batches: list[Batch], dp: int) -> BatchPlan | None:
+    if not plans:
+        return None
+    if len(plans) > 1:
+        raise TypeError(f"a call takes at most one BatchPlan argument, got {len(plans)}")
+    plan = plans[0]
+    if plan.dp != dp:
+        raise ValueError(f"the BatchPlan is for {plan.dp} DP groups but the role has {dp}; plan "
+                         f"with dp=view.layout.dp ({dp})")
+    for b in batches:
+        if len(b) != plan.num_samples:
+            raise ValueError(f"the BatchPlan covers {plan.num_samples} samples but a Batch "
+                             f"argument has {len(b)}; plan the batch you send")
+    return plan

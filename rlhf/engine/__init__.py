@@ -3,6 +3,7 @@
 - `micro_batch.py`: MicroBatch (packed sequences + per-token tensors), make_micro_batches.
 - `engine.py`: TrainEngine (forward, forward_backward, step, state_tensors, checkpoints).
 - `schedule.py`: the Schedule contract and the pp=1 loop; `make_schedule` picks the schedule.
+- `loss_fn.py`: what a schedule hands a loss function and keeps of each micro-batch.
 - `pipeline.py`: pipelined forward, 1F1B and interleaved 1F1B over one stage's model chunks.
 - `pipeline_order.py`: each pipeline rank's step order, checked deadlock-free and in order.
 - `grads.py`: the flat fp32 grad buffer, the one grad sync (TP, pipeline ties, DP) and norm.

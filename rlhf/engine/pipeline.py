@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
                                         training_plan, units)
-from rlhf.engine.schedule import LossFn, MicroBatchResult, Outputs, check_loss, floats
+from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, floats
 from rlhf.models.outputs import check_outputs, head_outputs, sp_pad
 from rlhf.models.parallelize import tp_state
 from rlhf.parallel.mesh import ParallelMesh

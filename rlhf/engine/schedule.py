@@ -14,26 +14,18 @@ schedule ran.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
-from torch import Tensor, nn
+from torch import nn
 
+from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, floats
 from rlhf.engine.micro_batch import MicroBatch
+from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
 from rlhf.models.outputs import model_outputs
 from rlhf.parallel.mesh import ParallelMesh
 
-Outputs = dict[str, Tensor]  # per-token (T,) outputs: "log_probs", "entropy", "values"
-LossFn = Callable[[Outputs, MicroBatch], "tuple[Tensor, dict[str, float | Tensor]]"]
-
-
-@dataclass(frozen=True)
-class MicroBatchResult:
-    """The detached loss and metrics of one micro-batch (last pipeline stage only)."""
-
-    loss: float
-    metrics: dict[str, float]
+__all__ = ["LossFn", "MicroBatchResult", "NoPipeline", "Outputs", "Schedule", "make_schedule"]
 
 
 class Schedule(Protocol):
@@ -71,25 +63,11 @@ class NoPipeline:
         return results
 
 
-def check_loss(loss) -> None:
-    """ValueError unless loss_fn gave a 0-d tensor."""
-    if not isinstance(loss, Tensor) or loss.dim() != 0:
-        raise ValueError("loss_fn must return (0-d loss tensor, metrics dict); got a "
-                         f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
-
-
-def floats(metrics: dict) -> dict[str, float]:
-    """Metric values as Python floats."""
-    return {k: float(v.detach()) if isinstance(v, Tensor) else float(v)
-            for k, v in metrics.items()}
-
-
 def make_schedule(model: nn.Module, mesh: ParallelMesh, *, device) -> Schedule:
     """The schedule for this mesh: a plain loop at pp = 1, else 1F1B (one chunk per rank) or
     interleaved 1F1B (several: vpp > 1), from `rlhf.engine.pipeline`."""
     if mesh.pp_size == 1:
         return NoPipeline(model, mesh, device=device)
-    from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB  # imports this module
     chunks = getattr(model, "pipeline_chunks", ())
     cls = Interleaved1F1B if len(chunks) > 1 else OneFOneB
     return cls(model, mesh, device=device)

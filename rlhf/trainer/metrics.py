@@ -16,9 +16,12 @@ from tqdm import tqdm
 from rlhf.errors import RLHFError
 
 METRICS_FILE = "metrics.jsonl"
-# Shown on the progress bar, in this order, when present: (metric, short label).
+# Shown on the progress bar, in this order, when present: (metric, short label). KL to the
+# reference (actor/kl_ref) and policy-vs-old KL of the update (actor/approx_kl) are different
+# quantities with different labels.
 _BAR_KEYS = (("reward/mean", "reward"), ("val/accuracy", "val_acc"), ("actor/pg_loss", "pg"),
-             ("actor/kl", "kl"), ("critic/value_loss", "vf"), ("response_length/mean", "len"),
+             ("actor/kl_ref", "kl_ref"), ("actor/approx_kl", "approx_kl"),
+             ("critic/value_loss", "vf"), ("response_length/mean", "len"),
              ("throughput/tokens_per_s", "tok/s"), ("sft/nll", "nll"))
 
 

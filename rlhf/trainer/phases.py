@@ -9,10 +9,10 @@ from rlhf.algorithms import (apply_kl_penalty, compute_advantage, scores_to_toke
                              sequence_scores)
 from rlhf.config import JobConfig
 from rlhf.data.batch import Batch
+from rlhf.data.fields import response_mask
 from rlhf.data.ragged import Ragged
 from rlhf.rewards import RewardRunner
 from rlhf.rewards.runner import combine_scores
-from workers.common import response_mask
 
 
 def step_seed(base: int, step: int) -> int:
@@ -81,7 +81,9 @@ def compute_advantages(batch: Batch, scores_N: Tensor, cfg: JobConfig,
 
 
 def batch_metrics(batch: Batch) -> dict[str, float]:
-    """Response lengths, tokens, and the policy's KL to the reference (k1, per token)."""
+    """Response lengths, tokens, and `actor/kl_ref`: the policy's KL to the reference before
+    the update (k1 per token, old minus reference log-probs, token mean); the update's own
+    policy-vs-old estimate is `actor/approx_kl`."""
     responses, mask_T = batch["response_ids"], response_mask(batch).values
     lengths = responses.lengths.float()
     metrics = {
@@ -94,20 +96,5 @@ def batch_metrics(batch: Batch) -> dict[str, float]:
         metrics["rollout/entropy"] = batch["entropy"].values[mask_T].mean().item()
     if "ref_log_probs" in batch and mask_T.any():
         diff = batch["old_log_probs"].values - batch["ref_log_probs"].values
-        metrics["actor/kl"] = diff[mask_T].mean().item()
+        metrics["actor/kl_ref"] = diff[mask_T].mean().item()
     return metrics
-
-
-def dp_mini_batch_order(num_samples: int, *, mini_size: int, dp: int) -> Tensor:
-    """Sample order that makes a role's mini-batches layout-independent.
-
-    A role hands each DP rank a contiguous chunk and steps on consecutive pieces of every
-    chunk; in this order, optimizer step k sees samples [k * mini_size, (k + 1) * mini_size)
-    of the driver's batch whatever the DP size.
-    """
-    if mini_size % dp or num_samples % mini_size:
-        raise ValueError(f"{num_samples} samples do not split into mini-batches of {mini_size} "
-                         f"spread over {dp} DP ranks")
-    per_rank = mini_size // dp
-    order_MDP = torch.arange(num_samples).view(num_samples // mini_size, dp, per_rank)
-    return order_MDP.transpose(0, 1).reshape(-1)  # rank-major: rank r's pieces, step by step

@@ -2,7 +2,9 @@
 
 One step (see workers/common.py for the fields each call reads and writes):
 sync weights -> generate -> rewards -> old log-probs -> ref log-probs -> values ->
-advantages (driver) -> critic update -> actor update; every phase timed. Validation
+advantages (driver) -> critic update -> actor update; every phase timed. Every role call gets
+the driver's plan of its mini- and micro-batches (step_plan.py); on-policy, the old log-probs
+come from the actor update's first forward instead of their own pass. Validation
 (greedy, held-out prompts) every trainer.val_every steps; checkpoints every save_every.
 """
 
@@ -15,13 +17,13 @@ from rlhf.config import JobConfig, config_to_dict
 from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
+from rlhf.data.fields import response_mask
 from rlhf.rewards import RewardRunner
 from rlhf.rollout import logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
-from rlhf.trainer.phases import (batch_metrics, compute_advantages, dp_mini_batch_order,
-                                 score_batch, step_seed)
-from workers.common import response_mask
+from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
+from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
 
 VAL_SEED = 12345
 
@@ -80,28 +82,34 @@ class PPOTrainer:
         with timer("step"):
             prompts = next(self.loader).with_meta(seed=step_seed(cfg.rollout.seed, step))
             batch, metrics = self._rollout(prompts, timer, greedy=False)
+            plans = StepPlanner(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
             with timer("reward"):
-                rm = (views["reward"].compute_rm_score(batch)["rm_scores"]
-                      if cfg.reward.model_path else None)
+                rm = (views["reward"].compute_rm_score(batch, plan=plans.forward("reward"))
+                      ["rm_scores"] if cfg.reward.model_path else None)
                 scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
                                                      rm_scores=rm)
-            with timer("old_log_prob"):
-                batch = batch.union(views["actor"].compute_log_prob(batch))
+            fused = fuse_old_log_probs(cfg, step=step)
+            if not fused:
+                with timer("old_log_prob"):
+                    batch = batch.union(views["actor"].compute_log_prob(
+                        batch, plan=plans.forward("actor")))
             if cfg.algorithm.use_ref:
                 with timer("ref"):
-                    batch = batch.union(views["ref"].compute_ref_log_prob(batch))
+                    batch = batch.union(views["ref"].compute_ref_log_prob(
+                        batch, plan=plans.forward("ref")))
             if cfg.algorithm.use_critic:
                 with timer("values"):
-                    batch = batch.union(views["critic"].compute_values(batch))
+                    batch = batch.union(views["critic"].compute_values(
+                        batch, plan=plans.forward("critic")))
             with timer("advantages"):
                 advantages, adv_metrics = compute_advantages(batch, scores, cfg, self.kl_ctrl)
                 batch = batch.union(advantages)
+            update_metrics, batch = self._update(batch, plans, timer, step=step, fused=fused)
             metrics.update(self._logprob_gap(batch))
-            update_metrics = self._update(batch, timer, step=step)
         stats = batch_metrics(batch)
         metrics.update(reward_metrics, **adv_metrics, **update_metrics, **timer.seconds)
-        metrics.setdefault("actor/kl", update_metrics.get("actor/approx_kl", 0.0))
         metrics.update(stats)
+        metrics["plan/imbalance"] = plans.imbalance
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
         return metrics
 
@@ -122,22 +130,24 @@ class PPOTrainer:
         return dict(logprob_gap(batch["old_log_probs"], batch["rollout_log_probs"],
                                 mask=response_mask(batch)))
 
-    def _update(self, batch: Batch, timer: PhaseTimer, *, step: int) -> dict[str, float]:
+    def _update(self, batch: Batch, plans: StepPlanner, timer: PhaseTimer, *, step: int,
+                fused: bool) -> tuple[dict[str, float], Batch]:
+        """Critic then actor updates; returns their metrics and the batch, with the old
+        log-probs and entropy the actor's update computed when `fused`."""
         metrics = {}
         if self.cfg.algorithm.use_critic:
             with timer("update_critic"):
-                metrics.update(self.views["critic"].update_critic(self._for_role(batch, "critic")))
+                metrics.update(self.views["critic"].update_critic(
+                    batch, plan=plans.update("critic")))
             if step <= self.cfg.trainer.critic_warmup:
-                return metrics
+                return metrics, batch
         with timer("update_actor"):
-            metrics.update(self.views["actor"].update_actor(self._for_role(batch, "actor")))
-        return metrics
-
-    def _for_role(self, batch: Batch, role: str) -> Batch:
-        """The batch reordered so the role's optimizer steps see the same samples at any DP."""
-        mini = getattr(self.cfg, role).ppo_mini_batch_size * self.cfg.rollout.n
-        return batch.select(dp_mini_batch_order(len(batch), mini_size=mini,
-                                                dp=self.views[role].layout.dp))
+            result = self.views["actor"].update_actor(batch, plan=plans.update("actor"))
+        if fused:
+            result, fields = result
+            batch = batch.union(fields)
+        metrics.update(result)
+        return metrics, batch
 
     def validate(self) -> dict[str, float]:
         """Greedy responses to every held-out prompt: val/accuracy is their mean reward."""

@@ -13,10 +13,8 @@ import functools
 import pytest
 import torch
 
-from rlhf.config.roles import ParallelConfig, TrainRoleConfig
+from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
-from rlhf.data.batch import Batch
-from rlhf.data.ragged import Ragged
 from rlhf.engine import TrainEngine, collect_response_values, make_micro_batches
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed
@@ -24,11 +22,9 @@ from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, SMALL, _sequence_outputs, actor_loss_fn,
                                          critic_loss_fn, exported, load_plain, make_batch,
                                          reference_loss)
-from workers.common import micro_batches
 
 TOL = 1e-5
 BUCKET_BYTES = 40_000  # an embedding (98 kB) goes alone; a few layer matrices share one
-PLAN_BUDGET = 24
 CHECKPOINTED = {"pp2-vpp2-m3-tied", "tp2-pp2-sp-tied"}
 SEED = 5
 LAYERS = 4
@@ -111,25 +107,9 @@ def _run_case(mesh, folder, head, plan, n, max_seqs, ckpt=None):
             "after": after}
 
 
-def _planned(mesh):
-    """workers.common.micro_batches on DP rank-dependent batches: long samples on rank 0."""
-    gen = torch.Generator().manual_seed(mesh.dp_rank)
-    n, longest = (9, 14) if mesh.dp_rank == 0 else (6, 4)
-    lens = torch.randint(2, longest + 1, (n,), generator=gen).tolist()
-    batch = Batch({"prompt_ids": Ragged.from_list([torch.ones(2, dtype=torch.int64)] * n),
-                   "response_ids": Ragged.from_list([torch.ones(k, dtype=torch.int64)
-                                                     for k in lens])})
-    role = TrainRoleConfig(max_tokens_per_micro_batch=PLAN_BUDGET, micro_batch_size=3)
-    alone = micro_batches(batch, (), role)
-    agreed = micro_batches(batch, (), role, mesh=mesh)
-    return {"alone": len(alone), "tokens": [mb.num_tokens for mb in agreed],
-            "seqs": [mb.num_seqs for mb in agreed],
-            "ids": sorted(torch.cat([mb.sample_ids for mb in agreed]).tolist()), "n": n}
-
-
 def _run_cases(rank, world_size, cases, folders, ckpt_root):
     cache = ProcessGroupCache()
-    results = {"planned": _planned(ParallelMesh(list(range(world_size)), cache=cache))}
+    results = {}
     for name, (model, head, plan_kw, n, max_seqs) in cases.items():
         plan = ParallelConfig(**plan_kw)
         mesh = ParallelMesh(list(range(world_size)), tp=plan.tp, pp=plan.pp, cache=cache)
@@ -245,17 +225,6 @@ def test_export_is_bucketed_and_the_same_on_every_rank(two_ranks, four_ranks, se
     assert set(names) == set(results[0][name]["weights"])
     assert len(buckets) > 3
     assert all(len(b) == 1 or sum(size for _, size in b) <= BUCKET_BYTES for b in buckets)
-
-
-def test_dp_ranks_agree_on_the_micro_batch_count_small_large_small(two_ranks):
-    plans = [r["planned"] for r in two_ranks]
-    assert plans[0]["alone"] > plans[1]["alone"]  # rank 1 alone would run fewer
-    assert len(plans[0]["tokens"]) == len(plans[1]["tokens"]) == plans[0]["alone"]
-    for plan in plans:
-        assert plan["ids"] == list(range(plan["n"]))
-        assert max(plan["tokens"]) <= PLAN_BUDGET and max(plan["seqs"]) <= 3
-        tokens = plan["tokens"]
-        assert max(tokens[0], tokens[-1]) <= max(tokens[1:-1])  # cheap ones at both ends
 
 
 def test_one_f_one_b_holds_at_most_pp_minus_stage_micro_batches(four_ranks):

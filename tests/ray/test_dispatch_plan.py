@@ -15,6 +15,7 @@ from rlhf.controller.dispatch import (
     registered_methods,
 )
 from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import GroupPlan, plan_batch
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("ray_cluster")]
 
@@ -122,6 +123,65 @@ def test_collect_concatenates_output_ranks_in_dp_order():
     assert torch.equal(out["id"], torch.arange(5))
     assert collect(Dispatch.DP_COMPUTE, layout, plan, {2: "a", 6: "b"}) == ["a", "b"]
     assert collect(Dispatch.DP_COMPUTE, layout, plan, {2: None, 6: None}) is None
+
+
+def planned(n, dp, mini=None):
+    lengths = [(7 * i) % 11 + 1 for i in range(n)]  # uneven, so groups get shuffled rows
+    return plan_batch(lengths, dp=dp, max_tokens=16, mini_size=mini)
+
+
+def run_ranks(layout, call_plan, fn):
+    """What the ranks would return: `fn(chunk, group_plan)` on each kept rank."""
+    out = {}
+    for r in range(layout.world_size):
+        if call_plan.keep[r]:
+            args, kwargs = call_plan.args[r]
+            out[r] = fn(ray.get(args[0]), kwargs["plan"])
+    return out
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(2, 1, 1), (4, 1, 1), (2, 2, 2)])
+def test_planned_dispatch_sends_each_group_its_rows_and_restores_driver_order(put_counter, dp,
+                                                                               pp, tp):
+    layout, n = Layout(dp=dp, pp=pp, tp=tp), 13
+    plan = planned(n, dp)
+    assert any(list(r) != sorted(r) or r[0] != 0 for r in plan.rows)  # not contiguous chunks
+    call = plan_call(Dispatch.DP_COMPUTE, layout, (ids(n),), {"plan": plan})
+    assert len(put_counter) == dp and call.weights == [len(r) for r in plan.rows]
+    for r in range(layout.world_size):
+        d = layout.coordinate(r)[0]
+        assert call.args[r][1]["plan"] is plan.groups[d]  # the group's own small plan
+        assert isinstance(call.args[r][1]["plan"], GroupPlan)
+        assert ray.get(call.args[r][0][0])["id"].tolist() == list(plan.rows[d])
+    results = run_ranks(layout, call, lambda chunk, _: Batch({"x": chunk["id"] * 10}))
+    out = collect(Dispatch.DP_COMPUTE, layout, call, results)
+    assert out["x"].tolist() == [10 * i for i in range(n)]
+
+
+def test_planned_metrics_call_returns_metrics_and_fields_in_driver_order():
+    layout, n = Layout(dp=2), 8
+    plan = planned(n, 2, mini=8)
+    call = plan_call(Dispatch.DP_COMPUTE_METRICS, layout, (ids(n),), {"plan": plan})
+    results = run_ranks(layout, call, lambda chunk, grp: (
+        {"loss": float(len(chunk))}, Batch({"y": chunk["id"] + 100})))
+    metrics, fields = collect(Dispatch.DP_COMPUTE_METRICS, layout, call, results)
+    sizes = [len(r) for r in plan.rows]
+    assert metrics == pytest.approx({"loss": sum(s * s for s in sizes) / n})
+    assert fields["y"].tolist() == list(range(100, 100 + n))
+    plain = collect(Dispatch.DP_COMPUTE_METRICS, layout, call, {0: {"a": 1.0}, 1: {"a": 3.0}})
+    assert plain == pytest.approx({"a": (sizes[0] + 3 * sizes[1]) / n})
+
+
+def test_planned_dispatch_errors_name_the_fix():
+    with pytest.raises(ValueError, match=r"BatchPlan is for 2 DP groups but the role has 4"):
+        plan_call(Dispatch.DP_COMPUTE, Layout(dp=4), (ids(6),), {"plan": planned(6, 2)})
+    with pytest.raises(ValueError, match=r"covers 6 samples but a Batch argument has 5"):
+        plan_call(Dispatch.DP_COMPUTE, Layout(dp=2), (ids(5),), {"plan": planned(6, 2)})
+    with pytest.raises(TypeError, match="only for DP_COMPUTE"):
+        plan_call(Dispatch.RANK_SPLIT, Layout(dp=2), (ids(6),), {"plan": planned(6, 2)})
+    call = plan_call(Dispatch.DP_COMPUTE, Layout(dp=2), (ids(6),), {"plan": planned(6, 2)})
+    with pytest.raises(ValueError, match="one row per row it got"):
+        collect(Dispatch.DP_COMPUTE, Layout(dp=2), call, {0: ids(1), 1: ids(1)})
 
 
 def test_rank_split_gives_every_rank_a_chunk_and_concatenates_in_rank_order(put_counter):

@@ -49,7 +49,8 @@ def test_grpo_steps_then_a_failing_reward_stops_the_job(ray_cluster, tmp_path):
     records = read_metrics(cfg.trainer.output_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
     for r in records[1:]:
-        assert {"actor/pg_loss", "actor/kl_loss", "actor/kl", "reward/mean"} <= set(r)
+        assert {"actor/pg_loss", "actor/kl_loss", "actor/kl_ref", "actor/approx_kl",
+                "reward/mean", "timing/old_log_prob"} <= set(r)
         assert not any(k.startswith("critic/") for k in r)
     assert "val/accuracy" in records[2]
     ckpt = CheckpointManager(cfg.trainer.output_dir)
@@ -57,3 +58,25 @@ def test_grpo_steps_then_a_failing_reward_stops_the_job(ray_cluster, tmp_path):
     assert ckpt.load_state(ckpt.latest())["step"] == 2
     assert sorted(p.name for p in ckpt.latest().iterdir()) == ["actor", "trainer_state.pt"]
     assert not list(ckpt.root.glob(".step_*"))
+
+
+def test_on_policy_grpo_takes_old_log_probs_from_the_update(ray_cluster, tmp_path):
+    """One PPO epoch of one mini-batch and no KL in the reward: no separate old-log-prob pass,
+    yet the metrics that read old log-probs (log-prob gap, entropy, KL to the reference) stay."""
+    assets = make_assets(tmp_path)
+    cfg = job_config(
+        assets, tmp_path / "fused-run", actor={"ppo_mini_batch_size": 4},
+        algorithm={"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
+                   "kl_loss_coef": 0.01},
+        trainer={"total_steps": 2, "save_every": 0})
+    run_train(cfg, progress=False)
+    records = read_metrics(cfg.trainer.output_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert "timing/old_log_prob" not in r
+        assert {"rollout/logprob_gap_mean", "rollout/entropy", "actor/kl_ref",
+                "actor/approx_kl", "timing/update_actor"} <= set(r)
+        assert abs(r["actor/approx_kl"]) < 1e-6 and r["actor/clipfrac"] == 0.0  # on-policy
+    # vLLM samples from the policy the trainer scores: the gap is rounding only
+    assert records[0]["rollout/logprob_gap_mean"] < 1e-3
+    assert records[0]["actor/kl_ref"] == 0.0 and records[1]["actor/kl_ref"] != 0.0

@@ -19,7 +19,8 @@ from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(400)
 
-REQUIRED = {"reward/mean", "actor/pg_loss", "actor/entropy", "actor/kl", "actor/grad_norm",
+REQUIRED = {"reward/mean", "actor/pg_loss", "actor/entropy", "actor/kl_ref", "actor/approx_kl",
+            "actor/grad_norm", "plan/imbalance", "timing/old_log_prob",
             "critic/value_loss", "response_length/mean", "rollout/logprob_gap_mean",
             "timing/generate", "timing/update_actor", "timing/update_critic", "timing/step",
             "throughput/tokens_per_s"}
@@ -56,7 +57,8 @@ def test_steps_log_every_metric_and_validate(job):
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert 0.0 <= r["reward/mean"] <= 1.0 and r["throughput/tokens_per_s"] > 0
     assert [r["step"] for r in records if "val/accuracy" in r] == [0, 2, 3]
-    assert records[1]["actor/kl"] == 0.0 and records[3]["actor/kl"] != 0.0  # ref == start
+    assert records[1]["actor/kl_ref"] == 0.0 and records[3]["actor/kl_ref"] != 0.0  # ref == start
+    assert "actor/kl" not in records[1]  # two quantities, two names
     assert records[1]["actor/grad_norm"] > 0 and records[1]["critic/value_loss"] > 0
 
 

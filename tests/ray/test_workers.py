@@ -13,6 +13,7 @@ from rlhf.data.batch import Batch
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.transformer import ValueModel
+from rlhf.trainer.step_plan import StepPlanner
 from tests.unit.test_worker_roles import (ACTOR_KEYS, CRITIC_KEYS, TEMPERATURE, hf_token_stats,
                                           make_batch, make_config, make_folders, per_token)
 from transformers import LlamaForSequenceClassification
@@ -74,11 +75,21 @@ def test_each_role_has_its_own_layout(views):
     assert {name: view.layout for name, view in views.items()} == LAYOUTS
 
 
-def test_actor_log_probs_and_entropy_match_transformers(views, batch7, policy_stats):
+def planner(views, folders, batch):
+    return StepPlanner(job_config(*folders), {k: v.layout.dp for k, v in views.items()}, batch)
+
+
+def test_actor_log_probs_and_entropy_match_transformers(views, folders, batch7, policy_stats):
     out = views["actor"].compute_log_prob(batch7)
     assert out.keys() == ["old_log_probs", "entropy"] and len(out) == 7
     assert_rows_close(out["old_log_probs"], [logp for logp, _ in policy_stats])
     assert_rows_close(out["entropy"], [ent for _, ent in policy_stats])
+    # the driver's plan reorders rows over the DP groups; results come back in driver order
+    plan = planner(views, folders, batch7).forward("actor")
+    assert [sorted(r) for r in plan.rows] != [[0, 1, 2, 3], [4, 5, 6]]
+    planned = views["actor"].compute_log_prob(batch7, plan=plan)
+    assert_rows_close(planned["old_log_probs"], [logp for logp, _ in policy_stats])
+    assert_rows_close(planned["entropy"], [ent for _, ent in policy_stats])
 
 
 def test_reference_log_probs_match_transformers(views, batch7, policy_stats):
@@ -119,7 +130,7 @@ def test_dp_groups_without_samples_return_empty_parts(views):
     assert len(views["actor"].compute_log_prob(make_batch(n=1))) == 1
 
 
-def test_updates_report_metrics_and_change_only_their_role(views, batch7, policy_stats):
+def test_updates_report_metrics_and_change_only_their_role(views, folders, batch7, policy_stats):
     batch = make_batch(n=8, seed=12)
     batch = batch.union(views["actor"].compute_log_prob(batch))
     batch = batch.union(views["critic"].compute_values(batch))
@@ -128,9 +139,10 @@ def test_updates_report_metrics_and_change_only_their_role(views, batch7, policy
     sign = torch.tensor([1.0, -1.0] * 4).repeat_interleave(lengths)
     batch = batch.union(Batch({"advantages": per_token(batch, sign),
                                "returns": per_token(batch, sign * 0.5)}))
+    plans = planner(views, folders, batch)
     # Queued together: every rank runs the two updates in the same order.
-    pending = views["actor"].update_actor(batch, blocking=False)
-    critic_metrics = views["critic"].update_critic(batch)
+    pending = views["actor"].update_actor(batch, plan=plans.update("actor"), blocking=False)
+    critic_metrics = views["critic"].update_critic(batch, plan=plans.update("critic"))
     actor_metrics = pending.get()
     assert set(actor_metrics) == ACTOR_KEYS | {"actor/kl_loss"}
     assert set(critic_metrics) == CRITIC_KEYS

@@ -28,7 +28,8 @@ from rlhf.parallel.launch import run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from rlhf.algorithms import truncated_is_weights  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
-from workers.common import micro_batches  # noqa: E402
+from rlhf.trainer.step_plan import update_plan  # noqa: E402
+from workers.common import forward_micro_batches  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 from workers.reference import ReferenceWorker  # noqa: E402
 from workers.reward_model import RewardModelWorker  # noqa: E402
@@ -126,7 +127,7 @@ def hf_token_stats(policy, batch, temperature):
 def test_micro_batches_respect_token_budget_and_sample_cap(folders):
     batch = make_batch(n=9)
     role = TrainRoleConfig(max_tokens_per_micro_batch=24, micro_batch_size=2)
-    mbs = micro_batches(batch, (), role)
+    mbs = forward_micro_batches(batch, role, None, key="actor")
     assert max(mb.num_seqs for mb in mbs) <= 2
     assert max(mb.num_tokens for mb in mbs) <= 24
     assert torch.equal(torch.cat([mb.sample_ids for mb in mbs]).sort().values, torch.arange(9))
@@ -138,7 +139,8 @@ def test_compute_log_prob_matches_transformers(folders, world, micro_batch_size)
     cfg = make_config(policy, actor={"micro_batch_size": micro_batch_size})
     actor = ActorWorker(context(world, "actor"), config=cfg)
     batch = make_batch()
-    assert len(micro_batches(batch, (), cfg.actor)) >= 3, "the test should span micro-batches"
+    mbs = forward_micro_batches(batch, cfg.actor, None, key="actor")
+    assert len(mbs) >= 3, "the test should span micro-batches"
     out = actor.compute_log_prob(batch)
     assert out.keys() == ["old_log_probs", "entropy"]
     want = hf_token_stats(policy, batch, TEMPERATURE)
@@ -256,6 +258,58 @@ def test_truncated_importance_sampling(folders, world):
     assert metrics["actor/pg_loss"] == pytest.approx(-adv.mean().item(), abs=1e-5)
 
 
+def _weights(worker):
+    return {k: v.detach().clone() for k, v in worker.engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("algorithm,rollout", [
+    ({"use_kl_loss": True}, {}),
+    ({"loss_agg_mode": "seq-mean-token-sum"}, {"tis_cap": 1.5}),
+])
+def test_fused_old_log_probs_equal_a_separate_pass(folders, world, algorithm, rollout):
+    """On-policy (one epoch, one mini-batch), update_actor without old_log_probs takes them from
+    its first forward: the same losses, grad norm, updated weights, old log-probs and entropy
+    as computing them in their own pass first."""
+    policy, _ = folders
+    cfg = make_config(policy, algorithm={"ppo_epochs": 1, **algorithm}, rollout=rollout)
+    separate = ActorWorker(context(world, "actor"), config=cfg)
+    batch, _ = rl_batch(separate, seed=9, mask_every=3)  # old log-probs from their own pass
+    if "tis_cap" in rollout:  # a sampler a little off the trainer, so the weights matter
+        noise = 0.3 * torch.randn(batch["old_log_probs"].values.shape,
+                                  generator=torch.Generator().manual_seed(0))
+        batch = batch.union(Batch({"rollout_log_probs": per_token(
+            batch, batch["old_log_probs"].values + noise)}))
+    fused = ActorWorker(context(world, "actor"), config=cfg)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(separate).values(),
+                                                 _weights(fused).values()))
+    want = separate.update_actor(batch)
+    assert want["actor/grad_norm"] > 0
+    got, fields = fused.update_actor(batch.pop("old_log_probs")[1].pop("entropy")[1])
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    torch.testing.assert_close(fields["old_log_probs"].values, batch["old_log_probs"].values,
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(fields["entropy"].values, batch["entropy"].values,
+                               atol=1e-6, rtol=0)
+    assert torch.equal(fields["old_log_probs"].offsets, batch["response_ids"].offsets)
+    after_separate, after_fused = _weights(separate), _weights(fused)
+    for name, value in after_separate.items():
+        torch.testing.assert_close(after_fused[name], value, atol=1e-6, rtol=0, msg=name)
+    assert fused.engine.step_count == 1
+
+
+def test_fused_old_log_probs_refuse_more_than_one_step(folders, world):
+    policy, _ = folders
+    cfg = make_config(policy, algorithm={"ppo_epochs": 2})
+    actor = ActorWorker(context(world, "actor"), config=cfg)
+    batch, _ = rl_batch(actor, seed=10)
+    with pytest.raises(ValueError, match=r"no old_log_probs.*this one is 2 "
+                                         r"\(algorithm.ppo_epochs x mini-batches\)"):
+        actor.update_actor(batch.pop("old_log_probs")[1])
+    assert actor.engine.step_count == 0
+
+
 def test_update_critic_fits_the_returns(folders, world):
     policy, _ = folders
     cfg = make_config(policy, critic={"optim": OptimizerConfig(lr=3e-3, grad_clip=None)},
@@ -312,16 +366,25 @@ def test_batch_problems_name_the_fix(folders, world):
 # ---- data parallelism ------------------------------------------------------------------------
 
 
+def planned_call(method, batch, plan, rank):
+    """What the dispatcher does for DP group `rank`: its rows of the plan, with its GroupPlan."""
+    return method(batch.select(list(plan.rows[rank])), plan=plan.groups[rank])
+
+
 def _train_both(rank, world_size, policy, batch):
-    """Actor and critic colocated over `world_size` DP ranks: update on this rank's chunk, then
-    the new log-probs and values of the whole batch."""
+    """Actor and critic colocated over `world_size` DP ranks: update on this rank's rows of the
+    driver's plan (two mini-batches), then the new log-probs and values of the whole batch."""
     cache = ProcessGroupCache()
-    cfg = make_config(policy, ranks=world_size, algorithm={"ppo_epochs": 2,
-                                                           "loss_agg_mode": "seq-mean-token-mean"})
+    cfg = make_config(policy, ranks=world_size, actor={"ppo_mini_batch_size": 4},
+                      algorithm={"ppo_epochs": 2, "loss_agg_mode": "seq-mean-token-mean"})
     actor = ActorWorker(context(cache, "actor", rank, world_size), config=cfg)
     critic = CriticWorker(context(cache, "critic", rank, world_size), config=cfg)
-    chunk = batch.chunk(world_size)[rank]
-    metrics = {**actor.update_actor(chunk), **critic.update_critic(chunk)}
+    plans = {key: update_plan(cfg, key, batch, dp=world_size) for key in ("actor", "critic")}
+    if world_size > 1:  # no rank guesses what the others will do
+        with pytest.raises(ValueError, match="needs the driver's plan"):
+            actor.update_actor(batch.chunk(world_size)[rank])
+    metrics = {**planned_call(actor.update_actor, batch, plans["actor"], rank),
+               **planned_call(critic.update_critic, batch, plans["critic"], rank)}
     return (metrics, actor.compute_log_prob(batch)["old_log_probs"],
             critic.compute_values(batch)["values"])
 

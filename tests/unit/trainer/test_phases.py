@@ -62,20 +62,6 @@ def test_batch_metrics_and_step_seed():
     m = batch_metrics(batch)
     assert m["response_length/mean"] == 3.0 and m["tokens/total"] == 10.0
     diff = batch["old_log_probs"].values - batch["ref_log_probs"].values
-    assert m["actor/kl"] == pytest.approx(diff.mean().item())
+    assert m["actor/kl_ref"] == pytest.approx(diff.mean().item())
+    assert "actor/kl" not in m
     assert step_seed(0, 3) == step_seed(0, 3) != step_seed(0, 4) != step_seed(1, 4)
-
-
-@pytest.mark.parametrize("dp", [1, 2, 4])
-def test_dp_order_gives_every_dp_size_the_same_mini_batches(dp):
-    from rlhf.trainer.phases import dp_mini_batch_order
-
-    order = dp_mini_batch_order(16, mini_size=4, dp=dp)
-    assert sorted(order.tolist()) == list(range(16))
-    # what a role does: contiguous chunk per rank, consecutive pieces of 4 / dp per step
-    chunks = order.view(dp, -1)
-    steps = [sorted(chunks[:, k * (4 // dp):(k + 1) * (4 // dp)].reshape(-1).tolist())
-             for k in range(4)]
-    assert steps == [list(range(4 * k, 4 * k + 4)) for k in range(4)]
-    with pytest.raises(ValueError, match="do not split"):
-        dp_mini_batch_order(10, mini_size=4, dp=2)

@@ -1,0 +1,119 @@
+"""The driver's plan of one role call: which rows each data-parallel group gets, in which
+mini-batches and micro-batches.
+
+The driver sees every sample, so it plans (workers only execute):
+    mini-batch k = driver rows [k * mini_size, (k + 1) * mini_size), whatever the DP size, so
+    every optimizer step sees the same samples at dp 1, 2, 4;
+    within it, samples are balanced over DP groups by cost (Karmarkar-Karp, `planner.py`) and
+    packed into micro-batches under the token budget, every group getting the same count.
+A `BatchPlan` is small and picklable (index lists and token counts). The dispatcher hands
+DP group g the rows `plan.rows[g]` in that order with `plan.groups[g]`, whose index lists
+point into those rows, and maps results back to the driver's order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from rlhf.data.planner import plan_micro_batches
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """What one DP group runs on the rows it receives, in execution order."""
+
+    mini_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    """[mini-batch][micro-batch] -> indices into the group's rows."""
+    token_counts: tuple[tuple[int, ...], ...]
+    """[mini-batch][micro-batch] -> packed tokens (prompt + response) of that micro-batch."""
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(mb) for mini in self.mini_batches for mb in mini)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Per DP group, the driver rows it receives (in order) and the GroupPlan it executes."""
+
+    rows: tuple[tuple[int, ...], ...]
+    """[group] -> driver row indices, in the order the group receives them."""
+    groups: tuple[GroupPlan, ...]
+    group_costs: tuple[tuple[float, ...], ...]
+    """[mini-batch][group] -> summed sample cost: what the balancing evens out."""
+
+    @property
+    def dp(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    @property
+    def num_mini_batches(self) -> int:
+        return len(self.group_costs)
+
+    def mini_batch_rows(self, k: int) -> list[int]:
+        """Driver rows of mini-batch k over all groups (sorted): the samples of step k."""
+        return sorted(self.rows[g][i] for g, grp in enumerate(self.groups)
+                      for mb in grp.mini_batches[k] for i in mb)
+
+    @property
+    def imbalance(self) -> float:
+        """Worst mini-batch's max over mean group cost: 1.0 is perfect balance."""
+        worst = 1.0
+        for costs in self.group_costs:
+            mean = sum(costs) / len(costs)
+            if mean > 0:
+                worst = max(worst, max(costs) / mean)
+        return worst
+
+
+def plan_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: int | None = None,
+               max_seqs: int | None = None, cost: Callable[[int], float] | None = None,
+               what: str = "mini_size") -> BatchPlan:
+    """Plan samples of packed `lengths` over `dp` groups: consecutive mini-batches of
+    `mini_size` samples (None: one mini-batch of all), each balanced over the groups and
+    packed under `max_tokens` (and `max_seqs`) per micro-batch. `what` names `mini_size` in
+    errors (say, "actor.ppo_mini_batch_size * rollout.n")."""
+    n = len(lengths)
+    size = n if mini_size is None else mini_size
+    if mini_size is not None and (size < 1 or n % size or n == 0):
+        raise ValueError(f"{n} samples do not split into mini-batches of {what} = {size}; "
+                         f"send a multiple of {max(size, 1)} samples")
+    rows: list[list[int]] = [[] for _ in range(dp)]
+    minis: list[list[list[tuple[int, ...]]]] = [[] for _ in range(dp)]
+    tokens: list[list[list[int]]] = [[] for _ in range(dp)]
+    costs = []
+    for start in range(0, n, size) if n else [0]:
+        sub = plan_micro_batches(lengths[start:start + size], dp=dp, max_tokens=max_tokens,
+                                 max_seqs=max_seqs, cost=cost)
+        costs.append(sub.rank_costs)
+        for g in range(dp):
+            mbs, counts = [], []
+            for mb, count in zip(sub.rank(g), sub.token_counts[g]):
+                if mb:  # empty only when a group has fewer samples than micro-batches
+                    mbs.append(tuple(range(len(rows[g]), len(rows[g]) + len(mb))))
+                    rows[g].extend(start + i for i in mb)
+                    counts.append(count)
+            minis[g].append(mbs)
+            tokens[g].append(counts)
+    groups = tuple(GroupPlan(tuple(tuple(m) for m in minis[g]), tuple(tuple(c) for c in tokens[g]))
+                   for g in range(dp))
+    return BatchPlan(tuple(tuple(r) for r in rows), groups, tuple(costs))
+
+
+def role_budget(role) -> tuple[int, int | None]:
+    """(max_tokens, max_seqs) per micro-batch of a role config: its
+    `max_tokens_per_micro_batch` and, for a training role, its `micro_batch_size`."""
+    return role.max_tokens_per_micro_batch, getattr(role, "micro_batch_size", None)
+
+
+def plan_role_batch(lengths: Sequence[int], role, *, dp: int, mini_size: int | None = None,
+                    what: str = "mini_size") -> BatchPlan:
+    """`plan_batch` under a role config's budget (`role_budget`)."""
+    max_tokens, max_seqs = role_budget(role)
+    return plan_batch(lengths, dp=dp, max_tokens=max_tokens, max_seqs=max_seqs,
+                      mini_size=mini_size, what=what)

@@ -1,0 +1,69 @@
+"""The driver's plans for one PPO step: every role call's mini- and micro-batches per DP group,
+and the one decision whether old log-probs get their own pass.
+
+The driver sees every sample and every role's layout, so it plans and the workers execute
+(see rlhf/data/batch_plan.py). Calls that plan alike (same DP size, budget, sample cap and
+mini-batch size: say the actor's and the reference's forward passes) share one plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from rlhf.config import JobConfig
+from rlhf.data.batch import Batch
+from rlhf.data.batch_plan import BatchPlan, plan_role_batch, role_budget
+from rlhf.data.fields import sample_lengths
+
+
+def fuse_old_log_probs(cfg: JobConfig, *, step: int) -> bool:
+    """Whether update_actor takes the old log-probs from its own first forward instead of a
+    separate compute_log_prob pass: only when the update is on-policy (one PPO epoch of one
+    mini-batch, so the old policy is the current one there), nothing before the update reads
+    them (no KL in the reward) and the actor updates at this step (after critic warm-up)."""
+    algo = cfg.algorithm
+    one_step = algo.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
+    actor_updates = not (algo.use_critic and step <= cfg.trainer.critic_warmup)
+    return one_step and not algo.kl_in_reward and actor_updates
+
+
+def update_plan(cfg: JobConfig, key: str, batch: Batch, *, dp: int) -> BatchPlan:
+    """The plan of `<key>`'s update over `dp` DP groups: mini-batches of
+    `<key>.ppo_mini_batch_size * rollout.n` consecutive samples, each balanced over the groups."""
+    return StepPlanner(cfg, {key: dp}, batch).update(key)
+
+
+class StepPlanner:
+    """Plans the role calls of one step on `batch`; `dp` maps role key -> its DP size."""
+
+    def __init__(self, cfg: JobConfig, dp: Mapping[str, int], batch: Batch):
+        self.cfg, self.dp = cfg, dict(dp)
+        self.lengths = sample_lengths(batch)
+        self._plans: dict[tuple, BatchPlan] = {}
+
+    def forward(self, key: str) -> BatchPlan:
+        """The plan of a forward pass of role `key` (actor, ref, critic, reward) on the batch."""
+        return self._plan(key, mini_size=None, what="")
+
+    def update(self, key: str) -> BatchPlan:
+        """The plan of role `key`'s (actor, critic) PPO update on the batch."""
+        mini = getattr(self.cfg, key).ppo_mini_batch_size * self.cfg.rollout.n
+        what = f"{key}.ppo_mini_batch_size * rollout.n"
+        if mini < self.dp[key]:
+            raise ValueError(f"{what} = {mini} samples per optimizer step cannot give each of "
+                             f"the {key}'s {self.dp[key]} DP groups a sample; raise "
+                             f"{key}.ppo_mini_batch_size or use fewer DP groups")
+        return self._plan(key, mini_size=mini, what=what)
+
+    @property
+    def imbalance(self) -> float:
+        """The worst max-over-mean group cost of any plan made so far (1.0: perfect)."""
+        return max((p.imbalance for p in self._plans.values()), default=1.0)
+
+    def _plan(self, key: str, *, mini_size: int | None, what: str) -> BatchPlan:
+        role = getattr(self.cfg, key)
+        spec = (self.dp[key], mini_size, *role_budget(role))
+        if spec not in self._plans:
+            self._plans[spec] = plan_role_batch(self.lengths, role, dp=self.dp[key],
+                                                mini_size=mini_size, what=what)
+        return self._plans[spec]

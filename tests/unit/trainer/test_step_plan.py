@@ -1,0 +1,73 @@
+"""The driver's step plans: shared between calls that plan alike, the same optimizer-step
+samples at every DP size, and the one decision whether old log-probs get their own pass."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rlhf.config import (AlgorithmConfig, DataConfig, ForwardRoleConfig, JobConfig,
+                         RolloutConfig, TrainerConfig, TrainRoleConfig)
+from rlhf.data.batch import Batch
+from rlhf.data.ragged import Ragged
+from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs, update_plan
+
+
+def make_batch(n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    plens = torch.randint(2, 9, (n,), generator=gen).tolist()
+    rlens = torch.randint(0, 30, (n,), generator=gen).tolist()
+    return Batch({"prompt_ids": Ragged.from_list([[1] * k for k in plens], dtype=torch.int64),
+                  "response_ids": Ragged.from_list([[2] * k for k in rlens], dtype=torch.int64)})
+
+
+def config(*, epochs=1, actor_mini=4, train_batch=4, kl_in_reward=False, adv="grpo", warmup=0,
+           actor_mbs=None, ref_budget=64):
+    return dataclasses.replace(
+        JobConfig(),
+        actor=TrainRoleConfig(max_tokens_per_micro_batch=64, ppo_mini_batch_size=actor_mini,
+                              micro_batch_size=actor_mbs),
+        ref=ForwardRoleConfig(max_tokens_per_micro_batch=ref_budget),
+        data=dataclasses.replace(DataConfig(), train_batch_size=train_batch),
+        rollout=RolloutConfig(n=2),
+        algorithm=AlgorithmConfig(ppo_epochs=epochs, kl_in_reward=kl_in_reward, adv_estimator=adv,
+                                  use_kl_loss=not kl_in_reward),
+        trainer=TrainerConfig(critic_warmup=warmup))
+
+
+def test_fused_old_log_probs_only_on_policy_without_kl_in_reward():
+    assert fuse_old_log_probs(config(), step=1)
+    assert not fuse_old_log_probs(config(epochs=2), step=1)
+    assert not fuse_old_log_probs(config(actor_mini=2), step=1)  # two mini-batches per step
+    assert not fuse_old_log_probs(config(kl_in_reward=True), step=1)
+    # gae trains a critic: during its warm-up the actor does not update, so nothing fuses
+    assert not fuse_old_log_probs(config(adv="gae", warmup=2), step=2)
+    assert fuse_old_log_probs(config(adv="gae", warmup=2), step=3)
+
+
+def test_calls_that_plan_alike_share_one_plan():
+    batch = make_batch(8)
+    plans = StepPlanner(config(), {"actor": 2, "ref": 2}, batch)
+    assert plans.forward("actor") is plans.forward("ref")  # same dp, budget and no sample cap
+    assert plans.update("actor") is not plans.forward("actor")
+    assert plans.update("actor").num_mini_batches == 1
+    capped = StepPlanner(config(actor_mbs=2), {"actor": 2, "ref": 2}, batch)
+    assert capped.forward("actor") is not capped.forward("ref")
+    assert all(len(mb) <= 2 for g in capped.forward("actor").groups
+               for mb in g.mini_batches[0])
+    other_dp = StepPlanner(config(), {"actor": 2, "ref": 4}, batch)
+    assert other_dp.forward("ref").dp == 4 and other_dp.forward("actor").dp == 2
+    assert plans.imbalance >= 1.0
+
+
+def test_update_plans_step_on_the_same_samples_at_every_dp():
+    cfg, batch = config(actor_mini=2), make_batch(16, seed=3)  # 4 samples per step, 4 steps
+    plans = {dp: update_plan(cfg, "actor", batch, dp=dp) for dp in (1, 2, 4)}
+    for k in range(4):
+        assert {tuple(p.mini_batch_rows(k)) for p in plans.values()} == \
+            {tuple(range(4 * k, 4 * k + 4))}
+    with pytest.raises(ValueError, match=r"actor\.ppo_mini_batch_size \* rollout\.n = 2 samples "
+                                         r"per optimizer step cannot give each of the actor's 4"):
+        update_plan(config(actor_mini=1), "actor", batch, dp=4)
+    with pytest.raises(ValueError, match=r"send a multiple of 8"):
+        update_plan(config(actor_mini=4), "actor", batch[:12], dp=2)
