@@ -193,6 +193,18 @@ class TrainEngine:
         """Full HF-named tensors in size-bounded buckets (collective over the model group)."""
         return export_full_hf_weights(self.model, self.mesh, bucket_bytes=bucket_bytes)
 
+    def state_tensors(self) -> dict[str, list[Tensor]]:
+        """This rank's state by kind: "weights" (model parameters), "grads" (the master
+        grads that exist), "masters" (separate fp32 masters), "optimizer" (AdamW state)."""
+        masters, optimizer = self.masters, self.optimizer
+        return {
+            "weights": list(self.model.parameters()),
+            "grads": [p.grad for p in masters.params if p.grad is not None] if masters else [],
+            "masters": list(masters.params) if masters is not None and masters.separate else [],
+            "optimizer": [v for state in optimizer.state.values() for v in state.values()
+                          if isinstance(v, Tensor)] if optimizer is not None else [],
+        }
+
     def state_dict(self) -> dict:
         """This rank's model shard, fp32 masters (if separate), optimizer state and step."""
         separate = self.optimizer is not None and self.masters.separate
