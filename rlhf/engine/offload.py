@@ -39,6 +39,8 @@ Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors
 
 KINDS = ("weights", "grads", "masters", "optimizer")
+# The kinds each phase computes with (the table of the module docstring). The planner of
+# per-phase memory reads the same table through `placement`.
 NEEDS: dict[str, frozenset[str]] = {
     "idle": frozenset(),
     "generate": frozenset(),
@@ -73,8 +75,8 @@ class Offloader:
     """Moves one engine's state between its device and host memory, phase by phase.
 
     `state()` returns the engine's tensors by kind (`TrainEngine.state_tensors`); it is read
-    again at every transition, because grads and optimizer moments come and go. The state
-    starts on the device in the "idle" phase's place: the constructor moves it there.
+    again at every transition, because grads and optimizer moments come and go. The
+    constructor enters "idle", so a new role's state leaves the device before vLLM starts.
     """
 
     def __init__(self, state: StateFn, *, config: OffloadConfig):
