@@ -39,8 +39,8 @@ Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors
 
 KINDS = ("weights", "grads", "masters", "optimizer")
-# The kinds each phase computes with (the table of the module docstring). The planner of
-# per-phase memory reads the same table through `placement`.
+# The kinds each phase computes with (the table of the module docstring). A memory planner
+# reads its per-phase peaks from this same table, through `placement`.
 NEEDS: dict[str, frozenset[str]] = {
     "idle": frozenset(),
     "generate": frozenset(),
