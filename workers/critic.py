@@ -15,6 +15,7 @@ from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
 from rlhf.data.fields import MASK
+from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from workers.base import Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
@@ -38,8 +39,10 @@ class CriticWorker(CheckpointMixin, Worker):
         self.engine = build_engine(self, config, "critic",
                                    path=config.critic.model_path or config.model.path,
                                    head="value", train=True)
+        self.offload = Offloader(self.engine.state_tensors, config=config.critic.offload)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
+    @in_phase("forward")
     def compute_values(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
         """`values` of every response token (see the module docstring)."""
         require_fields(batch, TOKENS, "critic.compute_values")
@@ -48,6 +51,7 @@ class CriticWorker(CheckpointMixin, Worker):
         return response_fields(outputs, mbs, {"values": "values"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
+    @in_phase("update")
     def update_critic(self, batch: Batch, plan: GroupPlan | None = None) -> dict[str, float]:
         """algorithm.ppo_epochs passes, one step per critic.ppo_mini_batch_size prompts' samples;
         needs `values` (from compute_values, before any update) and `returns`."""

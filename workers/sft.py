@@ -12,11 +12,12 @@ import dataclasses
 from torch import Tensor
 
 from rlhf.algorithms import aggregate
-from rlhf.config import JobConfig
+from rlhf.config import JobConfig, OffloadConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
 from rlhf.data.fields import MASK
+from rlhf.engine.offload import Offloader
 from workers.base import Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, require_fields,
                             train_mini_batch)
@@ -36,6 +37,7 @@ class SFTWorker(CheckpointMixin, Worker):
             config, trainer=dataclasses.replace(config.trainer, total_steps=steps))
         self.engine = build_engine(self, self.config, plan_key, path=init_path, head="lm",
                                    train=train)
+        self.offload = Offloader(self.engine.state_tensors, config=OffloadConfig())  # no rollouts
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
     def train_step(self, batch: Batch, plan: GroupPlan | None = None) -> dict[str, float]:

@@ -24,6 +24,7 @@ from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
 from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
+from rlhf.trainer.shared_folder import check_shared_folder
 
 VAL_SEED = 12345
 
@@ -54,6 +55,8 @@ class PPOTrainer:
         """Train to trainer.total_steps (resuming per trainer.resume); returns the new records."""
         t = self.cfg.trainer
         self.ckpt.remove_stale()
+        check_shared_folder(self.output_dir,  # every node writes checkpoint shards there
+                            {r: self.views[r].read_marker for r in self._trained_roles()})
         start = self.resume()
         # Kept on the trainer: its Ray gauge actor lives as long as the logger does.
         self.logger = logger = MetricsLogger(
