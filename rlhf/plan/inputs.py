@@ -110,18 +110,21 @@ def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     world = cfg.role_world_size(role)
     dp = world // (role.parallel.tp * role.parallel.pp)
     optim = getattr(role, "optim", None)
-    # <role>.optim.distributed (ZeRO-1): None = on when the role is data parallel.
-    distributed = getattr(optim, "distributed", None)
     offload = getattr(role, "offload", None)
     return RoleSpec(
         name=name, head=head, args=args, plan=role.parallel, world_size=world,
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
-        zero1=trains and dp > 1 and (distributed if distributed is not None else True),
+        zero1=trains and zero1_enabled(getattr(optim, "distributed", None), dp=dp),
         offload=Offload(params=bool(getattr(offload, "params", False)),
                         grads=bool(getattr(offload, "grads", False)),
                         optimizer=bool(getattr(offload, "optimizer", False))))
+
+
+def zero1_enabled(distributed: bool | None, *, dp: int) -> bool:
+    """`<role>.optim.distributed` as the engine reads it: null = on when dp > 1."""
+    return dp > 1 and (distributed if distributed is not None else True)
 
 
 def model_args(path: str, *, cfg: JobConfig | None, key: str,

@@ -75,7 +75,7 @@ class MemoryPlan:
     hardware: Hardware
     roles: dict[str, RoleSpec]
     stages: dict[str, list[StageMemory]]
-    vllm: dict[str, int]  # per actor rank: weights, kv_cache (what the generate phase holds)
+    vllm: dict[str, int]  # per actor rank: weights, kv_cache, sync_bucket
     devices: list[DeviceMemory] = field(default_factory=list)
 
     @property
@@ -166,21 +166,25 @@ def phase_names(specs: list[RoleSpec]) -> list[str]:
 
 def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
                stages: list[StageMemory]) -> dict[str, int]:
-    """Per actor rank: vLLM's share of the weights and its KV cache (CUDA: the rest of
-    gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb)."""
+    """Per actor rank: vLLM's share of the weights, its KV cache (CUDA: the rest of
+    gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb) and the sync's buffers."""
     full = sum(s.state["weights"] for s in stages) * actor.plan.tp  # whole model, dtype
-    weights = full // cfg.rollout.tp
+    largest = max(p.nbytes for shapes in stage_shapes(actor.args, actor.plan, head=actor.head,
+                                                      dtype=actor.dtype) for p in shapes)
+    # A bucket holds whole full tensors up to sync_bucket_mb (one bigger tensor alone), never
+    # more than the model; counted twice: the TP/PP-gathered bucket and its staging copy.
+    bucket = min(full, max(int(cfg.rollout.sync_bucket_mb * 2**20), largest * actor.plan.tp))
+    out = {"weights": full // cfg.rollout.tp, "sync_bucket": 2 * bucket}
     if hw.device_type == "cuda":
         budget = int(cfg.rollout.gpu_memory_utilization * hw.device_bytes)
-        return {"weights": weights, "kv_cache": max(budget - weights, 0)}
-    return {"weights": weights, "kv_cache": int(cfg.rollout.cpu_kv_cache_gb * GIB)}
+        return {**out, "kv_cache": max(budget - out["weights"], 0)}
+    return {**out, "kv_cache": int(cfg.rollout.cpu_kv_cache_gb * GIB)}
 
 
 def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, StageMemory]], *,
                 vllm: dict[str, int] | None, phases: list[str]) -> dict[str, dict[str, int]]:
     """Phase -> component -> bytes on one rank holding the roles in `placed`."""
     on_cuda = hw.device_type == "cuda"
-    bucket = int(2 * cfg.rollout.sync_bucket_mb * 2**20)  # gathered bucket + vLLM's copy
     out = {}
     for phase in phases:
         parts = {}
@@ -205,7 +209,7 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
             if phase == "generate" or not on_cuda:
                 parts["vllm weights"], parts["vllm kv_cache"] = vllm["weights"], vllm["kv_cache"]
             if phase == "sync":
-                parts["vllm weights"], parts["sync bucket"] = vllm["weights"], bucket
+                parts["vllm weights"], parts["sync bucket"] = vllm["weights"], vllm["sync_bucket"]
         if on_cuda:
             parts["cuda reserve"] = CUDA_RESERVE_BYTES
         out[phase] = {k: v for k, v in parts.items() if v}
