@@ -67,6 +67,8 @@ class OptimizerConfig:
     """Final learning rate of linear/cosine decay, as a fraction of lr."""
     grad_clip: float | None = 1.0
     """Clip the global gradient norm to this value; null = no clipping."""
+    distributed: bool | None = None
+    """ZeRO-1: shard fp32 masters and Adam moments over the role's DP ranks; null = on if dp > 1."""
 
     def __post_init__(self):
         if self.lr <= 0:

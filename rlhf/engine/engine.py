@@ -2,22 +2,22 @@
 
 Every role (actor, critic, reference, reward model) owns one. Forward-only roles pass
 `optim=None`. Training runs a list of packed micro-batches through the mesh's schedule,
-backpropagates each micro-batch loss, then syncs gradients:
+backpropagates each micro-batch loss into one flat fp32 grad buffer, then syncs the grads as
+the model's `ParamTable` says (`rlhf.engine.grads`: partial grads summed over TP, pipeline
+ties summed, DP grads SUMMED, not averaged: `loss_fn` normalises by global token or sequence
+counts, see `loss_normalizers`, so the per-micro-batch losses of all DP ranks already add up
+to the mini-batch loss).
 
-- TP-replicated parameters whose grad each TP rank holds only in part (tagged
-  `sequence_parallel_grad` by the TP plan: norms and row-parallel biases under sequence
-  parallelism, the SP value head, Qwen3's q/k norms) have their grads summed over TP;
-- data-parallel grads are SUMMED over DP, not averaged: `loss_fn` normalises by global token
-  or sequence counts (see `loss_normalizers`), so the per-micro-batch losses of all DP ranks
-  already add up to the mini-batch loss.
+The optimizer is AdamW on flat fp32 state laid out by `rlhf.engine.zero`. With ZeRO-1
+(`optim.distributed`, on by default when dp > 1) the master weights and moments are split
+over the DP group: grads are reduce-scattered into the owning shard, the shard steps, and the
+updated parameters are all-gathered back. Otherwise every DP rank holds and steps the whole
+state. Low-precision (bf16) models train through fp32 master weights; fp32 models are their
+own masters.
 
 With pp > 1 the model is this rank's pipeline chunks and the schedule is 1F1B or interleaved
-1F1B (`rlhf.engine.pipeline`); a tied embedding has a copy on the first and the last stage
-whose grads are summed between them (counted once in the grad norm); metrics are broadcast
-from the last stage, so every rank returns the same numbers.
-
-Low-precision (bf16) models train through fp32 master weights that also accumulate the grads
-(`optim.MasterParams`); fp32 models are their own masters.
+1F1B (`rlhf.engine.pipeline`); metrics are broadcast from the last stage, so every rank
+returns the same numbers.
 """
 
 from __future__ import annotations
@@ -36,14 +36,17 @@ from torch.utils.checkpoint import checkpoint
 from rlhf.algorithms.losses import loss_normalizers
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.engine import checkpoint as ckpt
+from rlhf.engine.grads import GradBuffer, clip_, gather_grads, grad_norm, sync_grads
+from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
-from rlhf.engine.optim import MasterParams, clip_grads_, global_grad_norm, lr_at, param_groups
-from rlhf.engine.schedule import LossFn, MicroBatchResult, Outputs, make_schedule
-from rlhf.models.parallelize import build_model, export_full_hf_weights, tp_layout
+from rlhf.engine.optim import ShardedAdamW, lr_at
+from rlhf.engine.schedule import LossFn, Outputs, make_schedule
+from rlhf.engine.zero import partition
+from rlhf.models.parallelize import (ParamTable, build_model, export_full_hf_weights,
+                                     gather_full_grads, param_table)
 from rlhf.models.transformer import ValueModel
-from rlhf.parallel.collectives import all_reduce_tensors, group_size
+from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import ParallelMesh
-from rlhf.parallel.tensor_parallel import SEQUENCE_PARALLEL_GRAD
 
 Head = Literal["lm", "value"]
 Recompute = Literal["none", "selective", "full"]
@@ -55,16 +58,18 @@ class TrainEngine:
     """A model shard with its optimizer and schedule over `mesh`; see the module docstring."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, optim: OptimizerConfig | None,
-                 total_steps: int = 1, head: Head | None = None, recompute: Recompute = "none"):
+                 table: ParamTable | None = None, total_steps: int = 1, head: Head | None = None,
+                 recompute: Recompute = "none"):
         self.model, self.mesh, self.optim_config = model, mesh, optim
         self.head: Head = head or ("value" if isinstance(model, ValueModel) else "lm")
         self.device = next(model.parameters()).device
         self.total_steps, self.step_count = total_steps, 0
         self.schedule = make_schedule(model, mesh, device=self.device)
         apply_recompute(model, recompute)
-        self.optimizer: torch.optim.AdamW | None = None
-        self.masters: MasterParams | None = None
-        self._grads_synced = False
+        self.table = table if table is not None else param_table(model)
+        self.optimizer: ShardedAdamW | None = None
+        self.grads: GradBuffer | None = None
+        self.distributed, self._shard_rank, self._grads_synced = False, 0, False
         if optim is None:
             return
         if total_steps < 1:
@@ -72,21 +77,15 @@ class TrainEngine:
         if any(p.dtype == torch.float16 for p in model.parameters()):
             raise ValueError("float16 training needs loss scaling, which the engine does not do; "
                              "train in bfloat16 or float32")
-        self.masters = MasterParams(model)
-        sharded = {id(p) for name, p in model.named_parameters() if name in tp_layout(model)}
-        self._replicated = [id(p) not in sharded for p in self.masters.model_params]
-        self._sequence_parallel = [getattr(p, SEQUENCE_PARALLEL_GRAD, False)
-                                   for p in self.masters.model_params]
-        # A pipeline's second copy of a shared parameter (the tied LM head on the last stage):
-        # its grad is summed with the original's, and the pair counts once in the grad norm.
-        names = {id(p): name for name, p in model.named_parameters()}
-        shared = model.shared_parameters()
-        self._shared = [names[id(p)] in shared or names[id(p)] in shared.values()
-                        for p in self.masters.model_params]
-        self._copy = [names[id(p)] in shared for p in self.masters.model_params]
-        self.optimizer = torch.optim.AdamW(
-            param_groups(self.masters.params, optim.weight_decay), lr=lr_at(0, optim, total_steps),
-            betas=optim.betas, eps=optim.eps)
+        params = [p for _, p in model.named_parameters()]  # the table's order; a tie once
+        dp = group_size(mesh.dp_group)
+        self.distributed = dp > 1 if optim.distributed is None else optim.distributed
+        part = partition([p.numel() for p in params], dp if self.distributed else 1)
+        self.table = self.table.with_partition(part)
+        self._shard_rank = mesh.dp_rank if self.distributed else 0
+        self.grads = GradBuffer(params, part, device=self.device)
+        self.optimizer = ShardedAdamW(params, part, rank=self._shard_rank, config=optim,
+                                      dp_group=mesh.dp_group, device=self.device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: ParallelMesh,
@@ -100,9 +99,10 @@ class TrainEngine:
             raise ValueError(f"plan has tp={plan.tp} pp={plan.pp} but the mesh has "
                              f"tp={mesh.tp_size} pp={mesh.pp_size}; build them from one config")
         device = resolve_device(device)
-        model = build_model(path, mesh=mesh, plan=plan, head=head,
-                            dtype=resolve_dtype(dtype, device), device=device, value_head_seed=seed)
-        return cls(model, mesh, optim=optim, total_steps=total_steps, head=head,
+        model, table = build_model(path, mesh=mesh, plan=plan, head=head,
+                                   dtype=resolve_dtype(dtype, device), device=device,
+                                   value_head_seed=seed)
+        return cls(model, mesh, optim=optim, table=table, total_steps=total_steps, head=head,
                    recompute=recompute)
 
     # ---- compute -----------------------------------------------------------------------------
@@ -135,8 +135,15 @@ class TrainEngine:
         results = self.schedule.forward_backward(micro_batches, loss_fn,
                                                  outputs=self._outputs(outputs),
                                                  temperature=temperature)
-        self._sync_grads()
-        return self._reduce_metrics(results)
+        self.sync_grads()
+        return reduce_metrics(results, self.mesh, device=self.device)
+
+    def sync_grads(self) -> None:
+        """Sum the accumulated grads over TP, pipeline ties and DP (`rlhf.engine.grads`);
+        `forward_backward` calls it. Collective over the role's ranks."""
+        self._require_optimizer("sync_grads")
+        sync_grads(self.grads, self.table, self.mesh, rank=self._shard_rank)
+        self._grads_synced = True
 
     def step(self) -> dict[str, float]:
         """Clip the global grad norm, take one AdamW step at `lr_at(step)`, zero the grads.
@@ -144,11 +151,7 @@ class TrainEngine:
         A non-finite grad norm skips the update (and the schedule step) with a warning.
         """
         self._require_optimizer("step")
-        grads = self.masters.grads()
-        counted = [not copy for copy in self._copy]
-        norm = global_grad_norm([g for g, c in zip(grads, counted) if c],
-                                [r for r, c in zip(self._replicated, counted) if c],
-                                tp_group=self.mesh.tp_group, mp_group=self.mesh.mp_group)
+        norm = grad_norm(self.grads, self.table, self.mesh, rank=self._shard_rank)
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
         if not math.isfinite(float(norm)):
             warnings.warn(f"gradient norm is {float(norm)} at step {self.step_count}; "
@@ -156,22 +159,51 @@ class TrainEngine:
             self.zero_grad()
             return {"grad_norm": float(norm), "lr": lr}
         if self.optim_config.grad_clip is not None:
-            clip_grads_(grads, norm, self.optim_config.grad_clip)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.masters.copy_to_model()
+            clip_(self.grads, norm, self.optim_config.grad_clip, rank=self._shard_rank)
+        self.optimizer.step(self.grads.flat, lr=lr, step=self.step_count + 1)
+        self.optimizer.copy_to_model()
         self.zero_grad()
         self.step_count += 1
         return {"grad_norm": float(norm), "lr": lr}
 
     def zero_grad(self) -> None:
-        """Drop accumulated gradients (model and master)."""
-        if self.masters is None:
-            self.model.zero_grad(set_to_none=True)
-        else:
-            self.masters.zero_grad()
+        """Drop accumulated gradients."""
+        self.model.zero_grad(set_to_none=True)
+        if self.grads is not None:
+            self.grads.zero_()
         self._grads_synced = False
+
+    def state_tensors(self) -> dict[str, list[Tensor]]:
+        """Every tensor whose storage this rank holds, by kind; the same objects for the
+        engine's life (offloading may swap their `.data`), all allocated at construction.
+
+        "weights": the model parameters (a tied pair once). "grads": the flat fp32 grad
+        buffer of a training engine (accumulated by backward, valid after forward_backward,
+        zeroed by step; padded, see `rlhf.engine.zero`), [] forward-only. "masters": the fp32
+        master shard of a bf16 model ([] for fp32 models and forward-only engines).
+        "optimizer": the two Adam moment shards (the step count is a Python int).
+        """
+        out = {"weights": list(self.model.parameters()), "grads": [], "masters": [],
+               "optimizer": []}
+        if self.optimizer is not None:
+            out["grads"] = [self.grads.flat]
+            out.update(self.optimizer.tensors())
+        return out
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """HF name -> full synced gradient (fp32 values in the parameter dtype), for checks
+        after `forward_backward` / `sync_grads`. Collective over the role's ranks."""
+        self._require_optimizer("full_grads")
+        flat, part = gather_grads(self.grads, self.mesh), self.grads.part
+        params = self.grads.params
+        try:
+            for i, param in enumerate(params):
+                start = part.offsets[i]
+                param.grad = flat[start:start + part.numels[i]].view(param.shape).to(param.dtype)
+            return gather_full_grads(self.model, self.mesh)
+        finally:
+            for param in params:
+                param.grad = None
 
     def loss_normalizers(self, micro_batches: Sequence[MicroBatch], *,
                          mask_key: str | None) -> tuple[int, int]:
@@ -194,12 +226,10 @@ class TrainEngine:
         return export_full_hf_weights(self.model, self.mesh, bucket_bytes=bucket_bytes)
 
     def state_dict(self) -> dict:
-        """This rank's model shard, fp32 masters (if separate), optimizer state and step."""
-        separate = self.optimizer is not None and self.masters.separate
+        """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step."""
         return {
             "format_version": ckpt.FORMAT_VERSION, "layout": ckpt.layout(self.mesh),
             "model": self.model.state_dict(),
-            "master": [p.detach() for p in self.masters.params] if separate else None,
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "step": self.step_count,
         }
@@ -213,12 +243,8 @@ class TrainEngine:
             return
         if state["optimizer"] is None:
             raise ValueError("the state has no optimizer state (saved by a forward-only engine)")
-        self.masters.copy_from_model()
-        if self.masters.separate and state["master"] is not None:
-            with torch.no_grad():
-                for master, saved in zip(self.masters.params, state["master"], strict=True):
-                    master.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.copy_from_model()
+        self.optimizer.load_state_dict(state["optimizer"], where="the state dict")
         self.zero_grad()
 
     def save_checkpoint(self, folder: str | Path) -> Path:
@@ -238,44 +264,6 @@ class TrainEngine:
         if self.optimizer is None:
             raise RuntimeError(f"{what} needs a training engine; this one was built with "
                                "optim=None (forward only)")
-
-    def _sync_grads(self) -> None:
-        grads = self.masters.grads()
-        sp = [g for g, flag in zip(grads, self._sequence_parallel) if flag]
-        all_reduce_tensors(sp, group=self.mesh.tp_group)  # token chunks -> full-stream grads
-        all_reduce_tensors(grads, group=self.mesh.dp_group)  # SUM: losses are globally normalised
-        if self.mesh.pp_size > 1 and self.mesh.embedding_group is not None:
-            # Both stages' copies then step identically: the full model's one tied parameter.
-            tied = [g for g, flag in zip(grads, self._shared) if flag]
-            all_reduce_tensors(tied, group=self.mesh.embedding_group)
-        self._grads_synced = True
-
-    def _reduce_metrics(self, results: list[MicroBatchResult]) -> dict[str, float]:
-        """Loss summed; each metric averaged over the micro-batches that report it (all DP)."""
-        keys = sorted({k for r in results for k in r.metrics})
-        dp_group = self.mesh.dp_group
-        if group_size(dp_group) > 1:  # a rank may lack a key (or micro-batches altogether)
-            everyone: list[list[str]] = [[] for _ in range(group_size(dp_group))]
-            dist.all_gather_object(everyone, keys, group=dp_group)
-            keys = sorted({k for ks in everyone for k in ks})
-        row = [sum(r.loss for r in results), len(results)]
-        for k in keys:
-            row += [sum(r.metrics.get(k, 0.0) for r in results),
-                    sum(k in r.metrics for r in results)]
-        totals = torch.tensor(row, dtype=torch.float64, device=self.device)
-        if group_size(dp_group) > 1:
-            dist.all_reduce(totals, group=dp_group)
-        totals = totals.tolist()
-        out = {"loss": totals[0], "num_micro_batches": totals[1]}
-        for i, k in enumerate(keys):
-            out[k] = totals[2 + 2 * i] / max(totals[3 + 2 * i], 1.0)
-        if self.mesh.pp_size > 1:  # results exist on the last stage only
-            box = [out]
-            last = self.mesh.rank_at(dp=self.mesh.dp_rank, pp=self.mesh.pp_size - 1,
-                                     tp=self.mesh.tp_rank)
-            dist.broadcast_object_list(box, src=last, group=self.mesh.pp_group)
-            out = box[0]
-        return out
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

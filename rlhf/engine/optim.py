@@ -1,6 +1,5 @@
-"""Optimizer pieces of the engine: LR schedule, weight-decay groups, fp32 master weights, and
-gradient collectives (bucketed all-reduce, global norm with TP-replicated params counted once).
-"""
+"""Optimizer pieces of the engine: the LR schedule, which params decay, and AdamW on the
+(ZeRO-1 sharded, or whole) flat optimizer state of one rank."""
 
 from __future__ import annotations
 
@@ -8,13 +7,13 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from rlhf.config.roles import OptimizerConfig
-from rlhf.parallel.collectives import group_rank, group_size
-
+from rlhf.engine.zero import Partition
+from rlhf.errors import RLHFError
+from rlhf.parallel.collectives import _all_gather_single as all_gather_single
 
 
 def lr_at(step: int, optim: OptimizerConfig, total_steps: int) -> float:
@@ -48,87 +47,126 @@ def decays(param: Tensor) -> bool:
     return param.dim() >= 2
 
 
-def param_groups(params: Sequence[Tensor], weight_decay: float) -> list[dict]:
-    """AdamW groups: [decayed matrices, undecayed norms and biases] (empty groups dropped)."""
-    groups = [{"params": [p for p in params if decays(p)], "weight_decay": weight_decay},
-              {"params": [p for p in params if not decays(p)], "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
+class ShardedAdamW:
+    """AdamW on the parameter pieces this rank owns under `part` (all of them when
+    `part.shards == 1`), with "no decay on 1-D params" per piece.
 
-
-class MasterParams:
-    """The fp32 parameters the optimizer updates, one per model parameter.
-
-    For an fp32 model they are the model's own parameters. For a bf16/fp16 model they are fp32
-    copies: each backward's grad is added into the master's fp32 grad by a hook (so grads
-    accumulate over micro-batches in fp32) and `copy_to_model` writes the update back.
+    State, allocated here and updated in place: the Adam moments (two fp32 flat tensors of
+    the shard size) and, for a low-precision model, an fp32 master copy of the shard; an fp32
+    model is its own master. `copy_to_model` writes the updated shard back into the model
+    parameters (all-gathered over DP bucket by bucket under ZeRO-1).
     """
 
-    def __init__(self, model: nn.Module):
-        self.model_params = [p for p in model.parameters() if p.requires_grad]  # tied: once
-        self.separate = any(p.dtype != torch.float32 for p in self.model_params)
-        if not self.separate:
-            self.params = self.model_params
-            return
-        self.params = [nn.Parameter(p.detach().float().clone()) for p in self.model_params]
-        for param, master in zip(self.model_params, self.params):
-            param.register_post_accumulate_grad_hook(_accumulate_into(master))
+    def __init__(self, params: Sequence[nn.Parameter], part: Partition, *, rank: int,
+                 config: OptimizerConfig, dp_group: ProcessGroup | None, device: torch.device):
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                             "build it in one dtype")
+        self.params, self.part, self.rank, self.config = list(params), part, rank, config
+        self.dp_group = dp_group
+        self.dtype = dtypes.pop() if dtypes else torch.float32
+        self.pieces = part.pieces(rank)
+        size = part.shard_size
+        self.master = (None if self.dtype == torch.float32
+                       else torch.zeros(size, dtype=torch.float32, device=device))
+        self.exp_avg = torch.zeros(size, dtype=torch.float32, device=device)
+        self.exp_avg_sq = torch.zeros(size, dtype=torch.float32, device=device)
+        self._shard_offsets = [0]
+        for bucket in part.buckets:
+            self._shard_offsets.append(self._shard_offsets[-1] + bucket.numel // part.shards)
+        self.copy_from_model()
 
-    def grads(self) -> list[Tensor]:
-        """Every master grad, materialised as zeros where no backward reached the param."""
-        for master in self.params:
-            if master.grad is None:
-                master.grad = torch.zeros_like(master)
-        return [master.grad for master in self.params]
+    def tensors(self) -> dict[str, list[Tensor]]:
+        """{"masters": the fp32 shard ([] for an fp32 model), "optimizer": the moments}."""
+        return {"masters": [] if self.master is None else [self.master],
+                "optimizer": [self.exp_avg, self.exp_avg_sq]}
+
+    def _values(self) -> list[Tensor]:
+        """The fp32 values the step updates, one view per owned piece."""
+        if self.master is not None:
+            return [self.master[p.shard_start:p.shard_start + p.stop - p.start]
+                    for p in self.pieces]
+        return [self.params[p.param].detach().view(-1)[p.start:p.stop] for p in self.pieces]
+
+    def _state(self, flat: Tensor) -> list[Tensor]:
+        return [flat[p.shard_start:p.shard_start + p.stop - p.start] for p in self.pieces]
+
+    @torch.no_grad()
+    def step(self, grads: Tensor, *, lr: float, step: int) -> None:
+        """One AdamW step (1-based `step`) from the synced flat fp32 `grads` buffer; torch
+        AdamW's arithmetic, op for op."""
+        if not self.pieces:
+            return
+        beta1, beta2 = self.config.betas
+        values, moments = self._values(), self._state(self.exp_avg)
+        squares = self._state(self.exp_avg_sq)
+        offsets = self.part.offsets
+        piece_grads = [grads[offsets[p.param] + p.start:offsets[p.param] + p.stop]
+                       for p in self.pieces]
+        decayed = [v for v, p in zip(values, self.pieces) if decays(self.params[p.param])]
+        if decayed and self.config.weight_decay:
+            torch._foreach_mul_(decayed, 1 - lr * self.config.weight_decay)
+        torch._foreach_lerp_(moments, piece_grads, 1 - beta1)
+        torch._foreach_mul_(squares, beta2)
+        torch._foreach_addcmul_(squares, piece_grads, piece_grads, value=1 - beta2)
+        step_size = lr / (1 - beta1 ** step)
+        denom = torch._foreach_sqrt(squares)
+        torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
+        torch._foreach_add_(denom, self.config.eps)
+        torch._foreach_addcdiv_(values, moments, denom, value=-step_size)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
-        if self.separate:
-            for param, master in zip(self.model_params, self.params):
-                param.copy_(master)
+        """Write the updated shard into the model parameters (collective over DP when
+        sharded: each bucket's shards are all-gathered)."""
+        if self.part.shards == 1:
+            if self.master is not None:
+                for piece, value in zip(self.pieces, self._values()):
+                    self.params[piece.param].detach().view(-1)[piece.start:piece.stop].copy_(value)
+            return
+        offsets = self.part.offsets
+        for b, bucket in enumerate(self.part.buckets):
+            lo, hi = self._shard_offsets[b], self._shard_offsets[b + 1]
+            send = torch.zeros(hi - lo, dtype=self.dtype, device=self.exp_avg.device)
+            if self.master is not None:
+                send.copy_(self.master[lo:hi])
+            else:
+                for p in self.pieces:
+                    if bucket.first <= p.param < bucket.stop:
+                        send[p.shard_start - lo:p.shard_start - lo + p.stop - p.start].copy_(
+                            self.params[p.param].detach().view(-1)[p.start:p.stop])
+            full = torch.empty(bucket.numel, dtype=self.dtype, device=send.device)
+            all_gather_single(full, send, group=self.dp_group)
+            for i in range(bucket.first, bucket.stop):
+                start = offsets[i] - bucket.start
+                self.params[i].detach().view(-1).copy_(full[start:start + self.part.numels[i]])
 
     @torch.no_grad()
     def copy_from_model(self) -> None:
-        """Re-read the masters from the model (after loading model weights)."""
-        if self.separate:
-            for param, master in zip(self.model_params, self.params):
-                master.copy_(param)
+        """Re-read the master shard from the model (after loading model weights)."""
+        if self.master is not None:
+            for piece, value in zip(self.pieces, self._values()):
+                value.copy_(self.params[piece.param].detach().view(-1)[piece.start:piece.stop])
 
-    def zero_grad(self) -> None:
-        for tensor in (*self.model_params, *self.params):
-            tensor.grad = None
+    def state_dict(self) -> dict:
+        """This rank's shard: masters (or None) and moments, with the layout they assume."""
+        return {"shards": self.part.shards, "numels": list(self.part.numels),
+                "master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
-
-def _accumulate_into(master: Tensor):
-    def hook(param: Tensor) -> None:
-        if master.grad is None:
-            master.grad = param.grad.float()
-        else:
-            master.grad.add_(param.grad)
-        param.grad = None  # the low-precision grad is never kept across micro-batches
-    return hook
-
-
-def global_grad_norm(grads: Sequence[Tensor], replicated: Sequence[bool], *,
-                     tp_group: ProcessGroup | None, mp_group: ProcessGroup | None) -> Tensor:
-    """L2 norm of the whole model's gradient, 0-d fp32 (the same on every rank of mp_group).
-
-    TP-sharded grads add their squares on every TP rank; TP-replicated grads (identical on
-    all TP ranks) only on TP rank 0, so each is counted once when summing over pp x tp.
-    """
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    count_replicated = group_rank(tp_group) == 0
-    for grad, rep in zip(grads, replicated):
-        if count_replicated or not rep:
-            total += grad.detach().float().pow(2).sum()
-    if group_size(mp_group) > 1:
-        dist.all_reduce(total, group=mp_group)
-    return total.sqrt()
-
-
-@torch.no_grad()
-def clip_grads_(grads: Sequence[Tensor], total_norm: Tensor, max_norm: float) -> None:
-    """Scale grads by min(1, max_norm / (norm + 1e-6)), as torch's clip_grad_norm_ does."""
-    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    for grad in grads:
-        grad.mul_(coef)
+    @torch.no_grad()
+    def load_state_dict(self, state: dict, *, where: str) -> None:
+        """Copy a `state_dict` into this optimizer's own tensors (they stay the same objects)."""
+        if state["shards"] != self.part.shards:
+            raise RLHFError(
+                f"{where} holds optimizer state sharded {state['shards']} ways (ZeRO-1 over a "
+                f"data-parallel size of {state['shards']}, 1 = not sharded) but this engine "
+                f"shards it {self.part.shards} ways; resume with the same dp size and "
+                "optim.distributed, or start from an exported HF folder")
+        if list(state["numels"]) != list(self.part.numels):
+            raise RLHFError(f"{where} was saved for other parameter shapes; resume with the "
+                            "same model and layout")
+        if self.master is not None and state["master"] is not None:
+            self.master.copy_(state["master"])
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])

@@ -13,17 +13,20 @@ every row layer reduce-scatters back, and the LM head gathers it, so the forward
 `Transformer` works unchanged. A value head runs on the chunk; its (T/tp,) values are
 gathered to (T,). Positions and cos/sin stay full-length: attention sees all T tokens.
 
-TP-replicated parameters whose grad each rank holds only in part are marked for
-`sync_tp_grads`: the norms under sequence parallelism (each rank sees T/tp tokens), the value
-head under sequence parallelism, and Qwen3's q/k norms always (each rank sees its own heads).
+`build_model` returns the model beside its `ParamTable`: one entry per local parameter (HF
+name, TP split, whether its grad is partial over TP, pipeline ties). The engine's grad sync,
+its optimizer partition, the HF export and `rlhf verify-model` all read that table. A grad is
+partial over TP for replicated parameters that each rank feeds only part of the work: the
+norms and row-parallel biases under sequence parallelism (each rank sees T/tp tokens), the
+value head under sequence parallelism, and Qwen3's q/k norms always (each rank sees its heads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -39,10 +42,8 @@ from rlhf.models.transformer import (Attention, CausalLM, RMSNorm, ValueModel,
 from rlhf.parallel.collectives import all_gather, gather_from_sequence
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.stages import rank_chunks
-from rlhf.parallel.tensor_parallel import (SEQUENCE_PARALLEL_GRAD, ColumnParallelLinear,
-                                           ParallelLMHead, RowParallelLinear,
-                                           VocabParallelEmbedding,
-                                           allreduce_sequence_parallel_grads)
+from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
+                                           RowParallelLinear, VocabParallelEmbedding)
 
 Model = CausalLM | ValueModel
 
@@ -118,7 +119,6 @@ def apply_tp(model: Model, mesh: ParallelMesh, *, sequence_parallel: bool) -> No
         model.tie_weights()
     if isinstance(model, ValueModel) and model.score is not None and sp:
         model.score = SequenceGatheredLinear.from_linear(model.score, group=group)
-    _mark_partial_grads(model)
 
 
 class SequenceGatheredLinear(nn.Linear):
@@ -142,48 +142,105 @@ class SequenceGatheredLinear(nn.Linear):
                                     grad_is_partial=False)
 
 
-def _mark_partial_grads(model: Model) -> None:
-    """Tag the replicated parameters whose per-rank grads must be summed over TP."""
+@dataclass(frozen=True)
+class ParamInfo:
+    """One local parameter of a built model: the one description every consumer reads."""
+
+    name: str
+    """Its name in `model.named_parameters()`."""
+    hf_name: str
+    """Its name in the full HF model; a tied copy's is the name of the parameter it equals."""
+    shard: ShardLayout | None
+    """How it is split over TP; None: replicated over TP."""
+    tp_partial_grad: bool
+    """Replicated over TP, but each TP rank holds only part of its grad: summed over TP."""
+    shared: bool
+    """Either side of a tie whose two copies live on different pipeline stages."""
+    tied_copy: bool
+    """The second copy of a shared parameter (the last stage's LM head): its grad is summed
+    with the original's, it counts once in the grad norm, and the export leaves it out."""
+    zero_owners: tuple[int, ...] = ()
+    """With ZeRO-1: the DP ranks that own part of its optimizer state."""
+    flat_range: tuple[int, int] | None = None
+    """With a training engine: its [start, stop) in the flat grad buffer."""
+
+
+@dataclass(frozen=True)
+class ParamTable:
+    """`ParamInfo` per parameter, in `model.named_parameters()` order (a tied pair once)."""
+
+    entries: tuple[ParamInfo, ...]
+
+    def __iter__(self) -> Iterator[ParamInfo]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_index", {e.name: e for e in self.entries})
+
+    def __getitem__(self, name: str) -> ParamInfo:
+        if name not in self._index:
+            raise KeyError(f"{name} is not a parameter of this model")
+        return self._index[name]
+
+    def with_partition(self, part) -> ParamTable:
+        """The table with each parameter's flat range and ZeRO-1 owners from `part`
+        (an `rlhf.engine.zero.Partition` over the entries in order)."""
+        if len(part.numels) != len(self.entries):
+            raise ValueError(f"the partition has {len(part.numels)} parameters, the table "
+                             f"{len(self.entries)}; partition the table's parameters")
+        return ParamTable(tuple(
+            replace(e, flat_range=(part.offsets[i], part.offsets[i] + part.numels[i]),
+                    zero_owners=part.owners(i) if part.shards > 1 else ())
+            for i, e in enumerate(self.entries)))
+
+
+class BuiltModel(NamedTuple):
+    """What `build_model` returns: this rank's model and its parameter table."""
+
+    model: Model
+    table: ParamTable
+
+
+def param_table(model: Model) -> ParamTable:
+    """The table of `model` as `apply_tp` and the stage cut left it (see the module doc)."""
+    layout, partial = _tp_layout(model), _tp_partial_names(model)
+    ties = model.shared_parameters()  # {copy name: original name}
+    present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    entries = []
+    for name, _ in model.named_parameters():
+        partner = ties.get(name) or next((c for c, o in ties.items() if o == name), None)
+        shared = partner is not None and partner not in present
+        entries.append(ParamInfo(
+            name=name, hf_name=ties.get(name, name) if shared else name,
+            shard=layout.get(name), tp_partial_grad=name in partial, shared=shared,
+            tied_copy=shared and name in ties))
+    return ParamTable(tuple(entries))
+
+
+def _tp_partial_names(model: Model) -> set[str]:
+    """Names of the TP-replicated parameters whose grads are partial per TP rank."""
     state = tp_state(model)
     if state.tp == 1:
-        return
+        return set()
     qk_norms = {id(m) for attn in model.modules() if isinstance(attn, Attention)
                 for m in (attn.q_norm, attn.k_norm) if m is not None}
-    for module in model.modules():
-        partial = False
-        if isinstance(module, RMSNorm):
-            partial = state.sequence_parallel or id(module) in qk_norms
+    names = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(module, RMSNorm) and (state.sequence_parallel or id(module) in qk_norms):
+            names.update(f"{dot}{n}" for n, _ in module.named_parameters())
         elif isinstance(module, SequenceGatheredLinear):
-            partial = True
-        if partial:
-            for param in module.parameters():
-                setattr(param, SEQUENCE_PARALLEL_GRAD, True)
-        if isinstance(module, RowParallelLinear) and module.bias is not None:
-            setattr(module.bias, SEQUENCE_PARALLEL_GRAD, state.sequence_parallel)
+            names.update(f"{dot}{n}" for n, _ in module.named_parameters())
+        elif (isinstance(module, RowParallelLinear) and module.bias is not None
+              and state.sequence_parallel):
+            names.add(f"{dot}bias")
+    return names
 
 
-def sync_tp_grads(model: Model, *, mesh: ParallelMesh) -> None:
-    """Sum over TP the partial grads of replicated parameters (see module doc), in place.
-
-    Call after backward whenever tp > 1, with or without sequence parallelism (Qwen3's q/k
-    norms need it either way); once per optimizer step is enough, the sum being linear.
-    """
-    if tp_state(model).tp > 1:
-        allreduce_sequence_parallel_grads(model, group=mesh.tp_group)
-
-
-def sync_shared_grads(model: Model, *, mesh: ParallelMesh) -> None:
-    """Sum the grads of a pipeline's two copies of a shared parameter (the tied embedding on
-    the first stage, the LM head on the last), in place; a no-op at pp = 1 and off those stages."""
-    if mesh.pp_size == 1 or mesh.embedding_group is None:
-        return
-    shared = model.shared_parameters()
-    for name, param in model.named_parameters():
-        if (name in shared or name in shared.values()) and param.grad is not None:
-            dist.all_reduce(param.grad, group=mesh.embedding_group)
-
-
-def tp_layout(model: Model) -> dict[str, ShardLayout]:
+def _tp_layout(model: Model) -> dict[str, ShardLayout]:
     """Parameter name -> how it is split over TP; parameters not listed are replicated."""
     layout = {}
     for prefix, module in model.named_modules():
@@ -213,8 +270,9 @@ def _local_range(full_size: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
 
 def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
                 head: Literal["lm", "value"], dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", value_head_seed: int = 0) -> Model:
-    """This rank's shard of the HF model in `path`, laid out by `plan` over `mesh`.
+                device: str | torch.device = "cpu", value_head_seed: int = 0) -> BuiltModel:
+    """This rank's shard of the HF model in `path`, laid out by `plan` over `mesh`, beside
+    its `ParamTable`.
 
     Built on the meta device, sharded, then materialised with local shapes only; each rank
     reads just its slices from the safetensors files. `head`: "lm" (CausalLM) or "value"
@@ -242,18 +300,19 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
     model.to(dtype=dtype)  # still on meta: nothing allocated
     apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
     model.to_empty(device=device)
-    # to_empty makes new Parameter objects: the tie and the grad tags have to be redone.
+    # to_empty makes new Parameter objects: the tie has to be redone.
     if isinstance(model, CausalLM):
         model.tie_weights()
-    _mark_partial_grads(model)
     model.model.rotary_emb.inv_freq = rope_inv_freq(args)
-    load_hf_weights(model, path, shard_fn=_shard_fn(model, mesh), value_head_seed=value_head_seed)
-    return model
+    table = param_table(model)
+    load_hf_weights(model, path, shard_fn=_shard_fn(table, mesh), value_head_seed=value_head_seed)
+    return BuiltModel(model, table)
 
 
-def _shard_fn(model: Model, mesh: ParallelMesh):
+def _shard_fn(table: ParamTable, mesh: ParallelMesh):
     """load_hf_weights' shard_fn for this rank: the slice of each split parameter it holds."""
-    layout, tp_rank, tp_size = tp_layout(model), mesh.tp_rank, mesh.tp_size
+    layout = {e.name: e.shard for e in table if e.shard is not None}
+    tp_rank, tp_size = mesh.tp_rank, mesh.tp_size
 
     def shard_fn(name: str, full_shape: tuple[int, ...]) -> SliceSpec | None:
         spec = layout.get(name)
@@ -269,17 +328,17 @@ def _shard_fn(model: Model, mesh: ParallelMesh):
 
 def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[tuple[str, Tensor]]:
     """(HF name, full tensor) per parameter, shards all-gathered over TP (collective)."""
-    layout = tp_layout(model)
+    table = param_table(model)
     group = mesh.tp_group if mesh.tp_size > 1 else None
-    shared = model.shared_parameters()
     for name, param in model.named_parameters():
-        if name in shared:
+        entry = table[name]
+        if entry.tied_copy:
             continue  # stored once, under the name it shares (the tied embedding)
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{name} has no grad; run backward first")
         tensor = tensor.detach()
-        spec = layout.get(name)
+        spec = entry.shard
         if spec is not None:
             tensor = all_gather(tensor, dim=spec.dim, group=group)
             if tensor.shape[spec.dim] != spec.full_size:  # padded vocabulary
@@ -289,11 +348,12 @@ def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[
 
 def _full_shapes(model: Model) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(name, full shape, dtype) of what `_full_tensors` yields, without communication."""
-    layout, shared, out = tp_layout(model), model.shared_parameters(), []
+    table, out = param_table(model), []
     for name, param in model.named_parameters():
-        if name in shared:
+        entry = table[name]
+        if entry.tied_copy:
             continue
-        shape, spec = list(param.shape), layout.get(name)
+        shape, spec = list(param.shape), entry.shard
         if spec is not None:
             shape[spec.dim] = spec.full_size
         out.append((name, tuple(shape), param.dtype))

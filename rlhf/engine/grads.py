@@ -1,0 +1,121 @@
+"""The engine's gradients: one flat fp32 buffer per rank, synced as the parameter table says.
+
+Every trainable parameter's grad accumulates (over micro-batches, in fp32) into its range of
+the flat buffer laid out by a `zero.Partition`; a hook moves each backward's `param.grad`
+there, so parameters never keep a `.grad`. `sync_grads` is the one grad sync, run by
+training and by `rlhf verify-model`:
+
+1. grads partial over TP (`ParamInfo.tp_partial_grad`) are summed over TP;
+2. the two copies of a parameter shared across pipeline stages are summed (`shared`);
+3. over DP the grads are SUMMED (loss_fn normalises by global counts): reduce-scattered into
+   each rank's shard under ZeRO-1 (only the owned ranges are then valid), else all-reduced.
+
+`grad_norm` is the whole model's norm from the owned ranges: TP-replicated grads counted on
+TP rank 0 only, a tied copy not at all, then summed over DP (ZeRO-1) and the model group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from rlhf.engine.zero import Partition
+from rlhf.models.parallelize import ParamTable
+from rlhf.parallel.collectives import _all_gather_single as all_gather_single
+from rlhf.parallel.collectives import _reduce_scatter_single as reduce_scatter_single
+from rlhf.parallel.collectives import all_reduce_tensors, group_rank, group_size
+from rlhf.parallel.mesh import ParallelMesh
+
+
+class GradBuffer:
+    """fp32 grads of `params` in one flat buffer (allocated here, zeroed, kept for good)."""
+
+    def __init__(self, params: Sequence[nn.Parameter], part: Partition, *,
+                 device: torch.device):
+        self.params, self.part = list(params), part
+        self.flat = torch.zeros(part.total, dtype=torch.float32, device=device)
+        for i, param in enumerate(self.params):
+            param.register_post_accumulate_grad_hook(self._accumulate(i))
+
+    def view(self, i: int) -> Tensor:
+        """Parameter i's grad (a view of the buffer, shaped like the parameter)."""
+        start = self.part.offsets[i]
+        return self.flat[start:start + self.part.numels[i]].view(self.params[i].shape)
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+
+    def _accumulate(self, i: int):
+        def hook(param: Tensor) -> None:
+            self.view(i).add_(param.grad)  # looked up per call: offload may move the buffer
+            param.grad = None
+        return hook
+
+
+def sync_grads(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *, rank: int) -> None:
+    """Sum the grads over TP, pipeline ties and DP (see the module docstring), in place.
+    `rank`: this rank's shard of `grads.part` (its DP rank under ZeRO-1, else 0)."""
+    entries = table.entries
+    partial = [grads.view(i) for i, e in enumerate(entries) if e.tp_partial_grad]
+    all_reduce_tensors(partial, group=mesh.tp_group)  # token chunks -> full-stream grads
+    if mesh.pp_size > 1 and mesh.embedding_group is not None:
+        # Both stages' copies then step identically: the full model's one tied parameter.
+        tied = [grads.view(i) for i, e in enumerate(entries) if e.shared]
+        all_reduce_tensors(tied, group=mesh.embedding_group)
+    if group_size(mesh.dp_group) == 1:
+        return
+    part, flat = grads.part, grads.flat
+    for bucket, (lo, hi) in zip(part.buckets, part.shard_ranges(rank)):
+        chunk = flat[bucket.start:bucket.start + bucket.numel]
+        if part.shards == 1:
+            dist.all_reduce(chunk, group=mesh.dp_group)
+        else:
+            mine = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
+            reduce_scatter_single(mine, chunk, group=mesh.dp_group)
+            flat[lo:hi].copy_(mine)
+
+
+def owned_views(grads: GradBuffer, rank: int) -> list[Tensor]:
+    """The ranges of the flat buffer `rank` owns (valid after `sync_grads`), bucket order."""
+    return [grads.flat[lo:hi] for lo, hi in grads.part.shard_ranges(rank)]
+
+
+def grad_norm(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *, rank: int) -> Tensor:
+    """L2 norm of the whole model's synced gradient, 0-d fp32, the same on every rank."""
+    count_replicated = group_rank(mesh.tp_group) == 0
+    pieces = [grads.flat[grads.part.offsets[p.param] + p.start:
+                         grads.part.offsets[p.param] + p.stop]
+              for p in grads.part.pieces(rank)
+              if not table.entries[p.param].tied_copy
+              and (count_replicated or table.entries[p.param].shard is not None)]
+    total = torch.zeros((), dtype=torch.float32, device=grads.flat.device)
+    if pieces:
+        total += torch.stack(torch._foreach_norm(pieces)).square().sum()
+    if grads.part.shards > 1:
+        dist.all_reduce(total, group=mesh.dp_group)
+    if group_size(mesh.mp_group) > 1:
+        dist.all_reduce(total, group=mesh.mp_group)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_(grads: GradBuffer, total_norm: Tensor, max_norm: float, *, rank: int) -> None:
+    """Scale the owned grads by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does."""
+    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(owned_views(grads, rank), coef)
+
+
+def gather_grads(grads: GradBuffer, mesh: ParallelMesh) -> Tensor:
+    """A full flat copy of the synced grads: the owned ranges all-gathered over DP under
+    ZeRO-1 (collective over DP), else the buffer itself."""
+    part = grads.part
+    if part.shards == 1:
+        return grads.flat
+    out = torch.empty_like(grads.flat)
+    for bucket, (lo, hi) in zip(part.buckets, part.shard_ranges(mesh.dp_rank)):
+        all_gather_single(out[bucket.start:bucket.start + bucket.numel],
+                          grads.flat[lo:hi].contiguous(), group=mesh.dp_group)
+    return out
