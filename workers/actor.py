@@ -20,6 +20,7 @@ from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.engine.engine import resolve_dtype
+from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from rlhf.rollout import ReplicaSpec, RolloutReplica
 from workers.base import Worker
@@ -37,9 +38,11 @@ class ActorWorker(CheckpointMixin, Worker):
         self.config = config
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
+        self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)
         self.rollout = RolloutReplica(rollout_spec(ctx, config))
 
     @register(dispatch=Dispatch.RANK_SPLIT)
+    @in_phase("generate")
     def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
         """rollout.n samples of every `prompt_ids` row (prompt-major; greedy: one, at
         temperature 0): `response_ids`, `rollout_log_probs` and meta["metrics"].
@@ -55,6 +58,7 @@ class ActorWorker(CheckpointMixin, Worker):
         return self.rollout.generate(batch["prompt_ids"], greedy=greedy, seed=seed)
 
     @register(dispatch=Dispatch.COLLECTIVE)
+    @in_phase("sync")
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into this rank's vLLM replica if it changed since the last sync;
         sync/bytes (per replica), sync/seconds, sync/gb_per_s, sync/skipped."""
@@ -65,6 +69,7 @@ class ActorWorker(CheckpointMixin, Worker):
         self.rollout.mark_stale()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
+    @in_phase("forward")
     def compute_log_prob(self, batch: Batch) -> Batch:
         """`old_log_probs` and `entropy` of every response token at the sampling temperature."""
         require_fields(batch, TOKENS, "actor.compute_log_prob")
@@ -74,6 +79,7 @@ class ActorWorker(CheckpointMixin, Worker):
         return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
+    @in_phase("update")
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """algorithm.ppo_epochs passes over the batch, one optimizer step per mini-batch of
         actor.ppo_mini_batch_size prompts (times rollout.n samples), in order."""

@@ -13,6 +13,7 @@ from rlhf.algorithms import aggregate, value_loss
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from workers.base import Worker
 from workers.common import (MASK, TOKENS, build_engine, micro_batches, ppo_updates,
@@ -36,8 +37,10 @@ class CriticWorker(CheckpointMixin, Worker):
         self.engine = build_engine(self, config, "critic",
                                    path=config.critic.model_path or config.model.path,
                                    head="value", train=True)
+        self.offload = Offloader(self.engine.state_tensors, config=config.critic.offload)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
+    @in_phase("forward")
     def compute_values(self, batch: Batch) -> Batch:
         """`values` of every response token (see the module docstring)."""
         require_fields(batch, TOKENS, "critic.compute_values")
@@ -46,6 +49,7 @@ class CriticWorker(CheckpointMixin, Worker):
         return response_fields(outputs, mbs, {"values": "values"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
+    @in_phase("update")
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """algorithm.ppo_epochs passes, one step per critic.ppo_mini_batch_size prompts' samples;
         needs `values` (from compute_values, before any update) and `returns`."""

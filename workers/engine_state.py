@@ -7,30 +7,41 @@ from pathlib import Path
 import torch.distributed as dist
 
 from rlhf.controller import Dispatch, register
+from rlhf.engine.offload import in_phase
 from rlhf.models.hf_io import hf_config, write_hf_folder
+from rlhf.trainer.shared_folder import read_marker
 
 EXPORT_BUCKET_BYTES = 256 * 2**20  # also the size of each safetensors file written
 
 
 class CheckpointMixin:
     """`save_checkpoint` / `load_checkpoint` of `self.engine` under one folder per role, and
-    `export_hf` of its weights as a Hugging Face folder (any tp/pp layout)."""
+    `export_hf` of its weights as a Hugging Face folder (any tp/pp layout). Needs
+    `self.offload` (rlhf.engine.offload.Offloader), which brings the state they read back."""
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    @in_phase("checkpoint")
     def save_checkpoint(self, folder: str) -> str:
         """Write this rank's engine shard under `folder` (collective); returns the file."""
         return str(self.engine.save_checkpoint(Path(folder)))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    @in_phase("checkpoint")
     def load_checkpoint(self, folder: str) -> None:
         """Restore this rank's engine shard from `folder`, then run `_after_load`."""
         self.engine.load_checkpoint(Path(folder))
         self._after_load()
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def read_marker(self, path: str) -> tuple[str, str | None]:
+        """(host name, text of `path`) as this rank sees it: rlhf.trainer.shared_folder."""
+        return read_marker(path)
+
     def _after_load(self) -> None:
         """Hook for roles that cache something derived from the weights."""
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    @in_phase("sync")
     def export_hf(self, folder: str, config_source: str) -> str:
         """Write the full weights as a Hugging Face folder (by the mesh's first rank; every rank
         takes part in the gathers), with config.json and tokenizer files of `config_source`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from workers.base import Worker
 from workers.common import (TOKENS, build_engine, micro_batches, require_fields,
@@ -23,8 +24,10 @@ class ReferenceWorker(Worker):
         self.config = config
         self.engine = build_engine(self, config, "ref", path=config.model.path, head="lm",
                                    train=False)
+        self.offload = Offloader(self.engine.state_tensors, config=config.ref.offload)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
+    @in_phase("forward")
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
         require_fields(batch, TOKENS, "ref.compute_ref_log_prob")

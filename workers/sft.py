@@ -12,9 +12,10 @@ import dataclasses
 from torch import Tensor
 
 from rlhf.algorithms import aggregate
-from rlhf.config import JobConfig
+from rlhf.config import JobConfig, OffloadConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.engine.offload import Offloader
 from workers.base import Worker
 from workers.common import MASK, TOKENS, build_engine, require_fields, train_mini_batch
 from workers.engine_state import CheckpointMixin
@@ -33,6 +34,7 @@ class SFTWorker(CheckpointMixin, Worker):
             config, trainer=dataclasses.replace(config.trainer, total_steps=steps))
         self.engine = build_engine(self, self.config, plan_key, path=init_path, head="lm",
                                    train=train)
+        self.offload = Offloader(self.engine.state_tensors, config=OffloadConfig())  # no rollouts
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
     def train_step(self, batch: Batch) -> dict[str, float]:

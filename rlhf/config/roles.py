@@ -84,6 +84,19 @@ class OptimizerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Training state a colocated role keeps in host memory while it is not computing (vLLM
+    generates, another role runs); each kind comes back to the device when a phase needs it."""
+
+    params: bool = False
+    """Weights on the host except during this role's forward passes, updates and weight syncs."""
+    grads: bool = False
+    """Gradients on the host outside the updates."""
+    optimizer: bool = False
+    """fp32 master weights and AdamW moments on the host outside the updates."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ForwardRoleConfig:
     """A role that only runs forward passes (reference policy, reward model)."""
 
@@ -121,12 +134,30 @@ class TrainRoleConfig(ForwardRoleConfig):
     """Prompts per optimizer step (each brings rollout.n samples); divides data.train_batch_size."""
     micro_batch_size: int | None = None
     """Optional cap on samples per micro-batch, on top of the token budget; null = tokens only."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """What this role moves to host memory around rollouts (see rlhf/engine/offload.py)."""
 
     def __post_init__(self):
         super().__post_init__()
         require_min(self, 1, "ppo_mini_batch_size")
         if self.micro_batch_size is not None:
             require_min(self, 1, "micro_batch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceConfig(ForwardRoleConfig):
+    """The frozen reference policy: forward only, so only its weights can move to the host."""
+
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Weights to host memory around rollouts (params only: the role has no grads or optimizer)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for kind in ("grads", "optimizer"):
+            if getattr(self.offload, kind):
+                raise ConfigError(f"offload.{kind}: the reference is forward only and has no "
+                                  f"{kind} to move; set it to false (offload.params moves its "
+                                  "weights)")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -8,7 +8,8 @@ the model's config.json) are in `rlhf.config.checks`.
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, RewardConfig, TrainRoleConfig)
+from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, ReferenceConfig, RewardConfig,
+                               TrainRoleConfig)
 from rlhf.config.rules import require_min, require_positive_or_none, require_range
 from rlhf.config.sft import SFTConfig
 from rlhf.config.tiny import TinyModelConfig
@@ -284,7 +285,7 @@ class JobConfig:
     """The policy's training plan, optimizer and batch sizes; its ranks also host vLLM rollouts."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, trained exactly when algorithm.adv_estimator is gae."""
-    ref: ForwardRoleConfig = field(default_factory=ForwardRoleConfig)
+    ref: ReferenceConfig = field(default_factory=ReferenceConfig)
     """The frozen reference policy, run when algorithm.kl_in_reward or use_kl_loss is on."""
     reward: RewardConfig = field(default_factory=RewardConfig)
     """Rule-based reward functions and an optional reward model (the role keys plan the model)."""

@@ -42,6 +42,7 @@ class PipelineSchedule:
         self.num_virtual = self.pp * self.vpp
         self.peak_held = 0
         self.last_wait_s = 0.0
+        self.tagged = True  # False: untagged messages, matched in posting order as under NCCL
         state = tp_state(model)
         self._tp, self._sp = state.tp, state.sequence_parallel
         self._dtype = next(model.parameters()).dtype
@@ -132,7 +133,8 @@ class _Run:
 
     def _exchange(self, recvs: list[Recv]) -> list[Tensor]:
         start = time.perf_counter()
-        out = exchange(self.pending, recvs, device=self.s.device, group=self.s.mesh.pp_group)
+        out = exchange(self.pending, recvs, device=self.s.device, group=self.s.mesh.pp_group,
+                       tagged=self.s.tagged)
         self.pending = []
         self.wait_s += time.perf_counter() - start
         return out

@@ -105,7 +105,9 @@ def head_outputs(model: nn.Module, out: Tensor, packed: Packed, *, mesh: Paralle
     or values_T): also what the last pipeline stage computes."""
     if isinstance(model, ValueModel):
         return {"values": out.float()}
-    logits_TV_local = out if temperature == 1.0 else out / temperature
+    # Upcast, then divide: bf16 logits / temperature would round once more, which vLLM's fp32
+    # sampler log-probs do not.
+    logits_TV_local = out.float() if temperature == 1.0 else out.float() / temperature
     shard = vocab_shard(model, mesh)
     result = {}
     if "log_probs" in outputs:

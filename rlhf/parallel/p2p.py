@@ -6,6 +6,8 @@ the exact buffer shape (`activation_shape`). Sends and receives go out together 
 decides what to pair so that no two stages wait on each other (`rlhf.engine.pipeline_order`).
 Each message carries its own tag (micro-batch, virtual stage, direction) where the backend
 uses tags (gloo); pp = 2, where next and previous stage are one rank, needs no special case.
+NCCL ignores tags and matches the messages between two ranks in the order they are posted:
+`exchange(..., tagged=False)` posts them untagged, so gloo checks that order too.
 """
 
 from __future__ import annotations
@@ -52,12 +54,13 @@ class Recv:
 
 
 def exchange(sends: list[Send], recvs: list[Recv], *, device: torch.device,
-             group: ProcessGroup) -> list[Tensor]:
-    """Post every send and receive at once, wait for all; return the received tensors."""
+             group: ProcessGroup, tagged: bool = True) -> list[Tensor]:
+    """Post every send and receive at once, wait for all; return the received tensors.
+    `tagged=False`: every message goes with tag 0, matched by posting order as NCCL does."""
     buffers = [torch.empty(r.shape, dtype=r.dtype, device=device) for r in recvs]
     ops = [dist.P2POp(dist.isend, s.tensor.detach().contiguous(), peer=s.dst, group=group,
-                      tag=s.tag) for s in sends]
-    ops += [dist.P2POp(dist.irecv, buf, peer=r.src, group=group, tag=r.tag)
+                      tag=s.tag if tagged else 0) for s in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer=r.src, group=group, tag=r.tag if tagged else 0)
             for buf, r in zip(buffers, recvs)]
     if ops:
         for work in dist.batch_isend_irecv(ops):

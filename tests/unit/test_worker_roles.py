@@ -14,9 +14,9 @@ if _ROOT not in sys.path:  # spawned ranks import this module by name
     sys.path.insert(0, _ROOT)
 
 from rlhf.config import (AlgorithmConfig, ConfigError, CriticConfig,  # noqa: E402
-                         ForwardRoleConfig, JobConfig, ModelConfig, OptimizerConfig,
-                         ParallelConfig, RewardConfig, RolloutConfig, TinyModelConfig,
-                         TrainerConfig, TrainRoleConfig)
+                         JobConfig, ModelConfig, OptimizerConfig,
+                         ParallelConfig, ReferenceConfig, RewardConfig, RolloutConfig,
+                         TinyModelConfig, TrainerConfig, TrainRoleConfig)
 from rlhf.controller import WorkerContext  # noqa: E402
 from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.data.ragged import Ragged  # noqa: E402
@@ -75,7 +75,7 @@ def make_config(policy, *, ranks=1, actor=None, critic=None, algorithm=None, rol
         model=ModelConfig(path=policy, tiny=None),
         actor=TrainRoleConfig(**{**train, **(actor or {})}),
         critic=CriticConfig(**{**train, **(critic or {})}),
-        ref=ForwardRoleConfig(max_tokens_per_micro_batch=20),
+        ref=ReferenceConfig(max_tokens_per_micro_batch=20),
         reward=RewardConfig(model_path=reward_model, max_tokens_per_micro_batch=20),
         rollout=RolloutConfig(**{"temperature": TEMPERATURE, **(rollout or {})}),
         algorithm=AlgorithmConfig(**(algorithm or {})),

@@ -97,9 +97,10 @@ def test_engine_args_cuda_sleeps_and_shares_the_job_world_for_tp():
     assert args["enable_sleep_mode"] and args["gpu_memory_utilization"] == 0.4
     assert args["tensor_parallel_size"] == 2 and args["dtype"] == "bfloat16"
     assert args["distributed_executor_backend"] == "external_launcher"
+    assert args["disable_custom_all_reduce"] is True  # each rank's actor sees one GPU
     assert "kv_cache_memory_bytes" not in args
     one = engine_args(RolloutConfig(), on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
-    assert "distributed_executor_backend" not in one
+    assert "distributed_executor_backend" not in one and "disable_custom_all_reduce" not in one
 
 
 def test_configure_engine_process_sets_the_engine_environment(monkeypatch):
@@ -126,6 +127,7 @@ class FakeEngine:
     def __init__(self):
         self.loaded: list[str] = []
         self.sleeps = 0
+        self.has_weights = True  # a CPU engine: sleeping keeps them
 
     def generate(self, prompts, params):
         return [Completion([len(p), (p_.seed or 0) % 97], [-1.0, -2.0], "length")

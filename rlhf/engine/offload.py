@@ -1,0 +1,145 @@
+"""Offload around rollouts: where a role's training state lives in each phase of a step.
+
+A colocated role shares its device with vLLM and with the other roles. The one table below,
+`NEEDS`, says which kinds of state each phase computes with; a kind that the phase does not
+need lives in host memory when the role's `offload` switch for it is on, and on the device
+otherwise. `Offloader.enter(phase)` moves exactly the tensors whose place differs.
+
+    phase        weights  grads  masters  optimizer     who enters it
+    idle         -        -      -        -             after every role method returns
+    generate     -        -      -        -             ActorWorker.generate (vLLM owns the device)
+    sync         device   -      -        -             weight sync into vLLM, HF export
+    forward      device   -      -        -             log-prob / value / reference passes
+    update       device   device device   device        update_actor, update_critic
+    checkpoint   device   -      device   device        save / load a checkpoint
+
+("-": on the host when switched on.) The switches are `<role>.offload.params` (weights),
+`.grads`, and `.optimizer` (the fp32 master weights and the AdamW moments: only the step reads
+the masters, and they are counted with the optimizer's 12 bytes per parameter).
+
+Moving a tensor keeps a host copy (pinned on CUDA, allocated once and reused) and replaces its
+`.data` by an empty tensor, so the device memory is really released; coming back assigns a
+fresh device copy to `.data`, so parameters, optimizer state and hooks keep their identity.
+On the CPU the same code runs: host and device are both the CPU, but the tensor really is
+emptied and restored, so a step with every switch on computes what it computes with none.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from rlhf.config.roles import OffloadConfig
+
+Place = Literal["device", "host"]
+StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors
+
+KINDS = ("weights", "grads", "masters", "optimizer")
+NEEDS: dict[str, frozenset[str]] = {
+    "idle": frozenset(),
+    "generate": frozenset(),
+    "sync": frozenset({"weights"}),
+    "forward": frozenset({"weights"}),
+    "update": frozenset(KINDS),
+    "checkpoint": frozenset({"weights", "masters", "optimizer"}),
+}
+PHASES = tuple(NEEDS)
+
+
+def offloaded_kinds(config: OffloadConfig) -> frozenset[str]:
+    """The kinds of state the switches let leave the device."""
+    kinds = {"weights"} if config.params else set()
+    if config.grads:
+        kinds.add("grads")
+    if config.optimizer:
+        kinds |= {"masters", "optimizer"}
+    return frozenset(kinds)
+
+
+def placement(phase: str, config: OffloadConfig) -> dict[str, Place]:
+    """Where each kind of state lives during `phase`: the table read through the switches."""
+    if phase not in NEEDS:
+        raise ValueError(f"unknown offload phase {phase!r}; use one of {', '.join(PHASES)}")
+    away = offloaded_kinds(config)
+    return {kind: "host" if kind in away and kind not in NEEDS[phase] else "device"
+            for kind in KINDS}
+
+
+class Offloader:
+    """Moves one engine's state between its device and host memory, phase by phase.
+
+    `state()` returns the engine's tensors by kind (`TrainEngine.state_tensors`); it is read
+    again at every transition, because grads and optimizer moments come and go. The state
+    starts on the device in the "idle" phase's place: the constructor moves it there.
+    """
+
+    def __init__(self, state: StateFn, *, config: OffloadConfig):
+        self.state, self.config = state, config
+        self.phase: str | None = None
+        self._away: dict[int, tuple[Tensor, Tensor, torch.device]] = {}  # id -> (t, host, device)
+        self._host: dict[tuple[str, int], Tensor] = {}  # reusable host buffers
+        self.enter("idle")
+
+    def enter(self, phase: str) -> None:
+        """Move what `phase` needs onto the device and what it does not need (and may leave) to
+        the host; nothing else moves."""
+        where = placement(phase, self.config)
+        listed: dict[int, Tensor] = {}
+        slot: dict[int, str] = {}  # names the reusable host buffer
+        host_ok: dict[int, bool] = {}
+        for kind, items in self.state().items():
+            for index, t in enumerate(items):
+                listed[id(t)] = t
+                slot.setdefault(id(t), f"{kind}:{index}")
+                # A tensor listed under two kinds (an fp32 model is its own master) stays on
+                # the device when either kind needs it there.
+                host_ok[id(t)] = host_ok.get(id(t), True) and where[kind] == "host"
+        to_device = [key for key in listed if not host_ok[key] and key in self._away]
+        to_host = [key for key in listed if host_ok[key] and key not in self._away]
+        for key in to_device:
+            t, host, device = self._away.pop(key)
+            t.data = host.to(device, non_blocking=True, copy=True)
+        for key in [key for key in self._away if key not in listed]:
+            del self._away[key]  # the engine dropped it (a grad set to None) while on the host
+        for key in to_host:
+            self._to_host(listed[key], slot[key])
+        if any(listed[key].is_cuda for key in to_host):
+            torch.cuda.synchronize()  # the host copies are complete before the blocks go back
+            torch.cuda.empty_cache()  # ... to the driver, where vLLM's allocator can take them
+        self.phase = phase
+
+    def on_host(self, t: Tensor) -> bool:
+        """Whether `t` is currently moved out (its device storage emptied)."""
+        return id(t) in self._away
+
+    def _to_host(self, t: Tensor, slot: str) -> None:
+        host = self._host.get(slot)
+        if host is None or host.shape != t.shape or host.dtype != t.dtype:
+            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+            self._host[slot] = host
+        host.copy_(t.detach(), non_blocking=True)
+        self._away[id(t)] = (t, host, t.device)
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def in_phase(phase: str) -> Callable[[Callable], Callable]:
+    """Decorate a role method: `self.offload` enters `phase` before it runs and "idle" after
+    it returns (or raises), so between calls the device holds only what the switches keep."""
+    if phase not in NEEDS:
+        raise ValueError(f"unknown offload phase {phase!r}; use one of {', '.join(PHASES)}")
+
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            self.offload.enter(phase)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                self.offload.enter("idle")
+        return run
+
+    return wrap

@@ -1,0 +1,190 @@
+"""The offload state machine on CPU: where every tensor of a tiny engine lives in each phase,
+and training with every switch on computes exactly what it computes with none."""
+
+import pytest
+import torch
+
+from rlhf.config.roles import OffloadConfig
+from rlhf.engine import TrainEngine, make_micro_batches
+from rlhf.engine.offload import KINDS, NEEDS, Offloader, in_phase, placement
+from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from tests.unit.engine.reference import OPTIM, actor_loss_fn, make_batch
+
+ALL = OffloadConfig(params=True, grads=True, optimizer=True)
+NONE = OffloadConfig()
+
+
+def _engine(folder, *, dtype="bfloat16", optim=OPTIM):
+    mesh = ParallelMesh([0], cache=ProcessGroupCache())
+    return TrainEngine.from_pretrained(folder, mesh=mesh, head="lm", optim=optim, total_steps=10,
+                                       device="cpu", dtype=dtype)
+
+
+def _mbs(seed):
+    batch = make_batch(seed)
+    return make_micro_batches(batch.prompts, batch.responses, batch.per_token, max_tokens=24)
+
+
+def _forward_backward(engine, mbs):
+    tokens, _ = engine.loss_normalizers(mbs, mask_key="loss_mask")
+    return engine.forward_backward(mbs, actor_loss_fn(tokens))
+
+
+def _assert_placed(offloader, engine, phase, config):
+    """Every tensor of every kind is where the table says: on the host means a host copy is
+    held and the tensor's own storage is empty; on the device means it is whole."""
+    where = placement(phase, config)
+    state = engine.state_tensors()
+    for kind in KINDS:
+        for t in state[kind]:
+            if where[kind] == "host":
+                assert offloader.on_host(t) and t.numel() == 0, (phase, kind)
+            else:
+                assert not offloader.on_host(t) and t.numel() > 0, (phase, kind)
+
+
+def test_the_table_read_through_the_switches():
+    assert set(placement("update", ALL).values()) == {"device"}
+    assert set(placement("generate", NONE).values()) == {"device"}
+    assert placement("generate", ALL) == dict.fromkeys(KINDS, "host")
+    assert placement("forward", ALL) == {"weights": "device", "grads": "host", "masters": "host",
+                                         "optimizer": "host"}
+    params_only = OffloadConfig(params=True)
+    assert placement("idle", params_only) == {"weights": "host", "grads": "device",
+                                              "masters": "device", "optimizer": "device"}
+    assert placement("checkpoint", ALL)["grads"] == "host"
+    assert placement("checkpoint", ALL)["masters"] == "device"
+    with pytest.raises(ValueError, match="unknown offload phase 'rollout'"):
+        placement("rollout", ALL)
+
+
+def test_phase_by_phase_every_tensor_is_where_the_table_says(folder, world):
+    engine = _engine(folder)  # bf16: separate fp32 masters
+    offloader = Offloader(engine.state_tensors, config=ALL)
+    _assert_placed(offloader, engine, "idle", ALL)
+    # The first update creates grads and the AdamW moments; each phase then moves them.
+    offloader.enter("update")
+    _assert_placed(offloader, engine, "update", ALL)
+    _forward_backward(engine, _mbs(0))
+    assert engine.state_tensors()["grads"]
+    for phase in ("idle", "generate", "sync", "forward", "checkpoint", "update"):
+        offloader.enter(phase)
+        _assert_placed(offloader, engine, phase, ALL)
+    engine.step()
+    state = engine.state_tensors()
+    assert not state["grads"] and len(state["optimizer"]) >= 2 * len(state["masters"])
+    for phase in ("idle", "sync", "idle", "forward", "generate", "checkpoint", "idle"):
+        offloader.enter(phase)
+        _assert_placed(offloader, engine, phase, ALL)
+    assert offloader.phase == "idle"
+
+
+def test_params_only_moves_only_the_weights(folder, world):
+    engine = _engine(folder)
+    config = OffloadConfig(params=True)
+    offloader = Offloader(engine.state_tensors, config=config)
+    offloader.enter("update")
+    _forward_backward(engine, _mbs(0))
+    engine.step()
+    for phase in NEEDS:
+        offloader.enter(phase)
+        _assert_placed(offloader, engine, phase, config)
+
+
+def test_every_switch_on_trains_exactly_like_none(folder, world):
+    """Two PPO-like steps, with forward passes and idle phases between, bit for bit equal."""
+    results = []
+    for config in (NONE, ALL):
+        engine = _engine(folder)
+        offloader = Offloader(engine.state_tensors, config=config)
+        outputs, metrics = [], []
+        for step in range(2):
+            offloader.enter("sync")
+            exported = {name: t.clone() for bucket in engine.export_hf_weights(bucket_bytes=2**16)
+                        for name, t in bucket}
+            offloader.enter("generate")
+            offloader.enter("forward")
+            outputs.append(engine.forward(_mbs(step)))
+            offloader.enter("idle")
+            offloader.enter("update")
+            fb = _forward_backward(engine, _mbs(10 + step))
+            offloader.enter("idle")  # grads on the host between backward and step
+            offloader.enter("update")
+            metrics.append({**fb, **engine.step()})
+            offloader.enter("idle")
+        offloader.enter("checkpoint")
+        results.append((outputs, metrics, exported, engine.state_dict()))
+    (out_a, met_a, exp_a, sd_a), (out_b, met_b, exp_b, sd_b) = results
+    assert met_a == met_b
+    for step_a, step_b in zip(out_a, out_b):
+        for mb_a, mb_b in zip(step_a, step_b, strict=True):
+            for key in mb_a:
+                assert torch.equal(mb_a[key], mb_b[key])
+    assert exp_a.keys() == exp_b.keys() and all(torch.equal(exp_a[k], exp_b[k]) for k in exp_a)
+    for k, v in sd_a["model"].items():
+        assert torch.equal(v, sd_b["model"][k]), k
+    for a, b in zip(sd_a["master"], sd_b["master"], strict=True):
+        assert torch.equal(a, b)
+    moments_a = sd_a["optimizer"]["state"]
+    assert moments_a and all(torch.equal(moments_a[i]["exp_avg_sq"],
+                                         sd_b["optimizer"]["state"][i]["exp_avg_sq"])
+                             for i in moments_a)
+
+
+def test_a_tensor_listed_twice_stays_where_either_kind_needs_it():
+    """An fp32 model is its own master: with params kept and the optimizer offloaded, a
+    tensor that is both weight and master stays whole; a tied weight listed twice moves once."""
+    shared, moment = torch.randn(4, 3), torch.randn(4, 3)
+    want_shared, want_moment = shared.clone(), moment.clone()
+    state = {"weights": [shared, shared], "grads": [], "masters": [shared], "optimizer": [moment]}
+    offloader = Offloader(lambda: state, config=OffloadConfig(optimizer=True))
+    assert not offloader.on_host(shared) and torch.equal(shared, want_shared)
+    assert offloader.on_host(moment) and moment.numel() == 0
+    offloader.enter("update")
+    assert torch.equal(moment, want_moment)
+    offloader = Offloader(lambda: state, config=ALL)
+    assert offloader.on_host(shared) and shared.numel() == 0
+    offloader.enter("forward")
+    assert torch.equal(shared, want_shared) and moment.numel() == 0
+    offloader.enter("update")
+    assert torch.equal(moment, want_moment)
+
+
+def test_in_phase_enters_the_phase_and_returns_to_idle_even_on_error():
+    weight = torch.randn(5)
+
+    class Role:
+        def __init__(self):
+            self.offload = Offloader(lambda: {"weights": [weight]},
+                                     config=OffloadConfig(params=True))
+
+        @in_phase("forward")
+        def compute(self, fail=False):
+            seen = (self.offload.phase, weight.numel())
+            if fail:
+                raise RuntimeError("boom")
+            return seen
+
+    role = Role()
+    assert weight.numel() == 0
+    assert role.compute() == ("forward", 5)
+    assert role.offload.phase == "idle" and weight.numel() == 0
+    with pytest.raises(RuntimeError, match="boom"):
+        role.compute(fail=True)
+    assert role.offload.phase == "idle" and weight.numel() == 0
+    with pytest.raises(ValueError, match="unknown offload phase"):
+        in_phase("rollouts")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offload_releases_device_memory_into_pinned_host_copies():
+    weight = torch.randn(1024, 1024, device="cuda")
+    want = weight.cpu()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    offloader = Offloader(lambda: {"weights": [weight]}, config=OffloadConfig(params=True))
+    assert torch.cuda.memory_allocated() <= before - weight.element_size() * 1024 * 1024
+    assert offloader._away[id(weight)][1].is_pinned()
+    offloader.enter("forward")
+    assert weight.is_cuda and torch.equal(weight.cpu(), want)
