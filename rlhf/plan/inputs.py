@@ -14,21 +14,12 @@ from pathlib import Path
 import torch
 
 from rlhf.config import JobConfig
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.roles import OffloadConfig, ParallelConfig
 from rlhf.engine.engine import resolve_dtype
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 
 GIB = 2**30
-
-
-@dataclass(frozen=True)
-class Offload:
-    """`<role>.offload`: which state lives in host memory while the role is not computing."""
-
-    params: bool = False
-    grads: bool = False
-    optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -46,7 +37,7 @@ class RoleSpec:
     recompute: str
     tokens: int  # max_tokens_per_micro_batch
     zero1: bool
-    offload: Offload
+    offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
 
     @property
     def dp(self) -> int:
@@ -110,16 +101,13 @@ def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     world = cfg.role_world_size(role)
     dp = world // (role.parallel.tp * role.parallel.pp)
     optim = getattr(role, "optim", None)
-    offload = getattr(role, "offload", None)
     return RoleSpec(
         name=name, head=head, args=args, plan=role.parallel, world_size=world,
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
         zero1=trains and zero1_enabled(getattr(optim, "distributed", None), dp=dp),
-        offload=Offload(params=bool(getattr(offload, "params", False)),
-                        grads=bool(getattr(offload, "grads", False)),
-                        optimizer=bool(getattr(offload, "optimizer", False))))
+        offload=getattr(role, "offload", None) or OffloadConfig())
 
 
 def zero1_enabled(distributed: bool | None, *, dp: int) -> bool:

@@ -16,9 +16,10 @@ Phases of one PPO step and what a device holds in each (colocated roles share th
   forward R  role R's forward pass over one micro-batch (one layer's work + logits)
   update R   role R's saved activations of its in-flight micro-batches + logits
 plus, in every phase, what each role keeps resident: weights, grads, fp32 masters and AdamW
-state, minus what `<role>.offload` moves to the host while that role is not computing. On CUDA
-vLLM sleeps outside sync/generate (wakes in two parts: weights for the sync, then the KV cache).
-On the CPU vLLM never sleeps and offloading moves nothing off the machine, so neither helps.
+state, minus what `<role>.offload` moves to the host while that role does not need it (the
+placement table of rlhf.engine.offload). On CUDA vLLM sleeps outside sync and generate (it
+wakes in two parts: weights for the sync, then the KV cache). On the CPU vLLM never sleeps and
+an offloaded tensor's host copy is in the same RAM, so offloading there only adds bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlhf.config import JobConfig
+from rlhf.engine.offload import offloaded_kinds, placement
 from rlhf.engine.zero import state_bytes
 from rlhf.parallel.stages import rank_chunks
 from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, role_specs
@@ -183,26 +185,27 @@ def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
 
 def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, StageMemory]], *,
                 vllm: dict[str, int] | None, phases: list[str]) -> dict[str, dict[str, int]]:
-    """Phase -> component -> bytes on one rank holding the roles in `placed`."""
+    """Phase -> component -> bytes on one rank holding the roles in `placed`.
+
+    Where each kind of a role's state lives is `rlhf.engine.offload.placement`, the table the
+    workers move state by: the role's own phase while it computes (forward, update, and sync
+    for the actor), "idle" while another role computes, "generate" during generation.
+    """
     on_cuda = hw.device_type == "cuda"
     out = {}
     for phase in phases:
         parts = {}
         for spec, stage in placed:
-            runs = phase in (f"forward {spec.name}", f"update {spec.name}")
-            updates = phase == f"update {spec.name}"
-            keep = not on_cuda  # on the CPU, offloading leaves the bytes in the same RAM
-            resident = {"weights": runs or (phase == "sync" and spec.name == "actor")
-                        or keep or not spec.offload.params,
-                        "grads": updates or keep or not spec.offload.grads,
-                        "masters": updates or keep or not spec.offload.optimizer,
-                        "optimizer": updates or keep or not spec.offload.optimizer}
+            where = placement(_offload_phase(phase, spec.name), spec.offload)
+            away = offloaded_kinds(spec.offload)
             for kind in STATE_KINDS:
-                if resident[kind] and stage.state[kind]:
-                    parts[f"{spec.name} {kind}"] = stage.state[kind]
+                # on the CPU the host copy an offloader keeps is in the same RAM, always
+                copies = (where[kind] == "device") + (not on_cuda and kind in away)
+                if copies and stage.state[kind]:
+                    parts[f"{spec.name} {kind}"] = copies * stage.state[kind]
             if phase == f"forward {spec.name}":
                 parts[f"{spec.name} forward"] = stage.forward
-            if updates:
+            if phase == f"update {spec.name}":
                 parts[f"{spec.name} activations"] = stage.activations
                 parts[f"{spec.name} logits"] = stage.logits
         if vllm is not None:
@@ -214,6 +217,16 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
             parts["cuda reserve"] = CUDA_RESERVE_BYTES
         out[phase] = {k: v for k, v in parts.items() if v}
     return out
+
+
+def _offload_phase(phase: str, role: str) -> str:
+    """The offload phase (rlhf.engine.offload.NEEDS) `role` is in during step phase `phase`."""
+    if phase == "generate":
+        return "generate"
+    if phase == "sync":
+        return "sync" if role == "actor" else "idle"
+    kind, _, running = phase.partition(" ")
+    return kind if running == role else "idle"
 
 
 def plan_job(cfg: JobConfig, *, model_dirs: tuple[Path, ...] = ()) -> MemoryPlan:
