@@ -35,6 +35,7 @@ from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, role_specs
 from rlhf.plan.shapes import stage_shapes
 
 STATE_KINDS = ("weights", "grads", "masters", "optimizer")
+RECOMPUTE_MODES = ("none", "selective", "full")
 # CUDA context, NCCL buffers and allocator slack, which nothing here models: kept free.
 CUDA_RESERVE_BYTES = 2 * GIB
 
@@ -48,6 +49,8 @@ class StageMemory:
     activations: int  # update: saved for backward over the in-flight micro-batches
     logits: int  # update: LM-head logits and the fp32 log-softmax workspace (last stage)
     forward: int  # a forward-only pass: one layer's working set plus logits
+    activations_by_recompute: dict[str, int]  # what `activations` would be in each mode
+    replicated_state: dict[str, int]  # `state` without ZeRO-1 (the same when it is off)
 
 
 @dataclass(frozen=True)
@@ -130,30 +133,37 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     for pp_rank, shapes in enumerate(stage_shapes(spec.args, plan, head=spec.head,
                                                   dtype=spec.dtype)):
         numels = [p.numel for p in shapes if p.trainable]
+        no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
+                    "optimizer": 0}
+        state = replicated = no_state
         if spec.trains:
             state = state_bytes(numels, param_bytes=spec.dtype.itemsize,
                                 shards=spec.dp if spec.zero1 else 1)
-        else:
-            state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
-                     "optimizer": 0}
+            replicated = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=1)
         chunks = rank_chunks(spec.args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
                              layers_per_stage=plan.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
         head = [p for p in shapes if p.name == "lm_head.weight"]
         vocab = head[0].shape[0] if head else 0  # this rank's rows of the padded vocabulary
         logits = tokens * vocab * (spec.dtype.itemsize + 8)
-        one_layer = tokens * layer_activation_bytes(spec, "none")
-        activations = 0
-        if spec.trains:
-            per_layer = tokens * layer_activation_bytes(spec, spec.recompute)
-            chunk_layers = layers / plan.vpp
-            activations = in_flight_chunks(plan.pp, plan.vpp, pp_rank) * chunk_layers * per_layer
-            if spec.recompute != "none":  # backward recomputes one layer at a time
-                activations += one_layer
-        out.append(StageMemory(pp_rank=pp_rank, state=state, activations=int(activations),
-                               logits=logits if spec.trains else 0,
-                               forward=int(one_layer) + logits))
+        by_mode = {mode: _update_activations(spec, mode, pp_rank=pp_rank, layers=layers)
+                   for mode in RECOMPUTE_MODES} if spec.trains else {}
+        out.append(StageMemory(
+            pp_rank=pp_rank, state=state, activations=by_mode.get(spec.recompute, 0),
+            logits=logits if spec.trains else 0,
+            forward=int(tokens * layer_activation_bytes(spec, "none")) + logits,
+            activations_by_recompute=by_mode, replicated_state=replicated))
     return out
+
+
+def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int) -> int:
+    """Bytes saved for backward on this stage under recompute `mode` (see the module doc)."""
+    plan = spec.plan
+    per_layer = spec.tokens * layer_activation_bytes(spec, mode)
+    held = in_flight_chunks(plan.pp, plan.vpp, pp_rank) * layers / plan.vpp * per_layer
+    if mode != "none":  # backward recomputes one layer at a time, whole
+        held += spec.tokens * layer_activation_bytes(spec, "none")
+    return int(held)
 
 
 # ---- per device and phase ----------------------------------------------------------------------

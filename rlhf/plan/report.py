@@ -99,8 +99,16 @@ def format_plan(plan, advice, *, title: str) -> str:
             rows.append([name, str(s.pp_rank), *(_gib(s.state[k]) for k in kinds),
                          _gib(s.activations), _gib(s.logits), _gib(s.forward)])
     lines += _table(rows)
-    lines += [f"  {name}: {_layout(spec)}, {spec.tokens} tokens per micro-batch"
-              for name, spec in plan.roles.items()]
+    for name, spec in plan.roles.items():
+        lines.append(f"  {name}: {_layout(spec)}, {spec.tokens} tokens per micro-batch")
+        first = plan.stages[name][0]
+        if spec.zero1:
+            rep = first.replicated_state
+            lines.append(f"    without zero1 stage 0 would hold masters {_gib(rep['masters'])}, "
+                         f"optimizer {_gib(rep['optimizer'])}")
+        if first.activations_by_recompute:
+            lines.append("    stage 0 activations by recompute: " + ", ".join(
+                f"{mode} {_gib(b)}" for mode, b in first.activations_by_recompute.items()))
     lines += [f"  vllm per actor rank: weights {_gib(plan.vllm['weights'])}, "
               f"kv cache {_gib(plan.vllm['kv_cache'])}", "",
               "per device and phase of a step, GiB (what every colocated role keeps resident "
@@ -150,7 +158,10 @@ def to_json(plan, advice) -> dict:
         "roles": {name: {"layout": _layout(spec), "tokens_per_micro_batch": spec.tokens,
                          "stages": [{"pp_rank": s.pp_rank, **s.state,
                                      "activations": s.activations, "logits": s.logits,
-                                     "forward": s.forward} for s in plan.stages[name]]}
+                                     "forward": s.forward,
+                                     "activations_by_recompute": s.activations_by_recompute,
+                                     "replicated_state": s.replicated_state}
+                                    for s in plan.stages[name]]}
                   for name, spec in plan.roles.items()},
         "vllm": plan.vllm,
         "devices": [{"pool": d.pool, "ranks": list(d.ranks), "peak_bytes": d.peak,
