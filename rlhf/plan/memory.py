@@ -103,18 +103,32 @@ def layer_activation_bytes(spec: RoleSpec, recompute: str) -> float:
     after RoPE, v and its output; SwiGLU keeps gate, silu(gate), up and their product.
     "selective" keeps only the attention block's input, "full" only the layer's input.
     """
+    norms, attention, mlp, block_input = _layer_parts(spec)
+    if recompute == "full":
+        return block_input
+    if recompute == "selective":
+        return norms + block_input + mlp
+    return norms + attention + mlp
+
+
+def recomputed_bytes(spec: RoleSpec, recompute: str) -> float:
+    """Bytes per token that backward rebuilds at once: one layer ("full"), one attention
+    block ("selective"), nothing ("none")."""
+    norms, attention, mlp, _ = _layer_parts(spec)
+    return {"none": 0.0, "selective": attention, "full": norms + attention + mlp}[recompute]
+
+
+def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
+    """Per token of one layer: (both norms, attention block, MLP block, a block's input)."""
     args, tp, sp = spec.args, spec.plan.tp, spec.plan.sequence_parallel
     d = spec.dtype.itemsize
     h, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
     chunk = tp if sp else 1  # the residual stream is a token chunk under SP
     norms = 2 * (4 + d) * h / chunk
+    attention = (3 if sp else 1) * d * h + d * (2 * q + 2 * kv) / tp
     mlp = (2 if sp else 1) * d * h + 4 * d * inter / tp
-    if recompute == "full":
-        return d * h / chunk
-    if recompute == "selective":
-        return norms + d * h / chunk + mlp
-    return norms + (3 if sp else 1) * d * h + d * (2 * q + 2 * kv) / tp + mlp
+    return norms, attention, mlp, d * h / chunk
 
 
 def in_flight_chunks(pp: int, vpp: int, pp_rank: int) -> int:
@@ -161,9 +175,7 @@ def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int)
     plan = spec.plan
     per_layer = spec.tokens * layer_activation_bytes(spec, mode)
     held = in_flight_chunks(plan.pp, plan.vpp, pp_rank) * layers / plan.vpp * per_layer
-    if mode != "none":  # backward recomputes one layer at a time, whole
-        held += spec.tokens * layer_activation_bytes(spec, "none")
-    return int(held)
+    return int(held + spec.tokens * recomputed_bytes(spec, mode))
 
 
 # ---- per device and phase ----------------------------------------------------------------------

@@ -62,6 +62,11 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
+def _unit(values) -> tuple[int, str]:
+    """GiB, or MiB when every value is below 1 GiB (a tiny model's table stays readable)."""
+    return (GIB, "GiB") if max(values, default=0) >= GIB else (2**20, "MiB")
+
+
 def _ranks(ranks: tuple[int, ...]) -> str:
     """(0, 1, 2, 3, 8, 9) -> "0-3,8-9"."""
     runs, start = [], None
@@ -88,42 +93,58 @@ def _layout(spec) -> str:
 def format_plan(plan, advice, *, title: str) -> str:
     """The plan as text: roles by stage, devices by phase, the verdict and any advice."""
     hw = plan.hardware
-    lines = [f"memory plan of {title}: {hw.device_type}, {_gib(hw.device_bytes)} GiB per "
-             f"{'GPU' if hw.device_type == 'cuda' else 'machine'} ({hw.source})", "",
-             "per rank of each role, GiB (state exact; activations, logits, forward estimated):"]
+    head = (f"memory plan of {title}: {hw.device_type}, {_gib(hw.device_bytes)} GiB per "
+            f"{'GPU' if hw.device_type == 'cuda' else 'machine'} ({hw.source})")
+    return "\n".join([head, "", *_role_lines(plan), "", *_device_lines(plan)]) + "\n\n" \
+        + verdict(plan, advice)
+
+
+def _role_lines(plan) -> list[str]:
     kinds = list(plan.stages["actor"][0].state)  # weights, grads, masters, optimizer
-    head = ["role", "stage", *kinds, "activations", "logits", "forward"]
-    rows = [head]
+    div, unit = _unit(v for stages in plan.stages.values() for s in stages
+                      for v in (*s.state.values(), s.activations, s.logits, s.forward))
+
+    def f(n):
+        return f"{n / div:.2f}"
+
+    rows = [["role", "stage", *kinds, "activations", "logits", "forward"]]
     for name, stages in plan.stages.items():
-        for s in stages:
-            rows.append([name, str(s.pp_rank), *(_gib(s.state[k]) for k in kinds),
-                         _gib(s.activations), _gib(s.logits), _gib(s.forward)])
-    lines += _table(rows)
+        rows += [[name, str(s.pp_rank), *(f(s.state[k]) for k in kinds), f(s.activations),
+                  f(s.logits), f(s.forward)] for s in stages]
+    lines = [f"per rank of each role, {unit} (state exact; activations, logits, forward "
+             "estimated):", *_table(rows)]
     for name, spec in plan.roles.items():
         lines.append(f"  {name}: {_layout(spec)}, {spec.tokens} tokens per micro-batch")
         first = plan.stages[name][0]
         if spec.zero1:
             rep = first.replicated_state
-            lines.append(f"    without zero1 stage 0 would hold masters {_gib(rep['masters'])}, "
-                         f"optimizer {_gib(rep['optimizer'])}")
+            lines.append(f"    without zero1 stage 0 would hold masters {f(rep['masters'])}, "
+                         f"optimizer {f(rep['optimizer'])}")
         if first.activations_by_recompute:
             lines.append("    stage 0 activations by recompute: " + ", ".join(
-                f"{mode} {_gib(b)}" for mode, b in first.activations_by_recompute.items()))
-    lines += [f"  vllm per actor rank: weights {_gib(plan.vllm['weights'])}, "
-              f"kv cache {_gib(plan.vllm['kv_cache'])}", "",
-              "per device and phase of a step, GiB (what every colocated role keeps resident "
-              "plus the phase's work):"]
+                f"{mode} {f(b)}" for mode, b in first.activations_by_recompute.items()))
+    lines.append(f"  vllm per actor rank: weights {f(plan.vllm['weights'])}, "
+                 f"kv cache {f(plan.vllm['kv_cache'])}")
+    return lines
+
+
+def _device_lines(plan) -> list[str]:
+    div, unit = _unit(d.peak for d in plan.devices)
+
+    def f(n):
+        return f"{n / div:.2f}"
+
     phases = list(plan.devices[0].phases)
     rows = [["pool", "ranks", *phases, "peak"]]
     for d in plan.devices:
-        rows.append([d.pool, _ranks(d.ranks), *(_gib(d.total(p)) for p in phases),
-                     f"{_gib(d.peak)} ({d.peak_phase})"])
-    lines += _table(rows)
+        rows.append([d.pool, _ranks(d.ranks), *(f(d.total(p)) for p in phases),
+                     f"{f(d.peak)} ({d.peak_phase})"])
     worst = max(plan.devices, key=lambda d: d.peak)
-    lines += ["", f"largest phase, {worst.peak_phase} on ranks {_ranks(worst.ranks)}:"]
-    lines += [f"  {k:<22} {_gib(v):>8}" for k, v in sorted(
-        worst.phases[worst.peak_phase].items(), key=lambda kv: -kv[1])]
-    return "\n".join(lines) + "\n\n" + verdict(plan, advice)
+    parts = sorted(worst.phases[worst.peak_phase].items(), key=lambda kv: -kv[1])
+    return [f"per device and phase of a step, {unit} (what every colocated role keeps "
+            "resident plus the phase's work):", *_table(rows), "",
+            f"largest phase, {worst.peak_phase} on ranks {_ranks(worst.ranks)}:",
+            *(f"  {k:<22} {f(v):>8}" for k, v in parts)]
 
 
 def verdict(plan, advice) -> str:

@@ -78,8 +78,10 @@ def test_zero1_divides_masters_and_moments_by_dp():
     cfg = load_config(MULTIGPU)
     specs = {s.name: s for s in role_specs(cfg, hardware(cfg), model_dirs=MODELS)}
     critic = specs["critic"]
-    sharded = stage_memory(critic)[0].state
+    stage = stage_memory(critic)[0]
+    sharded = stage.state
     replicated = stage_memory(dataclasses.replace(critic, zero1=False))[0].state
+    assert stage.replicated_state == replicated  # what the table shows "without zero1"
     assert critic.dp == 4 and critic.zero1
     for kind in ("masters", "optimizer"):
         assert replicated[kind] / 4 <= sharded[kind] < replicated[kind] / 4 + 4 * 2**25
