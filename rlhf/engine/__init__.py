@@ -1,12 +1,15 @@
 """Training engine: a role's model shard, optimizer and schedule over one ParallelMesh.
 
 - `micro_batch.py`: MicroBatch (packed sequences + per-token tensors), make_micro_batches.
-- `engine.py`: TrainEngine (forward, forward_backward, step, export, checkpoints).
+- `engine.py`: TrainEngine (forward, forward_backward, step, state_tensors, checkpoints).
 - `schedule.py`: the Schedule contract and the pp=1 loop; `make_schedule` picks the schedule.
 - `pipeline.py`: pipelined forward, 1F1B and interleaved 1F1B over one stage's model chunks.
 - `pipeline_order.py`: each pipeline rank's step order, checked deadlock-free and in order.
-- `optim.py`: LR schedule, weight-decay groups, fp32 masters, grad collectives and norm.
-- `checkpoint.py`: atomic per-model-parallel-rank checkpoint files.
+- `grads.py`: the flat fp32 grad buffer, the one grad sync (TP, pipeline ties, DP) and norm.
+- `optim.py`: LR schedule, which params decay, AdamW on the (ZeRO-1 sharded) flat state.
+- `zero.py`: the pure ZeRO-1 partition and per-rank state bytes (shared with the planner).
+- `metrics.py`: loss and metrics reduced over DP and pipeline stages by tensor collectives.
+- `checkpoint.py`: atomic per-model-parallel-rank checkpoint files, ZeRO-1 shard files.
 """
 
 from rlhf.engine.engine import TrainEngine, apply_recompute, resolve_device, resolve_dtype

@@ -1,9 +1,12 @@
-"""Engine checkpoints: one file per model-parallel rank, written atomically.
+"""Engine checkpoints: one file per model-parallel rank, plus one per ZeRO-1 optimizer shard.
 
-Data-parallel replicas hold bit-identical weights and optimizer state (their gradients are
-all-reduced), so only dp rank 0 writes; every rank reads the file of its (pp, tp) coordinate.
-A file is written to a temporary name, flushed to disk, then renamed into place, so a crash
-never leaves a truncated checkpoint under the final name.
+Data-parallel replicas hold bit-identical weights, so only dp rank 0 writes the file of its
+(pp, tp) coordinate. Without ZeRO-1 the optimizer state is replicated too and goes in that
+file; with ZeRO-1 each dp rank writes its own shard to `optim_pp.._tp.._dp...pt` and the main
+file records how many shards there are. Loading at the same split reads one shard; at
+another dp size (or with ZeRO-1 switched) every shard of the coordinate is read and
+resharded. Each file is written to a temporary name, flushed to disk, then renamed into
+place, so a crash never leaves a truncated checkpoint under the final name.
 """
 
 from __future__ import annotations
@@ -18,12 +21,19 @@ from rlhf.errors import RLHFError
 from rlhf.files import atomic_write
 from rlhf.parallel.mesh import ParallelMesh
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: flat (ZeRO-1 capable) optimizer state
 
 
 def shard_file(folder: str | Path, mesh: ParallelMesh) -> Path:
     """The file of this rank's (pp, tp) coordinate inside `folder`."""
     return Path(folder) / f"engine_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}.pt"
+
+
+def optimizer_file(folder: str | Path, mesh: ParallelMesh, *, dp_rank: int | None = None) -> Path:
+    """The file of a ZeRO-1 optimizer shard (this rank's by default) inside `folder`."""
+    dp_rank = mesh.dp_rank if dp_rank is None else dp_rank
+    return (Path(folder) /
+            f"optim_pp{mesh.pp_rank:02d}_tp{mesh.tp_rank:02d}_dp{dp_rank:03d}.pt")
 
 
 def layout(mesh: ParallelMesh) -> dict[str, int]:
@@ -33,8 +43,14 @@ def layout(mesh: ParallelMesh) -> dict[str, int]:
 
 
 def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) -> Path:
-    """Write this rank's engine `state` (dp rank 0 only); return once every shard is on disk."""
+    """Write this rank's engine `state` (the model by dp rank 0 only, a ZeRO-1 optimizer
+    shard by every dp rank); return once every file is on disk."""
     path = shard_file(folder, mesh)
+    optim = state.get("optimizer")
+    if optim is not None and optim["shards"] > 1:
+        with atomic_write(optimizer_file(folder, mesh), "wb") as f:
+            torch.save(optim, f)
+        state = {**state, "optimizer": {"shards": optim["shards"], "sharded": True}}
     if mesh.dp_rank == 0:
         with atomic_write(path, "wb") as f:
             torch.save(state, f)
@@ -44,14 +60,38 @@ def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) ->
     return path
 
 
-def load_shard(folder: str | Path, mesh: ParallelMesh, *, device) -> dict[str, Any]:
-    """Read this rank's shard file and check that it was written for the same layout."""
+def load_shard(folder: str | Path, mesh: ParallelMesh, *, device,
+               shards: int = 1) -> dict[str, Any]:
+    """Read this rank's shard file and check that it was written for the same layout.
+
+    `shards`: how many ways this engine splits its optimizer state. When the checkpoint's
+    split differs (another dp size, or ZeRO-1 on one side only), its "optimizer" is
+    {"shards": k, "all": [every saved shard of this (pp, tp) coordinate]} for resharding.
+    """
     path = shard_file(folder, mesh)
     if not path.is_file():
         raise RLHFError(f"{path} does not exist; is {folder} an engine checkpoint written with "
                         f"tp={mesh.tp_size} pp={mesh.pp_size}?")
     state = torch.load(path, map_location=device, weights_only=True)
     check_layout(state, mesh, str(path))
+    optim = state.get("optimizer")
+    if optim is None or optim["shards"] == shards == 1:
+        return state
+    saved = optim["shards"]
+    dp_ranks = [mesh.dp_rank] if saved == shards else range(saved)
+    if not optim.get("sharded"):  # one replicated state, in this file
+        parts = [optim]
+    else:
+        parts = []
+        for dp_rank in dp_ranks:
+            file = optimizer_file(folder, mesh, dp_rank=dp_rank)
+            if not file.is_file():
+                raise RLHFError(f"{file} is missing: {folder} holds optimizer state sharded "
+                                f"over a data-parallel size of {saved} (ZeRO-1) and this "
+                                f"engine runs dp={mesh.dp_size}; copy the whole checkpoint "
+                                f"folder, or resume with dp={saved}")
+            parts.append(torch.load(file, map_location=device, weights_only=True))
+    state["optimizer"] = parts[0] if saved == shards else {"shards": saved, "all": parts}
     return state
 
 

@@ -41,7 +41,7 @@ from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
-from rlhf.engine.zero import partition
+from rlhf.engine.zero import BUCKET_NUMEL, partition
 from rlhf.models.parallelize import (ParamTable, build_model, export_full_hf_weights,
                                      gather_full_grads, param_table)
 from rlhf.models.transformer import ValueModel
@@ -55,11 +55,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class TrainEngine:
-    """A model shard with its optimizer and schedule over `mesh`; see the module docstring."""
+    """A model shard with its optimizer and schedule over `mesh`; see the module docstring.
+
+    `table`: the model's ParamTable (from `build_model`; rebuilt from the model if None).
+    `bucket_numel`: elements per grad / ZeRO-1 bucket (`rlhf.engine.zero`).
+    """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, optim: OptimizerConfig | None,
                  table: ParamTable | None = None, total_steps: int = 1, head: Head | None = None,
-                 recompute: Recompute = "none"):
+                 recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL):
         self.model, self.mesh, self.optim_config = model, mesh, optim
         self.head: Head = head or ("value" if isinstance(model, ValueModel) else "lm")
         self.device = next(model.parameters()).device
@@ -67,6 +71,9 @@ class TrainEngine:
         self.schedule = make_schedule(model, mesh, device=self.device)
         apply_recompute(model, recompute)
         self.table = table if table is not None else param_table(model)
+        if [e.name for e in self.table] != [name for name, _ in model.named_parameters()]:
+            raise ValueError("the parameter table does not describe this model; pass the table "
+                             "build_model returned with it (or none)")
         self.optimizer: ShardedAdamW | None = None
         self.grads: GradBuffer | None = None
         self.distributed, self._shard_rank, self._grads_synced = False, 0, False
@@ -80,7 +87,8 @@ class TrainEngine:
         params = [p for _, p in model.named_parameters()]  # the table's order; a tie once
         dp = group_size(mesh.dp_group)
         self.distributed = dp > 1 if optim.distributed is None else optim.distributed
-        part = partition([p.numel() for p in params], dp if self.distributed else 1)
+        part = partition([p.numel() for p in params], dp if self.distributed else 1,
+                         bucket_numel=bucket_numel)
         self.table = self.table.with_partition(part)
         self._shard_rank = mesh.dp_rank if self.distributed else 0
         self.grads = GradBuffer(params, part, device=self.device)
@@ -252,8 +260,11 @@ class TrainEngine:
         return ckpt.save_shard(self.state_dict(), folder, self.mesh)
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate."""
-        self.load_state_dict(ckpt.load_shard(folder, self.mesh, device=self.device))
+        """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
+        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting."""
+        shards = self.grads.part.shards if self.grads is not None else 1
+        self.load_state_dict(ckpt.load_shard(folder, self.mesh, device=self.device,
+                                             shards=shards))
 
     # ---- internals ---------------------------------------------------------------------------
 

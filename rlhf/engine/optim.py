@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from rlhf.config.roles import OptimizerConfig
-from rlhf.engine.zero import Partition
+from rlhf.engine.zero import Partition, Piece, partition
 from rlhf.errors import RLHFError
 from rlhf.parallel.collectives import _all_gather_single as all_gather_single
 
@@ -152,21 +152,49 @@ class ShardedAdamW:
     def state_dict(self) -> dict:
         """This rank's shard: masters (or None) and moments, with the layout they assume."""
         return {"shards": self.part.shards, "numels": list(self.part.numels),
-                "master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+                "bucket_numel": self.part.bucket_numel, "master": self.master,
+                "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict, *, where: str) -> None:
-        """Copy a `state_dict` into this optimizer's own tensors (they stay the same objects)."""
-        if state["shards"] != self.part.shards:
+        """Copy a `state_dict` into this optimizer's own tensors (they stay the same objects).
+        `state` may instead be {"shards": k, "all": [the k state dicts of another layout]}
+        (another dp size, or with / without ZeRO-1): then this rank's pieces are cut from them."""
+        states = state["all"] if "all" in state else [state]
+        for saved in states:
+            if list(saved["numels"]) != list(self.part.numels):
+                raise RLHFError(f"{where} was saved for other parameter shapes; resume with the "
+                                "same model and layout")
+        if "all" not in state and state["shards"] == self.part.shards:
+            if self.master is not None and state["master"] is not None:
+                self.master.copy_(state["master"])
+            self.exp_avg.copy_(state["exp_avg"])
+            self.exp_avg_sq.copy_(state["exp_avg_sq"])
+            return
+        if len(states) != state["shards"]:
             raise RLHFError(
                 f"{where} holds optimizer state sharded {state['shards']} ways (ZeRO-1 over a "
                 f"data-parallel size of {state['shards']}, 1 = not sharded) but this engine "
-                f"shards it {self.part.shards} ways; resume with the same dp size and "
-                "optim.distributed, or start from an exported HF folder")
-        if list(state["numels"]) != list(self.part.numels):
-            raise RLHFError(f"{where} was saved for other parameter shapes; resume with the "
-                            "same model and layout")
-        if self.master is not None and state["master"] is not None:
-            self.master.copy_(state["master"])
-        self.exp_avg.copy_(state["exp_avg"])
-        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+                f"shards it {self.part.shards} ways and only this rank's shard was read; load "
+                "it with `TrainEngine.load_checkpoint`, which reshards")
+        self._reshard_from(states)
+
+    def _reshard_from(self, states: list[dict]) -> None:
+        """Fill this rank's pieces from every shard of a layout with len(states) shards."""
+        old = partition(self.part.numels, len(states), bucket_numel=states[0]["bucket_numel"])
+        by_param: dict[int, list[tuple[int, Piece]]] = {}
+        for rank in range(old.shards):
+            for piece in old.pieces(rank):
+                by_param.setdefault(piece.param, []).append((rank, piece))
+        targets = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.master is not None and states[0]["master"] is not None:
+            targets["master"] = self.master
+        for mine in self.pieces:
+            for rank, theirs in by_param.get(mine.param, ()):
+                lo, hi = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
+                if lo >= hi:
+                    continue
+                dst = mine.shard_start + lo - mine.start
+                src = theirs.shard_start + lo - theirs.start
+                for key, target in targets.items():
+                    target[dst:dst + hi - lo].copy_(states[rank][key][src:src + hi - lo])

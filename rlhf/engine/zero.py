@@ -51,6 +51,7 @@ class Partition:
     shards: int
     offsets: tuple[int, ...]  # parameter i is flat[offsets[i] : offsets[i] + numels[i]]
     buckets: tuple[Bucket, ...]
+    bucket_numel: int = BUCKET_NUMEL
 
     @property
     def total(self) -> int:
@@ -114,7 +115,8 @@ def partition(numels: Sequence[int], shards: int, *,
         filled += n
     if filled or len(numels) > first:
         buckets.append(_bucket(start, filled, first, len(numels), shards))
-    return Partition(tuple(int(n) for n in numels), shards, tuple(offsets), tuple(buckets))
+    return Partition(tuple(int(n) for n in numels), shards, tuple(offsets), tuple(buckets),
+                     bucket_numel)
 
 
 def _bucket(start: int, filled: int, first: int, stop: int, shards: int) -> Bucket:

@@ -4,8 +4,10 @@ The parent process draws a seeded packed batch and runs transformers' AutoModelF
 in fp32, one sequence at a time: logits, next-token log-probs, entropy, and the gradients of
 one loss (mean next-token log-prob plus mean entropy). N gloo processes then build the model
 with `build_model` in the requested layout (dp = N / (tp * pp) replicas, each running the
-whole batch), run the engine's forward (`model_outputs`), backward and TP grad sync, and
-compare: logits gathered over the vocabulary for this check only, grads gathered to full.
+whole batch, its loss scaled by 1/dp), run the engine's forward (`model_outputs`), backward
+and the training grad sync (`TrainEngine.sync_grads`: TP, pipeline ties, DP, ZeRO-1 when
+dp > 1), and compare: logits gathered over the vocabulary for this check only, grads
+gathered to full.
 With pp > 1 the batch runs as micro-batches of two sequences through the engine's pipeline
 schedule (1F1B, or interleaved with vpp > 1); logits stay on the last stage, so log-probs,
 entropy and grads are compared and "logits" is left out of the report.
@@ -19,16 +21,14 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.roles import ParallelConfig
-from rlhf.data.packing import pack, shifted_targets
+from rlhf.config.roles import OptimizerConfig, ParallelConfig
+from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
+from rlhf.engine.engine import TrainEngine
+from rlhf.engine.micro_batch import MicroBatch
 from rlhf.errors import RLHFError
 from rlhf.models.config import ModelArgs
-from rlhf.data.packing import pack_prompt_response
-from rlhf.engine.micro_batch import MicroBatch
-from rlhf.engine.schedule import make_schedule
 from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
-from rlhf.models.parallelize import (build_model, check_tp_compatible, gather_full_grads,
-                                     sync_shared_grads, sync_tp_grads)
+from rlhf.models.parallelize import build_model, check_tp_compatible
 from rlhf.parallel.collectives import all_gather
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -131,25 +131,29 @@ def _rank_check(rank: int, world: int, folder: str, plan: ParallelConfig, ref_pa
                 seqs: list[torch.Tensor]) -> dict:
     ref = torch.load(ref_path, mmap=True)
     mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
-    model = build_model(folder, mesh=mesh, plan=plan, head="lm")
+    model, table = build_model(folder, mesh=mesh, plan=plan, head="lm")
+    # A training engine, for its grad buffer and sync; its optimizer never steps.
+    engine = TrainEngine(model, mesh, optim=OptimizerConfig(), table=table)
     if plan.pp > 1:
-        return _pipeline_check(model, mesh, seqs, ref)
+        return _pipeline_check(engine, seqs, ref)
     packed = pack(seqs)
     with torch.no_grad():
         shard = vocab_shard(model, mesh)
         logits_TV = all_gather(forward_packed(model, packed, mesh=mesh), dim=-1,
                                group=shard["group"])[:, : shard["real_vocab_size"]]
     out = model_outputs(model, packed, mesh=mesh)
-    verification_loss(out["log_probs"], out["entropy"], ref["valid"]).backward()
-    sync_tp_grads(model, mesh=mesh)
+    # Every DP replica runs the whole batch; the DP sum of 1/dp of the loss is the loss.
+    loss = verification_loss(out["log_probs"], out["entropy"], ref["valid"]) / mesh.dp_size
+    loss.backward()
+    engine.sync_grads()
     return {"logits": _max_diff("logits", logits_TV, ref["logits"]),
             "log_probs": _max_diff("log_probs", out["log_probs"], ref["log_probs"]),
             "entropy": _max_diff("entropy", out["entropy"], ref["entropy"]),
-            **_grad_diffs(model, mesh, ref)}
+            **_grad_diffs(engine, ref)}
 
 
-def _grad_diffs(model, mesh: ParallelMesh, ref: dict) -> dict:
-    grads = gather_full_grads(model, mesh)
+def _grad_diffs(engine: TrainEngine, ref: dict) -> dict:
+    grads = engine.full_grads()
     if grads.keys() != ref["grads"].keys():
         raise RLHFError(f"parameter names differ from transformers': "
                         f"{sorted(grads.keys() ^ ref['grads'].keys())}")
@@ -158,27 +162,24 @@ def _grad_diffs(model, mesh: ParallelMesh, ref: dict) -> dict:
     return {"grads": grad_diffs[worst], "worst_grad": worst}
 
 
-def _pipeline_check(model, mesh: ParallelMesh, seqs: list[torch.Tensor], ref: dict) -> dict:
+def _pipeline_check(engine: TrainEngine, seqs: list[torch.Tensor], ref: dict) -> dict:
     """The pipeline schedule's backward and forward-only pass over micro-batches of two."""
     mbs = [MicroBatch(pack_prompt_response([s[:1] for s in part], [s[1:] for s in part]))
            for part in (seqs[i:i + 2] for i in range(0, len(seqs), 2))]
     num_valid, num_tokens = ref["valid"].sum().clamp(min=1), ref["valid"].numel()
+    dp = engine.mesh.dp_size
 
-    def loss_fn(out, mb):  # each micro-batch's share of verification_loss
+    def loss_fn(out, mb):  # each micro-batch's share of verification_loss, 1/dp of it
         _, valid_T = shifted_targets(mb.packed)
         return ((out["log_probs"] * valid_T).sum() / num_valid
-                + out["entropy"].sum() / num_tokens), {}
+                + out["entropy"].sum() / num_tokens) / dp, {}
 
-    schedule = make_schedule(model, mesh, device=torch.device("cpu"))
-    schedule.forward_backward(mbs, loss_fn, outputs=LM_OUTPUTS)
-    sync_tp_grads(model, mesh=mesh)
-    sync_shared_grads(model, mesh=mesh)
-    with torch.no_grad():
-        outs = schedule.forward(mbs, outputs=LM_OUTPUTS)
+    engine.forward_backward(mbs, loss_fn, outputs=LM_OUTPUTS)
+    outs = engine.forward(mbs, outputs=LM_OUTPUTS)
     diffs = {"log_probs": 0.0, "entropy": 0.0}  # outputs exist on the last stage only
     for key in diffs if outs else ():
         diffs[key] = _max_diff(key, torch.cat([o[key] for o in outs]), ref[key])
-    return {**diffs, **_grad_diffs(model, mesh, ref)}
+    return {**diffs, **_grad_diffs(engine, ref)}
 
 
 def _max_diff(name: str, got: torch.Tensor, want: torch.Tensor) -> float:

@@ -2,7 +2,7 @@
 
 - `mesh.py`: ParallelMesh (dp × pp × tp over explicit ranks; tp fastest) and ProcessGroupCache.
 - `collectives.py`: group-taking collectives, plain and differentiable (TP and sequence axis).
-- `tensor_parallel.py`: column/row-parallel linears, vocab-parallel embedding, LM head, SP grads.
+- `tensor_parallel.py`: column/row-parallel linears, vocab-parallel embedding, LM head.
 - `vocab_parallel.py`: log-probs and entropy over vocab-sharded logits.
 - `stages.py`: pipeline stage layout (even or uneven layers, virtual stages for interleaving).
 - `p2p.py`: activation and gradient transfer between stages, shapes from the micro-batch plan.
@@ -16,16 +16,15 @@ from rlhf.parallel.launch import DistributedRunError, DistributedTimeoutError, r
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
                                            RowParallelLinear, VocabParallelEmbedding,
-                                           allreduce_sequence_parallel_grads,
-                                           mark_sequence_parallel_grads, shard_for_rank)
+                                           shard_for_rank)
 from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
                                           vocab_parallel_log_probs, vocab_shard_range)
 
 __all__ = [
     "ColumnParallelLinear", "DistributedRunError", "DistributedTimeoutError", "ParallelLMHead",
     "ParallelMesh", "ProcessGroupCache", "RowParallelLinear", "VocabParallelEmbedding",
-    "allreduce_sequence_parallel_grads", "copy_to_tp", "gather_from_sequence", "gather_from_tp",
-    "mark_sequence_parallel_grads", "padded_vocab_size", "reduce_from_tp",
+    "copy_to_tp", "gather_from_sequence", "gather_from_tp",
+    "padded_vocab_size", "reduce_from_tp",
     "reduce_scatter_to_sequence", "run_distributed", "scatter_to_sequence", "scatter_to_tp",
     "shard_for_rank", "vocab_parallel_entropy", "vocab_parallel_log_probs", "vocab_shard_range",
 ]

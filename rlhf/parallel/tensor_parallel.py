@@ -11,8 +11,8 @@ along T (dim 0) into tp chunks, so T must be a multiple of tp (pad the packed st
 
 Without sequence parallelism the same layers all-reduce instead (full T on every rank).
 Parameters replicated across TP that see only a token chunk under sequence parallelism (norm
-weights, a row-parallel bias) carry `sequence_parallel_grad = True`; sum their grads with
-`allreduce_sequence_parallel_grads(model, group=...)` after backward.
+weights, a row-parallel bias) hold a partial grad per rank; which ones is recorded in the
+model's `ParamTable` (rlhf.models.parallelize), and the engine sums them over TP.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch.distributed import ProcessGroup
 
 from rlhf.parallel.collectives import (
     all_gather,
-    all_reduce_tensors,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -38,28 +37,12 @@ from rlhf.parallel.collectives import (
 )
 from rlhf.parallel.vocab_parallel import padded_vocab_size, vocab_shard_range
 
-SEQUENCE_PARALLEL_GRAD = "sequence_parallel_grad"  # parameter attribute read by the grad all-reduce
-
-
 def shard_for_rank(full: Tensor, dim: int, rank: int, size: int) -> Tensor:
     """Rank's contiguous slice (a view) of `full` along `dim`, split into `size` equal parts."""
     n = full.shape[dim]
     if n % size:
         raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by {size}")
     return full.narrow(dim, rank * (n // size), n // size)
-
-
-def mark_sequence_parallel_grads(module: nn.Module) -> None:
-    """Mark every parameter of `module` as replicated over TP but fed a token chunk under SP."""
-    for param in module.parameters():
-        setattr(param, SEQUENCE_PARALLEL_GRAD, True)
-
-
-def allreduce_sequence_parallel_grads(module: nn.Module, *, group: ProcessGroup | None) -> None:
-    """Sum over the TP group the grads of parameters marked `sequence_parallel_grad`, in place."""
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, SEQUENCE_PARALLEL_GRAD, False) and p.grad is not None]
-    all_reduce_tensors(grads, group=group)
 
 
 def _init_uniform_(tensor: Tensor, fan_in: int) -> None:
@@ -157,8 +140,6 @@ class RowParallelLinear(nn.Module):
         _init_uniform_(self.weight, in_features)
         if self.bias is not None:
             _init_uniform_(self.bias, in_features)
-            # replicated, but under SP each rank adds it to its own token chunk only
-            setattr(self.bias, SEQUENCE_PARALLEL_GRAD, sequence_parallel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, group: ProcessGroup | None,

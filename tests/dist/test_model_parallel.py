@@ -12,16 +12,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_shard
+from rlhf.engine import TrainEngine
 from rlhf.models.parallelize import (apply_tp, build_model, check_tp_compatible,
-                                     export_full_hf_weights, gather_full_grads, sync_tp_grads,
-                                     tp_layout)
+                                     export_full_hf_weights)
 from rlhf.models.tiny import make_tiny_model
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel import collectives as C
@@ -117,11 +117,26 @@ def _full_logits(model, packed, mesh):
     return C.all_gather(local_TV, dim=-1, group=shard["group"])[:, : shard["real_vocab_size"]]
 
 
+def _engine(folder, mesh, plan, head, **kw):
+    """The built model inside a training engine: the grad sync training runs."""
+    model, table = build_model(folder, mesh=mesh, plan=plan, head=head, **kw)
+    return TrainEngine(model, mesh, optim=OptimizerConfig(), table=table)
+
+
+def _synced_grads(engine, loss):
+    """Full grads of `loss`, which every DP replica computes whole (so 1/dp of it each)."""
+    (loss / engine.mesh.dp_size).backward()
+    engine.sync_grads()
+    grads = engine.full_grads()
+    engine.zero_grad()
+    return grads
+
+
 def _check_lm(folder, seqs, ref, mesh, sp, seed):
     """Every check of one model in one layout; returns {check: max error}."""
     e = _Errors()
-    model = build_model(folder, mesh=mesh, plan=ParallelConfig(tp=mesh.tp_size,
-                                                               sequence_parallel=sp), head="lm")
+    engine = _engine(folder, mesh, ParallelConfig(tp=mesh.tp_size, sequence_parallel=sp), "lm")
+    model = engine.model
     packed = pack(seqs)
     valid_T = ref["valid"]
     logits_TV = _full_logits(model, packed, mesh)
@@ -134,14 +149,12 @@ def _check_lm(folder, seqs, ref, mesh, sp, seed):
     targets_T, _ = shifted_targets(packed)
     e.cmp("vp_log_probs", out["log_probs"], logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T)
     e.cmp("vp_entropy", out["entropy"], -(logp_TV.exp() * logp_TV).sum(-1))
-    _loss(out["log_probs"], out["entropy"], valid_T, seed).backward()
-    sync_tp_grads(model, mesh=mesh)
-    grads = gather_full_grads(model, mesh)
+    grads = _synced_grads(engine, _loss(out["log_probs"], out["entropy"], valid_T, seed))
     if grads.keys() != ref["grads"].keys():
         raise AssertionError(f"grad names differ: {sorted(grads.keys() ^ ref['grads'].keys())}")
     e["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
     e["export_exact"] = _export_errors(model, mesh, folder)
-    e["local_shapes_ok"] = _local_shapes_ok(model, mesh.tp_size)
+    e["local_shapes_ok"] = _local_shapes_ok(engine, mesh.tp_size)
     return e
 
 
@@ -159,12 +172,12 @@ def _export_errors(model, mesh, folder):
     return bad
 
 
-def _local_shapes_ok(model, tp):
+def _local_shapes_ok(engine, tp):
     """Split parameters hold 1/tp of their (padded) dim: nothing was built at full size."""
-    params = dict(model.named_parameters())
-    return all(params[n].shape[s.dim] * tp == -(-s.full_size // tp) * tp
-               for n, s in tp_layout(model).items() if n in params) and (
-        tp == 1 or len(tp_layout(model)) > 0)
+    params = dict(engine.model.named_parameters())
+    split = [e for e in engine.table if e.shard is not None]
+    return all(params[e.name].shape[e.shard.dim] * tp == -(-e.shard.full_size // tp) * tp
+               for e in split) and (tp == 1 or len(split) > 0)
 
 
 def _matrix(rank, world, cases):
@@ -224,12 +237,11 @@ def _value_reference(folder, seqs):
                 grads={n: q.grad.clone() for n, q in model.named_parameters()})
 
 
-def _check_value(model, seqs, ref, mesh, e, tag):
-    values_T = model_outputs(model, pack(seqs), mesh=mesh, outputs=("values",))["values"]
+def _check_value(engine, seqs, ref, e, tag):
+    values_T = model_outputs(engine.model, pack(seqs), mesh=engine.mesh,
+                             outputs=("values",))["values"]
     e.cmp(f"{tag}_values", values_T, ref["values"])
-    (ref["w"] * values_T).sum().backward()
-    sync_tp_grads(model, mesh=mesh)
-    grads = gather_full_grads(model, mesh)
+    grads = _synced_grads(engine, (ref["w"] * values_T).sum())
     assert grads.keys() == ref["grads"].keys(), sorted(grads.keys() ^ ref["grads"].keys())
     e[f"{tag}_grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
 
@@ -238,24 +250,23 @@ def _colocated(rank, world, actor_case, critic_case, value_ref):
     cache = ProcessGroupCache()
     actor_mesh = ParallelMesh([0, 1], tp=2, cache=cache)
     critic_mesh = ParallelMesh([0, 1], tp=1, cache=cache)  # dp=2
-    actor = build_model(actor_case["folder"], mesh=actor_mesh,
-                        plan=ParallelConfig(tp=2, sequence_parallel=True), head="lm")
-    critic_sp = build_model(critic_case["folder"], mesh=actor_mesh,
-                            plan=ParallelConfig(tp=2, sequence_parallel=True), head="value",
-                            value_head_seed=7)
-    critic = build_model(critic_case["folder"], mesh=critic_mesh, plan=ParallelConfig(tp=1),
-                         head="value", value_head_seed=7)
+    actor_engine = _engine(actor_case["folder"], actor_mesh,
+                           ParallelConfig(tp=2, sequence_parallel=True), "lm")
+    actor = actor_engine.model
+    critic_sp = _engine(critic_case["folder"], actor_mesh,
+                        ParallelConfig(tp=2, sequence_parallel=True), "value", value_head_seed=7)
+    critic = _engine(critic_case["folder"], critic_mesh, ParallelConfig(tp=1), "value",
+                     value_head_seed=7)
     e = _Errors()
     seqs, ref = actor_case["seqs"], actor_case["ref"]
     before = model_outputs(actor, pack(seqs), mesh=actor_mesh)["log_probs"]
-    _check_value(critic, critic_case["seqs"], value_ref, critic_mesh, e, "critic_tp1")
-    _check_value(critic_sp, critic_case["seqs"], value_ref, actor_mesh, e, "critic_tp2_sp")
+    _check_value(critic, critic_case["seqs"], value_ref, e, "critic_tp1")
+    _check_value(critic_sp, critic_case["seqs"], value_ref, e, "critic_tp2_sp")
     out = model_outputs(actor, pack(seqs), mesh=actor_mesh)  # actor again, after both critics
     e.cmp("actor_log_probs_before", before, ref["log_probs"])
     e.cmp("actor_log_probs_after", out["log_probs"], ref["log_probs"])
-    _loss(out["log_probs"], out["entropy"], ref["valid"], actor_case["seed"]).backward()
-    sync_tp_grads(actor, mesh=actor_mesh)
-    grads = gather_full_grads(actor, actor_mesh)
+    grads = _synced_grads(actor_engine, _loss(out["log_probs"], out["entropy"], ref["valid"],
+                                              actor_case["seed"]))
     e["actor_grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
     hot = model_outputs(actor, pack(seqs), mesh=actor_mesh, temperature=0.7)
     logp_TV = torch.log_softmax(ref["logits"] / 0.7, -1)

@@ -18,7 +18,6 @@ from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.engine import TrainEngine, collect_response_values, make_micro_batches
-from rlhf.models.parallelize import gather_full_grads
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -106,7 +105,7 @@ def _run_case(mesh, folder, head, plan, n, max_seqs, ckpt=None, *, tagged=True):
     tokens, _ = engine.loss_normalizers(local, mask_key="loss_mask")
     make_loss = actor_loss_fn if head == "lm" else critic_loss_fn
     metrics = engine.forward_backward(local, make_loss(tokens))
-    grads = gather_full_grads(engine.model, mesh)
+    grads = engine.full_grads()
     stats = engine.step()
     after = exported(engine)
     return {"buckets": buckets,

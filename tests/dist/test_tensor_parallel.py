@@ -17,7 +17,7 @@ from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
                                            RowParallelLinear, VocabParallelEmbedding,
-                                           allreduce_sequence_parallel_grads, shard_for_rank)
+                                           shard_for_rank)
 from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
                                           vocab_parallel_log_probs, vocab_shard_range)
 
@@ -96,7 +96,8 @@ def _row(group, sp, input_is_parallel):
     xin = _leaf(shard_for_rank(x, 1, r, tp) if input_is_parallel else x)
     y = layer(xin)
     (y * (shard_for_rank(R, 0, r, tp) if sp else R)).sum().backward()
-    allreduce_sequence_parallel_grads(layer, group=group)  # sums the bias grad under SP only
+    if sp:  # each rank added the bias to its token chunk only: its grad is partial
+        C.all_reduce_tensors([layer.bias.grad], group=group)
     e.cmp("out", y, shard_for_rank(yr, 0, r, tp) if sp else yr)
     e.cmp("grad_x", xin.grad, shard_for_rank(xr.grad, 1, r, tp) if input_is_parallel else xr.grad)
     e.cmp("grad_w", layer.weight.grad, shard_for_rank(full.weight.grad, 1, r, tp))
@@ -117,7 +118,8 @@ def _mlp(group, sp, seed=3):
     xin = _leaf(shard_for_rank(x, 0, r, tp) if sp else x)
     y = row(F.gelu(col(xin)))
     (y * (shard_for_rank(R, 0, r, tp) if sp else R)).sum().backward()
-    allreduce_sequence_parallel_grads(row, group=group)
+    if sp:
+        C.all_reduce_tensors([row.bias.grad], group=group)
     e.cmp("out", y, shard_for_rank(yr, 0, r, tp) if sp else yr)
     e.cmp("grad_x", xin.grad, shard_for_rank(xr.grad, 0, r, tp) if sp else xr.grad)
     e.cmp("grad_w1", col.weight.grad, shard_for_rank(fc1.weight.grad, 0, r, tp))
@@ -239,13 +241,12 @@ def _mini_model(group, sp):
     p_scale = nn.Parameter(scale.detach().clone())
     model = nn.ModuleList([p_emb, p_fc1, p_fc2, p_head])
     model.register_parameter("scale", p_scale)
-    if sp:
-        p_scale.sequence_parallel_grad = True
     out = forward(p_emb, p_fc1, p_fc2, p_head, p_scale, lambda lg: vocab_parallel_log_probs(
         lg, targets, group=group, vocab_start=p_head.vocab_start, vocab_end=p_head.vocab_end,
         real_vocab_size=V))
     (out * g).sum().backward()
-    allreduce_sequence_parallel_grads(model, group=group)
+    if sp:  # the replicated parameters fed token chunks hold partial grads
+        C.all_reduce_tensors([p_scale.grad, p_fc2.bias.grad], group=group)
     e.cmp("log_probs", out, ref)
     e.cmp("grad_scale", p_scale.grad, scale.grad)
     e.cmp("grad_fc2_bias", p_fc2.bias.grad, fc2.bias.grad)

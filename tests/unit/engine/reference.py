@@ -128,20 +128,33 @@ def reference_loss(model, batch: RLBatch, head: str) -> torch.Tensor:
 
 def reference_step(folder: Path, batch: RLBatch, optim: OptimizerConfig = OPTIM, *,
                    head: str = "lm") -> dict:
-    """One training step by hand: loss, backward, clip_grad_norm_, torch AdamW with
-    1-D params (norms, biases) undecayed. Returns params by HF name, grad_norm and loss."""
+    """One training step by hand (see `reference_steps`)."""
+    return reference_steps(folder, [batch], optim, head=head)
+
+
+def reference_steps(folder: Path, batches: list[RLBatch], optim: OptimizerConfig = OPTIM, *,
+                    head: str = "lm") -> dict:
+    """Training steps by hand, one per batch: loss, backward, clip_grad_norm_, torch AdamW
+    with 1-D params (norms, biases) undecayed, constant lr. Returns params by HF name after
+    the last step, and grad_norm and loss of every step (lists; floats for one batch)."""
     model = load_plain(folder, head)
-    loss = reference_loss(model, batch, head)
-    loss.backward()
     params = list(model.parameters())
-    max_norm = optim.grad_clip if optim.grad_clip is not None else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps)
-    opt.step()
+    max_norm = optim.grad_clip if optim.grad_clip is not None else float("inf")
+    norms, losses = [], []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = reference_loss(model, batch, head)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        losses.append(float(loss.detach()))
+        opt.step()
     named = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"params": named, "grad_norm": float(norm), "loss": float(loss.detach())}
+    if len(batches) == 1:
+        return {"params": named, "grad_norm": norms[0], "loss": losses[0]}
+    return {"params": named, "grad_norm": norms, "loss": losses}
 
 
 def exported(engine) -> dict[str, torch.Tensor]:

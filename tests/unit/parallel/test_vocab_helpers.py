@@ -1,11 +1,10 @@
 """Tensor/vocab-parallel helpers on one process (no process group): vocab padding and shard
-ranges, slicing, grad tags, and the vocab log-prob / entropy functions in fp32 and bf16."""
+ranges, slicing, and the vocab log-prob / entropy functions in fp32 and bf16."""
 
 import pytest
 import torch
-from torch import nn
 
-from rlhf.parallel.tensor_parallel import mark_sequence_parallel_grads, shard_for_rank
+from rlhf.parallel.tensor_parallel import shard_for_rank
 from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
                                           vocab_parallel_log_probs, vocab_shard_range)
 
@@ -24,9 +23,6 @@ def test_helpers_without_a_process_group():
         shard_for_rank(full, 0, 0, 2)
     with pytest.raises(ValueError, match="not divisible by tp=1|positive"):
         padded_vocab_size(0, 2)
-    layer = nn.Linear(2, 2)
-    mark_sequence_parallel_grads(layer)
-    assert all(p.sequence_parallel_grad for p in layer.parameters())
     with pytest.raises(ValueError, match="vocab range"):
         vocab_parallel_entropy(torch.zeros(2, 3), group=None, vocab_start=0, vocab_end=4,
                                real_vocab_size=4)
