@@ -183,7 +183,8 @@ def _time_steps(engine, mbs, args, model_args: ModelArgs, device) -> dict:
     flops = step_flops(model_args, tokens=tokens, seq_len=args.seq_len)
     peak, source = device_peak_flops(device)
     return {"bench": "engine", "kind": "step", "step_s": round(wall, 4),
-            "tokens_per_s": round(tokens / wall, 1), "model_tflops_per_s": _sig(flops / wall / 1e12),
+            "tokens_per_s": round(tokens / wall, 1),
+            "model_tflops_per_s": _sig(flops / wall / 1e12),
             "peak_tflops_per_s": _sig(peak / 1e12) if peak else None, "peak_source": source,
             "mfu": _sig(flops / wall / peak) if peak else None}
 
@@ -243,8 +244,8 @@ def _memory(engine: TrainEngine, mbs, spec, device: torch.device) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         _step(engine, mbs)
         _sync(device)
-        measured, planned = torch.cuda.max_memory_allocated(device), state + stage.activations \
-            + stage.logits
+        measured = torch.cuda.max_memory_allocated(device)
+        planned = state + stage.activations + stage.logits  # the update phase of this rank
         line.update(measured="torch.cuda.max_memory_allocated over one step",
                     planned_peak_bytes=planned, measured_peak_bytes=measured,
                     peak_ratio=round(measured / planned, 4))

@@ -75,7 +75,8 @@ def hardware(cfg: JobConfig) -> Hardware:
                     ranks_per_node=cfg.trainer.ranks_per_node, source=source)
 
 
-def role_specs(cfg: JobConfig, hw: Hardware, *, model_dirs: tuple[Path, ...] = ()) -> list[RoleSpec]:
+def role_specs(cfg: JobConfig, hw: Hardware, *,
+               model_dirs: tuple[Path, ...] = ()) -> list[RoleSpec]:
     """The roles this job creates (actor, then critic, ref, reward model when used).
 
     `model_dirs`: folders searched for `<name of the model folder>/config.json` when a model
@@ -134,4 +135,4 @@ def model_args(path: str, *, cfg: JobConfig | None, key: str,
     searched = ", ".join(str(Path(d) / folder.name) for d in model_dirs) or "nothing else"
     raise ConfigError(f"{key}: {path} has no config.json (searched {searched}); planning needs "
                       f"the architecture: put the model's config.json in a folder named "
-                      f"{folder.name!r} under configs/models/ (or under a folder given with --models)")
+                      f"{folder.name!r} under configs/models/ (or a folder given with --models)")
