@@ -22,6 +22,10 @@ from rlhf.models.config import ModelArgs
 GIB = 2**30
 
 
+class UnknownArchitecture(ConfigError):
+    """A model folder that is absent here, with no stand-in config.json to plan from."""
+
+
 @dataclass(frozen=True)
 class RoleSpec:
     """One role as the planner sees it."""
@@ -133,6 +137,6 @@ def model_args(path: str, *, cfg: JobConfig | None, key: str,
         if (stand_in / "config.json").is_file():
             return ModelArgs.from_pretrained(stand_in)
     searched = ", ".join(str(Path(d) / folder.name) for d in model_dirs) or "nothing else"
-    raise ConfigError(f"{key}: {path} has no config.json (searched {searched}); planning needs "
+    raise UnknownArchitecture(f"{key}: {path} has no config.json (searched {searched}); planning needs "
                       f"the architecture: put the model's config.json in a folder named "
                       f"{folder.name!r} under configs/models/ (or a folder given with --models)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from rlhf.errors import RLHFError
@@ -47,12 +48,18 @@ def _run(args) -> int:
 
 def check_fits(cfg, *, config_path: str | Path) -> None:
     """Raise RLHFError naming the changes that fit when `cfg` is predicted not to fit;
-    trainer.skip_memory_check skips the check."""
+    trainer.skip_memory_check skips the check. A model folder this machine cannot see (the
+    workers' nodes may) leaves nothing to predict: a warning, and training goes on."""
     from rlhf.plan.advice import plan_with_advice
+    from rlhf.plan.inputs import UnknownArchitecture
 
     if cfg.trainer.skip_memory_check:
         return
-    plan, advice = plan_with_advice(cfg, model_dirs=model_dirs(config_path))
+    try:
+        plan, advice = plan_with_advice(cfg, model_dirs=model_dirs(config_path))
+    except UnknownArchitecture as exc:
+        print(f"warning: no memory check: {exc}", file=sys.stderr, flush=True)
+        return
     if not plan.fits:
         raise RLHFError(verdict(plan, advice) + "Details: rlhf plan " + str(config_path)
                         + "; to start anyway: trainer.skip_memory_check=true")
