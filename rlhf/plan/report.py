@@ -157,9 +157,10 @@ def _device_lines(plan) -> list[str]:
 def verdict(plan, advice) -> str:
     """"fits" or "does not fit", with the changes that would make it fit."""
     cap = plan.hardware.device_bytes
+    per = "GPU" if plan.hardware.device_type == "cuda" else "machine"
     if plan.fits:
-        return f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per device.\n"
-    text = f"does not fit: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per device.\n"
+        return f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}.\n"
+    text = f"does not fit: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}.\n"
     fitting = [a for a in advice if a.fits]
     if fitting:
         text += "Changes that fit (peak after the change):\n" + "".join(
