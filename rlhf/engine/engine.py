@@ -41,7 +41,7 @@ from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
-from rlhf.engine.zero import BUCKET_NUMEL, partition
+from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.parallelize import (ParamTable, build_model, export_full_hf_weights,
                                      gather_full_grads, param_table)
 from rlhf.models.transformer import ValueModel
@@ -85,10 +85,9 @@ class TrainEngine:
             raise ValueError("float16 training needs loss scaling, which the engine does not do; "
                              "train in bfloat16 or float32")
         params = [p for _, p in model.named_parameters()]  # the table's order; a tie once
-        dp = group_size(mesh.dp_group)
-        self.distributed = dp > 1 if optim.distributed is None else optim.distributed
-        part = partition([p.numel() for p in params], dp if self.distributed else 1,
-                         bucket_numel=bucket_numel)
+        shards = num_shards(group_size(mesh.dp_group), optim.distributed)
+        self.distributed = shards > 1
+        part = partition([p.numel() for p in params], shards, bucket_numel=bucket_numel)
         self.table = self.table.with_partition(part)
         self._shard_rank = mesh.dp_rank if self.distributed else 0
         self.grads = GradBuffer(params, part, device=self.device)

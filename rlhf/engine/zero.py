@@ -9,8 +9,8 @@ and the Adam moments hold only that. Grads are reduce-scattered and updated para
 all-gathered bucket by bucket, so no collective moves more than one bucket.
 
 `shards=1` is the non-distributed layout (no padding, one rank owns everything). The engine
-and the memory planner both call `partition` and `state_bytes`, so the planner predicts
-exactly what the engine allocates.
+and the memory planner both call `num_shards`, `partition` and `state_bytes`, so the
+planner predicts exactly what the engine allocates.
 """
 
 from __future__ import annotations
@@ -94,6 +94,15 @@ class Partition:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.shards:
             raise ValueError(f"rank must be in [0, {self.shards}), got {rank}")
+
+
+def num_shards(dp: int, distributed: bool | None) -> int:
+    """How many ways a role's optimizer state is split: its dp size with ZeRO-1, else 1.
+    `distributed` is `optim.distributed` (None: ZeRO-1 on when dp > 1)."""
+    if dp < 1:
+        raise ValueError(f"dp must be at least 1, got {dp}")
+    on = dp > 1 if distributed is None else distributed
+    return dp if on else 1
 
 
 def partition(numels: Sequence[int], shards: int, *,

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
-from rlhf.engine import TrainEngine, make_micro_batches
+from rlhf.engine import MicroBatchResult, TrainEngine, make_micro_batches
+from rlhf.engine.metrics import reduce_metrics
 from rlhf.errors import RLHFError
 from rlhf.models.parallelize import build_model
 from rlhf.models.tiny import make_tiny_model
@@ -112,9 +113,23 @@ def _missing_shard(folder, mesh, ckpt, root):
     return None
 
 
+def _metrics(cache):
+    """reduce_metrics over dp4 (a rank idle, metric names differing by rank) and pp2 x dp2
+    (results on the last stage only)."""
+    rank = dist.get_rank()
+    dp4 = ParallelMesh([0, 1, 2, 3], cache=cache)
+    mine = [] if rank == 3 else [MicroBatchResult(float(rank + 1), {f"m{rank % 2}": float(rank),
+                                                                     "shared": 1.0})]
+    pp2 = ParallelMesh([0, 1, 2, 3], pp=2, cache=cache)
+    last = {1: [MicroBatchResult(1.0, {"x": 2.0})],
+            3: [MicroBatchResult(2.0, {"x": 4.0, "y": 1.0})]}.get(rank, [])
+    return (reduce_metrics(mine, dp4, device=torch.device("cpu")),
+            reduce_metrics(last, pp2, device=torch.device("cpu")))
+
+
 def _run_all(rank, world, folders, root):
     cache = ProcessGroupCache()
-    results = {}
+    results = {"metrics": _metrics(cache)}
     for name, (model, n, plan_kw, dtype) in CASES.items():
         plan = ParallelConfig(**plan_kw)
         mesh = ParallelMesh(list(range(n)), tp=plan.tp, pp=plan.pp, cache=cache)
@@ -211,3 +226,12 @@ def test_a_missing_shard_file_names_both_dp_sizes(setup):
     for rank in range(4):
         message = results[rank]["missing-shard"]
         assert message and "data-parallel size of 2" in message and "dp=4" in message, rank
+
+
+def test_metrics_are_reduced_over_dp_and_broadcast_from_the_last_stage(setup):
+    _, results = setup
+    for rank in range(4):
+        dp4, pp2 = results[rank]["metrics"]
+        assert dp4 == {"loss": 6.0, "num_micro_batches": 3.0, "m0": 1.0, "m1": 1.0,
+                       "shared": 1.0}
+        assert pp2 == {"loss": 3.0, "num_micro_batches": 2.0, "x": 3.0, "y": 1.0}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf.engine.zero import partition, state_bytes
+from rlhf.engine.zero import num_shards, partition, state_bytes
 
 
 def _owned_elements(part, rank):
@@ -66,3 +66,10 @@ def test_bad_arguments_name_the_fix():
         partition([1], 0)
     with pytest.raises(ValueError, match="rank"):
         partition([4], 2).pieces(2)
+
+
+def test_zero1_is_on_by_default_when_dp_exceeds_one():
+    assert [num_shards(1, None), num_shards(4, None), num_shards(4, False),
+            num_shards(4, True), num_shards(1, True)] == [1, 4, 1, 4, 1]
+    with pytest.raises(ValueError, match="dp"):
+        num_shards(0, None)
