@@ -117,6 +117,9 @@ class Offloader:
         return id(t) in self._away
 
     def _to_host(self, t: Tensor, slot: str) -> None:
+        if t._base is not None:  # emptying a view would free nothing: its base keeps the memory
+            raise ValueError(f"offload state {slot} is a view of another tensor; "
+                             "state_tensors() must list tensors that own their storage")
         host = self._host.get(slot)
         if host is None or host.shape != t.shape or host.dtype != t.dtype:
             host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)

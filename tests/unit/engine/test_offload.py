@@ -150,6 +150,12 @@ def test_a_tensor_listed_twice_stays_where_either_kind_needs_it():
     assert torch.equal(moment, want_moment)
 
 
+def test_a_view_is_refused_because_moving_it_would_free_nothing():
+    flat = torch.randn(12)
+    with pytest.raises(ValueError, match="weights:0 is a view"):
+        Offloader(lambda: {"weights": [flat[:6]]}, config=ALL)
+
+
 def test_in_phase_enters_the_phase_and_returns_to_idle_even_on_error():
     weight = torch.randn(5)
 
