@@ -229,7 +229,7 @@ def _plan_spec(model_args: ModelArgs, dtype: torch.dtype, args):
 
     return RoleSpec(name="bench", head="lm", args=model_args, plan=ParallelConfig(), world_size=1,
                     colocated=True, dtype=dtype, trains=True, recompute=args.recompute,
-                    tokens=args.tokens, zero1=False, offload=OffloadConfig())
+                    tokens=args.tokens, shards=1, offload=OffloadConfig())
 
 
 def _memory(engine: TrainEngine, mbs, spec, device: torch.device) -> dict:

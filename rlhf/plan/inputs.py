@@ -16,6 +16,7 @@ import torch
 from rlhf.config import JobConfig
 from rlhf.config.roles import OffloadConfig, ParallelConfig
 from rlhf.engine.engine import resolve_dtype
+from rlhf.engine.zero import num_shards
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 
@@ -40,12 +41,16 @@ class RoleSpec:
     trains: bool
     recompute: str
     tokens: int  # max_tokens_per_micro_batch
-    zero1: bool
+    shards: int  # ZeRO-1: ways the masters and moments are split (rlhf.engine.zero.num_shards)
     offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.plan.tp * self.plan.pp)
+
+    @property
+    def zero1(self) -> bool:
+        return self.shards > 1
 
 
 @dataclass(frozen=True)
@@ -111,13 +116,8 @@ def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
-        zero1=trains and zero1_enabled(getattr(optim, "distributed", None), dp=dp),
+        shards=num_shards(dp, getattr(optim, "distributed", None)) if trains else 1,
         offload=getattr(role, "offload", None) or OffloadConfig())
-
-
-def zero1_enabled(distributed: bool | None, *, dp: int) -> bool:
-    """`<role>.optim.distributed` as the engine reads it: null = on when dp > 1."""
-    return dp > 1 and (distributed if distributed is not None else True)
 
 
 def model_args(path: str, *, cfg: JobConfig | None, key: str,

@@ -151,8 +151,7 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
                     "optimizer": 0}
         state = replicated = no_state
         if spec.trains:
-            state = state_bytes(numels, param_bytes=spec.dtype.itemsize,
-                                shards=spec.dp if spec.zero1 else 1)
+            state = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=spec.shards)
             replicated = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=1)
         chunks = rank_chunks(spec.args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
                              layers_per_stage=plan.layers_per_stage)

@@ -11,15 +11,15 @@ a value head and a forward-only role.
 import pytest
 import torch
 
-from rlhf.config.roles import OptimizerConfig, ParallelConfig
+from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.engine import TrainEngine
+from rlhf.engine.zero import num_shards
 from rlhf.models.config import ModelArgs
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from rlhf.config.roles import OffloadConfig
-from rlhf.plan.inputs import RoleSpec, zero1_enabled
+from rlhf.plan.inputs import RoleSpec
 from rlhf.plan.memory import STATE_KINDS, stage_memory
 
 # 4 layers for pp2 x vpp2; vocab 387 is padded to 388 at tp 2 (and 4 is not a divisor of it).
@@ -67,7 +67,7 @@ def _predicted(folder, case, world_size):
     spec = RoleSpec(name="role", head=head, args=ModelArgs.from_pretrained(folder), plan=plan,
                     world_size=world_size, colocated=True, dtype=DTYPES[dtype], trains=trains,
                     recompute="none", tokens=64,
-                    zero1=trains and zero1_enabled(distributed, dp=dp),
+                    shards=num_shards(dp, distributed) if trains else 1,
                     offload=OffloadConfig())
     return [stage.state for stage in stage_memory(spec)]
 

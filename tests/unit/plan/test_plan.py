@@ -81,7 +81,7 @@ def test_zero1_divides_masters_and_moments_by_dp():
     critic = specs["critic"]
     stage = stage_memory(critic)[0]
     sharded = stage.state
-    replicated = stage_memory(dataclasses.replace(critic, zero1=False))[0].state
+    replicated = stage_memory(dataclasses.replace(critic, shards=1))[0].state
     assert stage.replicated_state == replicated  # what the table shows "without zero1"
     assert critic.dp == 4 and critic.zero1
     for kind in ("masters", "optimizer"):
