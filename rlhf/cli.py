@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 from rlhf.bench import cli as bench_cli
+from rlhf.plan import report as plan_report
 from rlhf.trainer import cli as trainer_cli
 from rlhf.errors import RLHFError
 
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check that torch, vLLM, Ray and transformers load")
     doctor.set_defaults(run=_doctor)
 
+    plan_report.add_command(commands)
     bench_cli.add_commands(commands)
     trainer_cli.add_commands(commands)
     return parser

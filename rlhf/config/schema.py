@@ -230,9 +230,14 @@ class TrainerConfig:
     """Keep only this many newest checkpoints; 0 = keep all."""
     critic_warmup: int = 0
     """Train only the critic for this many first steps (the actor waits for useful values)."""
+    device_memory_gb: float | None = None
+    """Memory of one device in GiB for `rlhf plan`; null = the detected GPU (RAM on the CPU)."""
+    skip_memory_check: bool = False
+    """Start `rlhf train` even when `rlhf plan` predicts the job does not fit (experts only)."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
+        require_positive_or_none(self, "device_memory_gb")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
         for key in ("output_dir", "resume", "experiment_name"):
             if not getattr(self, key):

@@ -44,9 +44,11 @@ def _env_address() -> str | None:
 
 
 def _train(args) -> int:
+    from rlhf.plan.report import check_fits
     from rlhf.trainer.session import init_ray
 
     cfg = _load(args)
+    check_fits(cfg, config_path=args.config)  # refuses, before any worker, a job that won't fit
     init_ray(cfg, env_address=_env_address())
     records = run_train(cfg, progress=not args.no_progress)
     _print_summary(records, Path(cfg.trainer.output_dir))

@@ -1,0 +1,142 @@
+"""What the memory planner needs to know of a job: one `RoleSpec` per role the job creates.
+
+Every fact is read from the `JobConfig` here and nowhere else in the planner: which roles run,
+their model architecture, layout, dtype, recompute, token budget, ZeRO-1 and offload switches,
+the device type and the memory of one device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlhf.config import JobConfig
+from rlhf.config.roles import OffloadConfig, ParallelConfig
+from rlhf.engine.engine import resolve_dtype
+from rlhf.engine.zero import num_shards
+from rlhf.errors import ConfigError
+from rlhf.models.config import ModelArgs
+
+GIB = 2**30
+
+
+class UnknownArchitecture(ConfigError):
+    """A model folder that is absent here, with no stand-in config.json to plan from."""
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role as the planner sees it."""
+
+    name: str
+    head: str  # "lm" or "value"
+    args: ModelArgs
+    plan: ParallelConfig
+    world_size: int
+    colocated: bool
+    dtype: torch.dtype
+    trains: bool
+    recompute: str
+    tokens: int  # max_tokens_per_micro_batch
+    shards: int  # ZeRO-1: ways the masters and moments are split (rlhf.engine.zero.num_shards)
+    offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.plan.tp * self.plan.pp)
+
+    @property
+    def zero1(self) -> bool:
+        return self.shards > 1
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The devices a job runs on: their type, one device's bytes, and ranks per machine."""
+
+    device_type: str  # "cuda" or "cpu"
+    device_bytes: int  # one GPU; on the CPU one machine's RAM, shared by its ranks
+    ranks_per_node: int
+    source: str  # where device_bytes comes from, for the report
+
+
+def hardware(cfg: JobConfig) -> Hardware:
+    """Device type from trainer.device; bytes from trainer.device_memory_gb, else detected."""
+    device_type = cfg.trainer.device
+    if device_type == "auto":
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    size_gb = cfg.trainer.device_memory_gb
+    if size_gb is not None:
+        source = "trainer.device_memory_gb"
+        size = int(size_gb * GIB)
+    elif device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("trainer.device is cuda but this machine has no GPU to measure; "
+                              "set trainer.device_memory_gb to one GPU's memory in GiB "
+                              "(e.g. 79 for an 80 GB H100)")
+        size, source = torch.cuda.get_device_properties(0).total_memory, "detected GPU"
+    else:
+        size, source = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "detected RAM"
+    return Hardware(device_type=device_type, device_bytes=size,
+                    ranks_per_node=cfg.trainer.ranks_per_node, source=source)
+
+
+def role_specs(cfg: JobConfig, hw: Hardware, *,
+               model_dirs: tuple[Path, ...] = ()) -> list[RoleSpec]:
+    """The roles this job creates (actor, then critic, ref, reward model when used).
+
+    `model_dirs`: folders searched for `<name of the model folder>/config.json` when a model
+    folder is absent (the shipped `configs/models/`), so a plan needs no weights.
+    """
+    policy = model_args(cfg.model.path, cfg=cfg, key="model.path", model_dirs=model_dirs)
+    roles = [("actor", cfg.actor, "lm", policy, True)]
+    if cfg.algorithm.use_critic:
+        critic = policy if cfg.critic.model_path is None else model_args(
+            cfg.critic.model_path, cfg=None, key="critic.model_path", model_dirs=model_dirs)
+        roles.append(("critic", cfg.critic, "value", critic, True))
+    if cfg.algorithm.use_ref:
+        roles.append(("ref", cfg.ref, "lm", policy, False))
+    if cfg.reward.model_path is not None:
+        reward = model_args(cfg.reward.model_path, cfg=None, key="reward.model_path",
+                            model_dirs=model_dirs)
+        roles.append(("reward", cfg.reward, "value", reward, False))
+    return [_spec(cfg, hw, name, role, head, args, trains)
+            for name, role, head, args, trains in roles]
+
+
+def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
+    world = cfg.role_world_size(role)
+    dp = world // (role.parallel.tp * role.parallel.pp)
+    optim = getattr(role, "optim", None)
+    return RoleSpec(
+        name=name, head=head, args=args, plan=role.parallel, world_size=world,
+        colocated=role.placement == "colocated",
+        dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
+        recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
+        shards=num_shards(dp, getattr(optim, "distributed", None)) if trains else 1,
+        offload=getattr(role, "offload", None) or OffloadConfig())
+
+
+def model_args(path: str, *, cfg: JobConfig | None, key: str,
+               model_dirs: tuple[Path, ...]) -> ModelArgs:
+    """The architecture of the model at `path`: its config.json; else the tiny spec that will
+    build it (model.path only); else `<dir>/<folder name>/config.json` of a `model_dirs` entry."""
+    folder = Path(path)
+    if (folder / "config.json").is_file():
+        return ModelArgs.from_pretrained(folder)
+    if cfg is not None and cfg.model.tiny is not None:
+        from rlhf.models.tiny import _hf_config  # the config.json make_tiny_model would write
+
+        return ModelArgs.from_hf_config(_hf_config(cfg.model.tiny, bos_id=0, eos_id=1,
+                                                   pad_id=2).to_dict())
+    for models in model_dirs:
+        stand_in = Path(models) / folder.name
+        if (stand_in / "config.json").is_file():
+            return ModelArgs.from_pretrained(stand_in)
+    searched = ", ".join(str(Path(d) / folder.name) for d in model_dirs) or "nothing else"
+    raise UnknownArchitecture(f"{key}: {path} has no config.json (searched {searched}); planning needs "
+                      f"the architecture: put the model's config.json in a folder named "
+                      f"{folder.name!r} under configs/models/ (or a folder given with --models)")

@@ -1,0 +1,306 @@
+"""The memory model of a job: per role and pipeline stage, and per device and phase of a step.
+
+State tensors are exact: the shapes come from the project's own build path on the meta device
+(`shapes.stage_shapes`) and the bytes of weights, grads, fp32 masters and AdamW moments from
+`rlhf.engine.zero.state_bytes`, the function the engine allocates by (ZeRO-1 or not).
+
+Activations are an estimate for flash attention (the CUDA kernel), per token of one decoder
+layer, `d` bytes per element of the compute dtype (see `layer_activation_bytes`). The pipeline
+keeps several micro-batches in flight: pipeline rank r holds pp - r of them under 1F1B and
+2 (pp - r - 1) + (vpp - 1) pp + 1 model chunks under interleaved 1F1B (Megatron's warm-up),
+an upper bound that is reached when a mini-batch has that many micro-batches.
+
+Phases of one PPO step and what a device holds in each (colocated roles share the device):
+  sync       actor weights + vLLM's weights + the bucket being moved (full tensors)
+  generate   vLLM's weights and KV cache
+  forward R  role R's forward pass over one micro-batch (one layer's work + logits)
+  update R   role R's saved activations of its in-flight micro-batches + logits
+plus, in every phase, what each role keeps resident: weights, grads, fp32 masters and AdamW
+state, minus what `<role>.offload` moves to the host while that role does not need it (the
+placement table of rlhf.engine.offload). On CUDA vLLM sleeps outside sync and generate (it
+wakes in two parts: weights for the sync, then the KV cache). On the CPU vLLM never sleeps and
+an offloaded tensor's host copy is in the same RAM, so offloading there only adds bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlhf.config import JobConfig
+from rlhf.engine.offload import offloaded_kinds, placement
+from rlhf.engine.zero import state_bytes
+from rlhf.parallel.stages import rank_chunks
+from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, role_specs
+from rlhf.plan.shapes import stage_shapes
+
+STATE_KINDS = ("weights", "grads", "masters", "optimizer")
+RECOMPUTE_MODES = ("none", "selective", "full")
+# CUDA context, NCCL buffers and allocator slack, which nothing here models: kept free.
+CUDA_RESERVE_BYTES = 2 * GIB
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """One rank of a role at one pipeline stage (every TP and DP rank of a stage is alike)."""
+
+    pp_rank: int
+    state: dict[str, int]  # STATE_KINDS -> bytes, exact
+    activations: int  # update: saved for backward over the in-flight micro-batches
+    logits: int  # update: LM-head logits and the fp32 log-softmax workspace (last stage)
+    forward: int  # a forward-only pass: one layer's working set plus logits
+    activations_by_recompute: dict[str, int]  # what `activations` would be in each mode
+    replicated_state: dict[str, int]  # `state` without ZeRO-1 (the same when it is off)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Devices with the same contents in every phase: `ranks` of pool `pool`."""
+
+    pool: str
+    ranks: tuple[int, ...]
+    phases: dict[str, dict[str, int]]  # phase -> component -> bytes
+
+    def total(self, phase: str) -> int:
+        return sum(self.phases[phase].values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.total)
+
+    @property
+    def peak(self) -> int:
+        return self.total(self.peak_phase)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every role's per-stage memory and every device's per-phase memory of one job."""
+
+    hardware: Hardware
+    roles: dict[str, RoleSpec]
+    stages: dict[str, list[StageMemory]]
+    vllm: dict[str, int]  # per actor rank: weights, kv_cache, sync_bucket
+    devices: list[DeviceMemory] = field(default_factory=list)
+
+    @property
+    def peak(self) -> int:
+        return max(d.peak for d in self.devices)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.hardware.device_bytes
+
+
+# ---- per role and stage ------------------------------------------------------------------------
+
+
+def layer_activation_bytes(spec: RoleSpec, recompute: str) -> float:
+    """Bytes per token that one decoder layer saves for backward (flash attention).
+
+    RMSNorm keeps its fp32 input and normalised output; q/k/v and gate/up read one shared
+    input, or under sequence parallelism one all-gathered copy each; attention keeps q and k
+    after RoPE, v and its output; SwiGLU keeps gate, silu(gate), up and their product.
+    "selective" keeps only the attention block's input, "full" only the layer's input.
+    """
+    norms, attention, mlp, block_input = _layer_parts(spec)
+    if recompute == "full":
+        return block_input
+    if recompute == "selective":
+        return norms + block_input + mlp
+    return norms + attention + mlp
+
+
+def recomputed_bytes(spec: RoleSpec, recompute: str) -> float:
+    """Bytes per token that backward rebuilds at once: one layer ("full"), one attention
+    block ("selective"), nothing ("none")."""
+    norms, attention, mlp, _ = _layer_parts(spec)
+    return {"none": 0.0, "selective": attention, "full": norms + attention + mlp}[recompute]
+
+
+def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
+    """Per token of one layer: (both norms, attention block, MLP block, a block's input)."""
+    args, tp, sp = spec.args, spec.plan.tp, spec.plan.sequence_parallel
+    d = spec.dtype.itemsize
+    h, inter = args.hidden_size, args.intermediate_size
+    q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+    chunk = tp if sp else 1  # the residual stream is a token chunk under SP
+    norms = 2 * (4 + d) * h / chunk
+    attention = (3 if sp else 1) * d * h + d * (2 * q + 2 * kv) / tp
+    mlp = (2 if sp else 1) * d * h + 4 * d * inter / tp
+    return norms, attention, mlp, d * h / chunk
+
+
+def in_flight_chunks(pp: int, vpp: int, pp_rank: int) -> int:
+    """Model chunks whose activations pipeline rank `pp_rank` holds at once (upper bound)."""
+    if pp == 1:
+        return 1
+    if vpp == 1:
+        return pp - pp_rank
+    return 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1
+
+
+def stage_memory(spec: RoleSpec) -> list[StageMemory]:
+    """Per pipeline rank of `spec`: exact state bytes and estimated activation bytes."""
+    plan, tokens = spec.plan, spec.tokens
+    out = []
+    for pp_rank, shapes in enumerate(stage_shapes(spec.args, plan, head=spec.head,
+                                                  dtype=spec.dtype)):
+        numels = [p.numel for p in shapes if p.trainable]
+        no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
+                    "optimizer": 0}
+        state = replicated = no_state
+        if spec.trains:
+            state = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=spec.shards)
+            replicated = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=1)
+        chunks = rank_chunks(spec.args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
+                             layers_per_stage=plan.layers_per_stage)
+        layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
+        head = [p for p in shapes if p.name == "lm_head.weight"]
+        vocab = head[0].shape[0] if head else 0  # this rank's rows of the padded vocabulary
+        logits = tokens * vocab * (spec.dtype.itemsize + 8)
+        by_mode = {mode: _update_activations(spec, mode, pp_rank=pp_rank, layers=layers)
+                   for mode in RECOMPUTE_MODES} if spec.trains else {}
+        out.append(StageMemory(
+            pp_rank=pp_rank, state=state, activations=by_mode.get(spec.recompute, 0),
+            logits=logits if spec.trains else 0,
+            forward=int(tokens * layer_activation_bytes(spec, "none")) + logits,
+            activations_by_recompute=by_mode, replicated_state=replicated))
+    return out
+
+
+def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int) -> int:
+    """Bytes saved for backward on this stage under recompute `mode` (see the module doc)."""
+    plan = spec.plan
+    per_layer = spec.tokens * layer_activation_bytes(spec, mode)
+    held = in_flight_chunks(plan.pp, plan.vpp, pp_rank) * layers / plan.vpp * per_layer
+    return int(held + spec.tokens * recomputed_bytes(spec, mode))
+
+
+# ---- per device and phase ----------------------------------------------------------------------
+
+
+def phase_names(specs: list[RoleSpec]) -> list[str]:
+    """The phases of one step, in order."""
+    names = [s.name for s in specs]
+    return (["sync", "generate"] + [f"forward {n}" for n in names]
+            + [f"update {s.name}" for s in reversed(specs) if s.trains])
+
+
+def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
+               stages: list[StageMemory]) -> dict[str, int]:
+    """Per actor rank: vLLM's share of the weights, its KV cache (CUDA: the rest of
+    gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb) and the sync's buffers."""
+    full = sum(s.state["weights"] for s in stages) * actor.plan.tp  # whole model, dtype
+    largest = max(p.nbytes for shapes in stage_shapes(actor.args, actor.plan, head=actor.head,
+                                                      dtype=actor.dtype) for p in shapes)
+    # A bucket holds whole full tensors up to sync_bucket_mb (one bigger tensor alone), never
+    # more than the model; counted twice: the TP/PP-gathered bucket and its staging copy.
+    bucket = min(full, max(int(cfg.rollout.sync_bucket_mb * 2**20), largest * actor.plan.tp))
+    out = {"weights": full // cfg.rollout.tp, "sync_bucket": 2 * bucket}
+    if hw.device_type == "cuda":
+        budget = int(cfg.rollout.gpu_memory_utilization * hw.device_bytes)
+        return {**out, "kv_cache": max(budget - out["weights"], 0)}
+    return {**out, "kv_cache": int(cfg.rollout.cpu_kv_cache_gb * GIB)}
+
+
+def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, StageMemory]], *,
+                vllm: dict[str, int] | None, phases: list[str]) -> dict[str, dict[str, int]]:
+    """Phase -> component -> bytes on one rank holding the roles in `placed`.
+
+    Where each kind of a role's state lives is `rlhf.engine.offload.placement`, the table the
+    workers move state by: the role's own phase while it computes (forward, update, and sync
+    for the actor), "idle" while another role computes, "generate" during generation.
+    """
+    on_cuda = hw.device_type == "cuda"
+    out = {}
+    for phase in phases:
+        parts = {}
+        for spec, stage in placed:
+            where = placement(_offload_phase(phase, spec.name), spec.offload)
+            away = offloaded_kinds(spec.offload)
+            for kind in STATE_KINDS:
+                # on the CPU the host copy an offloader keeps is in the same RAM, always
+                copies = (where[kind] == "device") + (not on_cuda and kind in away)
+                if copies and stage.state[kind]:
+                    parts[f"{spec.name} {kind}"] = copies * stage.state[kind]
+            if phase == f"forward {spec.name}":
+                parts[f"{spec.name} forward"] = stage.forward
+            if phase == f"update {spec.name}":
+                parts[f"{spec.name} activations"] = stage.activations
+                parts[f"{spec.name} logits"] = stage.logits
+        if vllm is not None:
+            if phase == "generate" or not on_cuda:
+                parts["vllm weights"], parts["vllm kv_cache"] = vllm["weights"], vllm["kv_cache"]
+            if phase == "sync":
+                parts["vllm weights"], parts["sync bucket"] = vllm["weights"], vllm["sync_bucket"]
+        if on_cuda:
+            parts["cuda reserve"] = CUDA_RESERVE_BYTES
+        out[phase] = {k: v for k, v in parts.items() if v}
+    return out
+
+
+def _offload_phase(phase: str, role: str) -> str:
+    """The offload phase (rlhf.engine.offload.NEEDS) `role` is in during step phase `phase`."""
+    if phase == "generate":
+        return "generate"
+    if phase == "sync":
+        return "sync" if role == "actor" else "idle"
+    kind, _, running = phase.partition(" ")
+    return kind if running == role else "idle"
+
+
+def plan_job(cfg: JobConfig, *, model_dirs: tuple[Path, ...] = ()) -> MemoryPlan:
+    """The memory plan of `cfg` on the hardware it names (see the module docstring)."""
+    hw = hardware(cfg)
+    return plan_memory(cfg, hw, role_specs(cfg, hw, model_dirs=model_dirs))
+
+
+def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPlan:
+    """Every role's stage memory and every device's phase memory; see the module docstring."""
+    stages = {s.name: stage_memory(s) for s in specs}
+    by_name = {s.name: s for s in specs}
+    actor = by_name["actor"]
+    vllm = vllm_bytes(cfg, hw, actor, stages["actor"])
+    pools: dict[str, tuple[int, list[RoleSpec]]] = {}
+    for spec in specs:
+        key = "shared" if spec.colocated else spec.name
+        size = cfg.trainer.pool_size if spec.colocated else spec.world_size
+        pools.setdefault(key, (size, []))[1].append(spec)
+    devices = []
+    for pool, (size, members) in pools.items():
+        ranks = {}
+        for rank in range(size):
+            placed = [(s, stages[s.name][(rank // s.plan.tp) % s.plan.pp]) for s in members]
+            has_vllm = any(s.name == "actor" for s in members)
+            ranks[rank] = rank_phases(cfg, hw, placed, vllm=vllm if has_vllm else None,
+                                      phases=phase_names(specs))
+        devices += _group_devices(pool, ranks, hw)
+    return MemoryPlan(hardware=hw, roles=by_name, stages=stages, vllm=vllm, devices=devices)
+
+
+def _group_devices(pool: str, ranks: dict[int, dict], hw: Hardware) -> list[DeviceMemory]:
+    """One device per rank on CUDA; on the CPU one per machine (its ranks summed). Devices
+    with identical contents are listed once."""
+    units: list[tuple[tuple[int, ...], dict]] = []
+    if hw.device_type == "cuda":
+        units = [((r,), phases) for r, phases in ranks.items()]
+    else:
+        order = sorted(ranks)
+        for start in range(0, len(order), hw.ranks_per_node):
+            node = order[start:start + hw.ranks_per_node]
+            summed: dict[str, dict[str, int]] = {}
+            for r in node:
+                for phase, parts in ranks[r].items():
+                    for k, v in parts.items():
+                        summed.setdefault(phase, {})[k] = summed.get(phase, {}).get(k, 0) + v
+            units.append((tuple(node), summed))
+    grouped: dict[str, DeviceMemory] = {}
+    for members, phases in units:
+        key = repr(sorted((p, sorted(c.items())) for p, c in phases.items()))
+        if key in grouped:
+            old = grouped[key]
+            grouped[key] = DeviceMemory(pool, old.ranks + members, old.phases)
+        else:
+            grouped[key] = DeviceMemory(pool, members, phases)
+    return list(grouped.values())

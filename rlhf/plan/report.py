@@ -1,0 +1,200 @@
+"""`rlhf plan CONFIG [k=v ...]`: the memory plan as a table (or JSON), and the check that
+`rlhf train` runs before it starts any worker."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rlhf.errors import RLHFError
+
+GIB = 2**30
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """Register `plan` on the top-level subparsers."""
+    parser = commands.add_parser(
+        "plan", help="predict the memory of every role and device in each phase of a step, "
+                     "and whether the job fits; exit 1 when it does not")
+    parser.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="overrides, e.g. actor.parallel.tp=2 trainer.device_memory_gb=79")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument("--models", action="append", default=[], metavar="DIR",
+                        help="where to look for <model folder name>/config.json when a model "
+                             "folder is absent (the YAML's folder/models is always searched)")
+    parser.set_defaults(run=_run)
+
+
+def model_dirs(config_path: str | Path, extra=()) -> tuple[Path, ...]:
+    """Folders of architecture stand-ins: the YAML's own `models/` folder, then `extra`."""
+    return (Path(config_path).parent / "models", *map(Path, extra))
+
+
+def _run(args) -> int:
+    from rlhf.config import load_config
+    from rlhf.plan.advice import plan_with_advice
+
+    cfg = load_config(args.config, args.overrides)
+    plan, advice = plan_with_advice(cfg, model_dirs=model_dirs(args.config, args.models))
+    if args.json:
+        print(json.dumps(to_json(plan, advice)))
+    else:
+        print(format_plan(plan, advice, title=args.config), end="")
+    return 0 if plan.fits else 1
+
+
+def check_fits(cfg, *, config_path: str | Path) -> None:
+    """Raise RLHFError naming the changes that fit when `cfg` is predicted not to fit;
+    trainer.skip_memory_check skips the check. A model folder this machine cannot see (the
+    workers' nodes may) leaves nothing to predict: a warning, and training goes on."""
+    from rlhf.plan.advice import plan_with_advice
+    from rlhf.plan.inputs import UnknownArchitecture
+
+    if cfg.trainer.skip_memory_check:
+        return
+    try:
+        plan, advice = plan_with_advice(cfg, model_dirs=model_dirs(config_path))
+    except UnknownArchitecture as exc:
+        print(f"warning: no memory check: {exc}", file=sys.stderr, flush=True)
+        return
+    if not plan.fits:
+        raise RLHFError(verdict(plan, advice) + "Details: rlhf plan " + str(config_path)
+                        + "; to start anyway: trainer.skip_memory_check=true")
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def _unit(values) -> tuple[int, str]:
+    """GiB, or MiB when every value is below 1 GiB (a tiny model's table stays readable)."""
+    return (GIB, "GiB") if max(values, default=0) >= GIB else (2**20, "MiB")
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    """(0, 1, 2, 3, 8, 9) -> "0-3,8-9"."""
+    runs, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            runs.append(f"{start}" if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(runs)
+
+
+def _layout(spec) -> str:
+    p = spec.plan
+    text = f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + f" dp{spec.dp}"
+    text += " sp" if p.sequence_parallel else ""
+    text += f" {str(spec.dtype).removeprefix('torch.')}"
+    if spec.trains:
+        text += f" zero1={'on' if spec.zero1 else 'off'} recompute={spec.recompute}"
+    off = [k for k in ("params", "grads", "optimizer") if getattr(spec.offload, k)]
+    return text + (f" offload={'+'.join(off)}" if off else "")
+
+
+def format_plan(plan, advice, *, title: str) -> str:
+    """The plan as text: roles by stage, devices by phase, the verdict and any advice."""
+    hw = plan.hardware
+    head = (f"memory plan of {title}: {hw.device_type}, {_gib(hw.device_bytes)} GiB per "
+            f"{'GPU' if hw.device_type == 'cuda' else 'machine'} ({hw.source})")
+    return "\n".join([head, "", *_role_lines(plan), "", *_device_lines(plan)]) + "\n\n" \
+        + verdict(plan, advice)
+
+
+def _role_lines(plan) -> list[str]:
+    kinds = list(plan.stages["actor"][0].state)  # weights, grads, masters, optimizer
+    div, unit = _unit(v for stages in plan.stages.values() for s in stages
+                      for v in (*s.state.values(), s.activations, s.logits, s.forward))
+
+    def f(n):
+        return f"{n / div:.2f}"
+
+    rows = [["role", "stage", *kinds, "activations", "logits", "forward"]]
+    for name, stages in plan.stages.items():
+        rows += [[name, str(s.pp_rank), *(f(s.state[k]) for k in kinds), f(s.activations),
+                  f(s.logits), f(s.forward)] for s in stages]
+    lines = [f"per rank of each role, {unit} (state exact; activations, logits, forward "
+             "estimated):", *_table(rows)]
+    for name, spec in plan.roles.items():
+        lines.append(f"  {name}: {_layout(spec)}, {spec.tokens} tokens per micro-batch")
+        first = plan.stages[name][0]
+        if spec.zero1:
+            rep = first.replicated_state
+            lines.append(f"    without zero1 stage 0 would hold masters {f(rep['masters'])}, "
+                         f"optimizer {f(rep['optimizer'])}")
+        if first.activations_by_recompute:
+            lines.append("    stage 0 activations by recompute: " + ", ".join(
+                f"{mode} {f(b)}" for mode, b in first.activations_by_recompute.items()))
+    lines.append(f"  vllm per actor rank: weights {f(plan.vllm['weights'])}, "
+                 f"kv cache {f(plan.vllm['kv_cache'])}")
+    return lines
+
+
+def _device_lines(plan) -> list[str]:
+    div, unit = _unit(d.peak for d in plan.devices)
+
+    def f(n):
+        return f"{n / div:.2f}"
+
+    phases = list(plan.devices[0].phases)
+    rows = [["pool", "ranks", *phases, "peak"]]
+    for d in plan.devices:
+        rows.append([d.pool, _ranks(d.ranks), *(f(d.total(p)) for p in phases),
+                     f"{f(d.peak)} ({d.peak_phase})"])
+    worst = max(plan.devices, key=lambda d: d.peak)
+    parts = sorted(worst.phases[worst.peak_phase].items(), key=lambda kv: -kv[1])
+    return [f"per device and phase of a step, {unit} (what every colocated role keeps "
+            "resident plus the phase's work):", *_table(rows), "",
+            f"largest phase, {worst.peak_phase} on ranks {_ranks(worst.ranks)}:",
+            *(f"  {k:<22} {f(v):>8}" for k, v in parts)]
+
+
+def verdict(plan, advice) -> str:
+    """"fits" or "does not fit", with the changes that would make it fit."""
+    cap = plan.hardware.device_bytes
+    per = "GPU" if plan.hardware.device_type == "cuda" else "machine"
+    if plan.fits:
+        return f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}.\n"
+    text = f"does not fit: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}.\n"
+    fitting = [a for a in advice if a.fits]
+    if fitting:
+        text += "Changes that fit (peak after the change):\n" + "".join(
+            f"  {' '.join(a.overrides)}  -> {_gib(a.peak)} GiB\n" for a in fitting)
+    else:
+        text += "No single change tried fits; the ones that help most:\n" + "".join(
+            f"  {' '.join(a.overrides)}  -> {_gib(a.peak)} GiB\n"
+            for a in advice[:5] if a.peak < plan.peak)
+    return text
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+
+
+def to_json(plan, advice) -> dict:
+    """The plan as plain data (bytes as integers)."""
+    hw = plan.hardware
+    return {
+        "device_type": hw.device_type, "device_bytes": hw.device_bytes, "source": hw.source,
+        "fits": plan.fits, "peak_bytes": plan.peak,
+        "roles": {name: {"layout": _layout(spec), "tokens_per_micro_batch": spec.tokens,
+                         "stages": [{"pp_rank": s.pp_rank, **s.state,
+                                     "activations": s.activations, "logits": s.logits,
+                                     "forward": s.forward,
+                                     "activations_by_recompute": s.activations_by_recompute,
+                                     "replicated_state": s.replicated_state}
+                                    for s in plan.stages[name]]}
+                  for name, spec in plan.roles.items()},
+        "vllm": plan.vllm,
+        "devices": [{"pool": d.pool, "ranks": list(d.ranks), "peak_bytes": d.peak,
+                     "peak_phase": d.peak_phase, "phases": d.phases} for d in plan.devices],
+        "advice": [{"overrides": list(a.overrides), "peak_bytes": a.peak, "fits": a.fits}
+                   for a in advice],
+    }

@@ -1,0 +1,103 @@
+"""Exact per-rank parameter shapes, from the project's own build path on the meta device.
+
+A pipeline rank's shard is what `rlhf.models.parallelize.build_model` would build: the model
+class on meta, cut to the rank's stage chunks (`rank_chunks`), cast, then `apply_tp`. Nothing
+is allocated and no weights are read. `apply_tp` needs a TP process group of the real size, so
+the build runs inside a "fake" torch.distributed world of tp * pp ranks (torch's FakeProcessGroup:
+groups of the right size that never communicate), the device-free method torchtitan's memory
+estimator uses. When this process already has a torch.distributed world (a worker, a test
+fixture), the build runs in a spawned subprocess instead, so that world is left untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from rlhf.config.roles import ParallelConfig
+from rlhf.models.config import ModelArgs
+from rlhf.models.parallelize import apply_tp
+from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from rlhf.parallel.stages import rank_chunks
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter of a rank's shard, once even when tied: name, local shape, dtype, and
+    whether it trains (the optimizer and the fp32 masters hold exactly these)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool = True
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for size in self.shape:
+            n *= size
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@functools.lru_cache(maxsize=256)  # pure in its (frozen) arguments; advice re-plans often
+def stage_shapes(args: ModelArgs, plan: ParallelConfig, *, head: str,
+                 dtype: torch.dtype) -> tuple[tuple[ParamShape, ...], ...]:
+    """Per pipeline rank (index = pp_rank), the parameters one of its TP ranks holds.
+
+    TP ranks of one stage hold the same shapes (the vocabulary is padded to a tp multiple),
+    and every DP replica is the same, so pp lists describe the whole role.
+    """
+    if dist.is_initialized():
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+            return pool.submit(_stage_shapes, args, plan, head, dtype).result()
+    return _stage_shapes(args, plan, head, dtype)
+
+
+def _stage_shapes(args: ModelArgs, plan: ParallelConfig, head: str,
+                  dtype: torch.dtype) -> tuple[tuple[ParamShape, ...], ...]:
+    return tuple(_rank_shapes(args, plan, head=head, dtype=dtype, pp_rank=pp_rank)
+                 for pp_rank in range(plan.pp))
+
+
+def _rank_shapes(args: ModelArgs, plan: ParallelConfig, *, head: str, dtype: torch.dtype,
+                 pp_rank: int) -> tuple[ParamShape, ...]:
+    model_cls = {"lm": CausalLM, "value": ValueModel}[head]
+    stage = {}
+    if plan.pp > 1:  # the same cut as build_model
+        chunks = rank_chunks(args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
+                             layers_per_stage=plan.layers_per_stage)
+        stage = dict(layer_ranges=[c.layer_range for c in chunks],
+                     has_embedding=chunks[0].has_embedding, has_head=chunks[-1].has_head)
+    with _fake_world(world_size=plan.tp * plan.pp, rank=pp_rank * plan.tp):
+        mesh = ParallelMesh(range(plan.tp * plan.pp), tp=plan.tp, pp=plan.pp,
+                            cache=ProcessGroupCache())
+        with torch.device("meta"):
+            model = model_cls(args, **stage)
+        model.to(dtype=dtype)
+        apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
+        return tuple(ParamShape(name, tuple(p.shape), p.dtype, p.requires_grad)
+                     for name, p in model.named_parameters())  # named_parameters: tied once
+
+
+@contextlib.contextmanager
+def _fake_world(*, world_size: int, rank: int):
+    """A torch.distributed world whose groups have real sizes and ranks but never communicate."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
