@@ -38,27 +38,42 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
-def _env_address() -> str | None:
-    # The launcher edge: `ray job submit` sets RAY_ADDRESS for the driver it starts.
+def env_address() -> str | None:
+    """The launcher edge: `ray job submit` sets RAY_ADDRESS for the driver it starts."""
     return os.environ.get("RAY_ADDRESS") or None
 
 
-def _train(args) -> int:
-    from rlhf.trainer.session import init_ray
+def _start(args, command: str):
+    """The checked config of `command`, with Ray joined or started (nothing else yet)."""
+    from rlhf.config.preflight import check_cluster_fits, move_old_run_aside, preflight
+    from rlhf.logs import filter_worker_output, setup_driver_logging
+    from rlhf.trainer.session import init_ray, use_gpu
 
     cfg = _load(args)
-    init_ray(cfg, env_address=_env_address())
+    checked = preflight(cfg, command=command, ray_address=env_address())
+    if checked.move_old_run_aside:
+        print(f"trainer.overwrite: moved the previous run aside to "
+              f"{move_old_run_aside(cfg.trainer.output_dir)}", flush=True)
+    log_dir = Path(cfg.trainer.output_dir) / ("logs" if command == "train" else "sft/logs")
+    setup_driver_logging(log_dir)
+    init_ray(cfg, env_address=env_address())
+    filter_worker_output(log_dir)
+    if cfg.ray.address or env_address():
+        check_cluster_fits(cfg, command, use_gpu=use_gpu(cfg))
+    return cfg
+
+
+def _train(args) -> int:
+    cfg = _start(args, "train")
     records = run_train(cfg, progress=not args.no_progress)
     _print_summary(records, Path(cfg.trainer.output_dir))
     return 0
 
 
 def _sft(args) -> int:
-    from rlhf.trainer.session import init_ray
     from rlhf.trainer.sft import run_sft, sft_output_path
 
-    cfg = _load(args)
-    init_ray(cfg, env_address=_env_address())
+    cfg = _start(args, "sft")
     records = run_sft(cfg, job_name=f"{cfg.trainer.experiment_name}-sft",
                       progress=not args.no_progress)
     print(f"sft: loss {records[0]['sft/nll']:.4f} (step {records[0]['step']}) -> "
@@ -127,7 +142,7 @@ def _export_hf(args) -> int:
     cfg, folder = checkpoint_config(Path(args.checkpoint))
     from rlhf.trainer.session import init_ray
 
-    init_ray(cfg, env_address=_env_address())
+    init_ray(cfg, env_address=env_address())
     export_checkpoint(cfg, folder, Path(args.out))
     print(f"wrote the policy of {folder} to {args.out}")
     return 0

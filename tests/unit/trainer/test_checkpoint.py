@@ -43,7 +43,7 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_untouched(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".step_*"))
 
 
-def test_a_folder_without_state_file_is_not_a_checkpoint(tmp_path):
+def test_a_folder_without_manifest_is_skipped_with_a_message(tmp_path):
     ckpt = CheckpointManager(tmp_path)
     ckpt.save(1, write_roles=write_shard, state={"step": 1})
     (tmp_path / "checkpoints" / "step_9").mkdir()  # e.g. copied by hand, half done
@@ -51,8 +51,14 @@ def test_a_folder_without_state_file_is_not_a_checkpoint(tmp_path):
     assert ckpt.latest().name == "step_1"
     ckpt.remove_stale()
     assert not (tmp_path / "checkpoints" / ".step_3.tmp-dead").exists()
-    with pytest.raises(RLHFError, match="not a checkpoint folder"):
+    said = []
+    assert ckpt.resolve("auto", report=said.append).name == "step_1"
+    assert said == [said[0]] and said[0].startswith("checkpoint step_9 is damaged: no manifest")
+    with pytest.raises(RLHFError, match=r"step_9 is damaged: no manifest.json.*resume from "
+                                        r"step_1 with trainer.resume=.*step_1$"):
         ckpt.resolve(str(tmp_path / "checkpoints" / "step_9"))
+    with pytest.raises(RLHFError, match="not a checkpoint folder"):
+        ckpt.resolve(str(tmp_path))
 
 
 def test_resaving_a_step_replaces_it_and_max_keep_prunes(tmp_path):
