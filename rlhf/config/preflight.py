@@ -205,7 +205,7 @@ def _check_reward_imports(cfg: JobConfig) -> list[str]:
         check_reward_functions([fn.path for fn in cfg.reward.functions],
                                timeout_s=cfg.reward.import_timeout_s)
     except ConfigError as e:
-        return [line for line in str(e).split("\n") if line.startswith("reward.")] or [str(e)]
+        return [str(e)]  # may span lines: a raising import comes with the user's traceback
     return []
 
 
