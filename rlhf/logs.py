@@ -21,10 +21,8 @@ NOISE = (
     # vLLM, at every weight sync, on every rank: layers whose weights arrive through our own
     # bucketed sync rather than vLLM's loader (rotary tables, which have no weights to load).
     "Failed to load weights",
-    # Ray, when a local cluster starts without token authentication (a single-user machine).
-    "token authentication",
-    "Token authentication",
-    "RAY_AUTH_MODE",
+    # Ray, at every start: a notice that the cluster uses tokens (failures are worded apart).
+    "Token authentication is enabled for this Ray cluster",
 )
 _DRIVER_LOG = "driver.log"
 _WORKER_LOG = "workers.log"
@@ -59,8 +57,24 @@ def setup_driver_logging(log_dir: str | Path) -> Path:
     for handler in (file_handler, console):
         handler._rlhf = True
         root.addHandler(handler)
+    _quiet_ray(file_handler)
     _quiet_transformers()
     return log_dir / _DRIVER_LOG
+
+
+def _quiet_ray(file_handler: logging.Handler) -> None:
+    """Ray's driver-side logger prints through handlers of its own (and does not propagate):
+    filter those, and give it our file too."""
+    import ray  # noqa: F401 - sets up the "ray" logger's handlers
+
+    ray_logger = logging.getLogger("ray")
+    for handler in list(ray_logger.handlers):
+        if getattr(handler, "_rlhf", False):
+            ray_logger.removeHandler(handler)
+        elif not any(isinstance(f, _DropNoise) for f in handler.filters):
+            handler.addFilter(_DropNoise())
+    if not ray_logger.propagate:
+        ray_logger.addHandler(file_handler)
 
 
 def _quiet_transformers() -> None:

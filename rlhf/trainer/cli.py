@@ -83,17 +83,15 @@ def _sft(args) -> int:
 
 
 def run_train(cfg, *, progress: bool = True) -> list[dict]:
-    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model."""
+    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model.
+
+    `rlhf train` checks the job's inputs first (rlhf.config.preflight); callers of this
+    function directly may too."""
     from rlhf.config import format_config
     from rlhf.trainer.ppo import PPOTrainer
     from rlhf.trainer.session import RoleGroups
     from rlhf.trainer.setup import ensure_model, load_tokenizer
-    from rlhf.trainer.sft import sft_output_path
 
-    if (Path(cfg.model.path) == sft_output_path(cfg) and cfg.sft.total_steps > 0
-            and not (Path(cfg.model.path) / "config.json").is_file()):
-        raise RLHFError(f"model.path {cfg.model.path} is where `rlhf sft` writes its model, and "
-                        "it is not there yet; run `rlhf sft CONFIG` first")
     ensure_model(cfg.model.path, cfg.model.tiny)
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -151,12 +149,10 @@ def _export_hf(args) -> int:
 def checkpoint_config(folder: Path):
     """The JobConfig a checkpoint was written with."""
     from rlhf.config import config_from_dict
-    from rlhf.trainer.checkpoint import STATE_FILE, CheckpointManager
+    from rlhf.trainer.checkpoint import CheckpointManager
 
-    if not (folder / STATE_FILE).is_file():
-        raise RLHFError(f"{folder} is not a training checkpoint (no {STATE_FILE}); give an "
-                        "OUTPUT_DIR/checkpoints/step_N folder")
-    state = CheckpointManager(folder.parent.parent).load_state(folder)
+    ckpt = CheckpointManager(folder.parent.parent)
+    state = ckpt.load_state(ckpt.resolve(str(folder)))  # verified against its manifest first
     return config_from_dict(state["config"]), folder
 
 
