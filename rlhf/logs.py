@@ -16,21 +16,38 @@ import logging
 import threading
 from pathlib import Path
 
-# Substrings of lines that tell a user nothing, with why they are safe to hide.
+# Substrings of lines that tell a user nothing, with why they are safe to hide. They stay in
+# OUTPUT_DIR/logs/ and Ray's session logs.
 NOISE = (
     # vLLM, at every weight sync, on every rank: layers whose weights arrive through our own
     # bucketed sync rather than vLLM's loader (rotary tables, which have no weights to load).
     "Failed to load weights",
     # Ray, at every start: a notice that the cluster uses tokens (failures are worded apart).
     "Token authentication is enabled for this Ray cluster",
+    # vLLM engine start-up on every rank: settings we chose (eager mode, in-process engine,
+    # seeds), kernels a CPU build lacks, and a deprecation inside vLLM itself.
+    "Triton is installed, but doesn't include CPU backend",
+    "Triton is not installed. triton-cpu is expected",
+    "Model Runner V2 requires Triton",
+    "The global random seed is set to",
+    "Enforce eager set, disabling torch.compile",
+    "Inductor compilation was disabled by user settings",
+    "Reset SSM cache type to",
+    "`torch.distributed.reduce_op` is deprecated",
+    'if hasattr(value, "__dict__"):',  # the source lines Python prints under that warning
+    'wrapper = lookup(vars(value).get("kernel"))',
+    "is not found in LD_PRELOAD",
+    "NUMA binding: Using MEMBIND policy",
+    "CPU backend doesn't allow to use `torch.set_num_threads`",
+    "Loading safetensors checkpoint shards",
 )
 _DRIVER_LOG = "driver.log"
 _WORKER_LOG = "workers.log"
 
 
 def is_noise(line: str) -> bool:
-    """Whether a console line is one of the known messages that say nothing to the user."""
-    return any(pattern in line for pattern in NOISE)
+    """Whether a console line is blank or one of the known messages that say nothing."""
+    return not line.strip() or any(pattern in line for pattern in NOISE)
 
 
 class _DropNoise(logging.Filter):
@@ -114,6 +131,9 @@ def filter_worker_output(log_dir: str | Path) -> None:
 
 def _forward(handler, log_file: Path, lock: threading.Lock, data: dict) -> None:
     lines = list(data.get("lines", ()))
+    if data.get("pid") == "autoscaler":  # cluster status, which Ray itself filters for events
+        handler(data)
+        return
     with lock, open(log_file, "a", encoding="utf-8") as f:
         source = f"{data.get('actor_name') or data.get('task_name') or ''} pid={data.get('pid')}"
         f.writelines(f"({source}) {line}\n" for line in lines)
