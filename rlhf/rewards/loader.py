@@ -49,7 +49,8 @@ def check_reward_functions(specs: list[str], *, timeout_s: float = 60.0) -> None
     """
     if not specs:
         return
-    code = "import sys; from rlhf.rewards.loader import _check_in_child; _check_in_child(sys.argv[1:])"
+    code = ("import sys; from rlhf.rewards.loader import _check_in_child; "
+            "_check_in_child(sys.argv[1:])")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
         done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True,
