@@ -278,3 +278,24 @@ def test_safe_changes_resume(assets, tmp_path):
     t["actor"]["optim"] = {"lr": 5e-5}
     checked = preflight(config_from_dict(t), command="train", ray_address=None)
     assert checked.notes == [f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_1'}"]
+
+
+def test_config_show_says_which_checkpoint_it_would_skip_and_resume(assets, tmp_path):
+    out = tmp_path / "run"
+    t = saved_run(assets, out)
+
+    def write_roles(folder):
+        (folder / "actor").mkdir()
+        (folder / "actor" / "w.pt").write_bytes(b"\1" * 64)
+
+    CheckpointManager(out).save(2, write_roles=write_roles,
+                                state={"step": 2, "config": config_to_dict(config_from_dict(t))})
+    (out / "checkpoints" / "step_2" / "actor" / "w.pt").write_bytes(b"\2" * 64)  # same size
+    config = tmp_path / "job.yaml"
+    config.write_text(yaml.safe_dump(t))
+    code, stdout, err = show(config)
+    assert code == 0 and stdout.startswith("model:\n")
+    assert err.splitlines() == [
+        "checkpoint step_2 is damaged: actor/w.pt hash mismatch (its bytes changed after the "
+        "save); skipped",
+        f"resuming from {out / 'checkpoints' / 'step_1'}"]
