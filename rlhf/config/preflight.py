@@ -298,9 +298,10 @@ def _check_run_folder(cfg: JobConfig, result: Preflight) -> Iterator[str]:
         folder = None
     if folder is None:
         if has_run and not t.overwrite:
+            why = ("trainer.resume=never would start a new run over it" if t.resume == "never"
+                   else "it has no checkpoint to resume")
             yield (f"trainer.output_dir={t.output_dir!r} holds another run (checkpoints/ or "
-                   f"metrics.jsonl) and there is no checkpoint to resume "
-                   f"(trainer.resume={t.resume}); use another trainer.output_dir, or set "
+                   f"metrics.jsonl) and {why}; use another trainer.output_dir, or set "
                    f"trainer.overwrite=true to move the old run aside to "
                    f"{out / 'old_runs'} first")
         result.move_old_run_aside = has_run and t.overwrite

@@ -299,3 +299,13 @@ def test_config_show_says_which_checkpoint_it_would_skip_and_resume(assets, tmp_
         "checkpoint step_2 is damaged: actor/w.pt hash mismatch (its bytes changed after the "
         "save); skipped",
         f"resuming from {out / 'checkpoints' / 'step_1'}"]
+
+
+def test_metrics_of_a_run_without_checkpoints_are_not_appended_to(assets, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # a run that died before its first save
+    cfg = config_from_dict(tree(assets, out))
+    with pytest.raises(ConfigError, match=r"holds another run \(checkpoints/ or metrics.jsonl\) "
+                                          r"and it has no checkpoint to resume"):
+        preflight(cfg, command="train", ray_address=None)
