@@ -93,6 +93,9 @@ def _check_models(cfg: JobConfig, command: Command) -> Iterator[str]:
             yield from _model_folder(cfg.critic.model_path, "critic.model_path")
         if cfg.reward.model_path is not None:
             yield from _model_folder(cfg.reward.model_path, "reward.model_path", value_head=True)
+    if command == "sft" and _has_config(str(sft_output_path(cfg))):
+        yield (f"sft.output_path: {str(sft_output_path(cfg))!r} already holds a model; delete it "
+               "or set sft.output_path to a new folder")
     if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
         key = "sft.init_path" if cfg.sft.init_path else "model.path"
         yield from _model_folder(cfg.sft.init_path or cfg.model.path, key,

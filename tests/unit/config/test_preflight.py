@@ -176,6 +176,10 @@ def test_a_model_that_sft_will_write_may_be_absent_for_show_but_not_train(assets
     preflight(cfg, command="sft", ray_address=None)
     with pytest.raises(ConfigError, match="run `rlhf sft CONFIG` first"):
         preflight(cfg, command="train", ray_address=None)
+    shutil.copytree(assets["model"], tmp_path / "sft_out")  # as if `rlhf sft` had run
+    preflight(cfg, command="train", ray_address=None)
+    with pytest.raises(ConfigError, match=r"^sft.output_path: '.*sft_out' already holds a model"):
+        preflight(cfg, command="sft", ray_address=None)
 
 
 def test_an_existing_cluster_is_checked_by_pool_problems(assets, tmp_path):
