@@ -110,10 +110,14 @@ def _quiet_transformers() -> None:
 def filter_worker_output(log_dir: str | Path) -> None:
     """Route the worker output Ray forwards to this driver through a noise filter (after
     ray.init); every line, noise included, is appended to log_dir/workers.log."""
-    from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    try:  # Ray's own hook for forwarded worker output (private: absent in another Ray, skip)
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
 
-    with dispatcher._lock:
-        handlers = list(dispatcher.handlers)
+        with dispatcher._lock:
+            handlers = list(dispatcher.handlers)
+    except (ImportError, AttributeError) as e:
+        logging.getLogger(__name__).warning("worker output is not filtered: %s", e)
+        return
     wrapped = []
     log_file = Path(log_dir) / _WORKER_LOG
     log_file.parent.mkdir(parents=True, exist_ok=True)
