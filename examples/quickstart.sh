@@ -14,9 +14,6 @@ config=configs/quickstart.yaml
 out=outputs/quickstart
 step() { printf '\n[quickstart %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 
-step "validating $config"
-"$rlhf" config show "$config" "$@" >/dev/null
-
 if [ ! -f "$out/model/config.json" ]; then
   step "building the tiny model in $out/model"
   "$rlhf" make-tiny-model "$out/model"
@@ -31,7 +28,9 @@ dataset "$out/data/train.jsonl" rl train 2000
 dataset "$out/data/val.jsonl" rl val 200
 dataset "$out/data/sft_train.jsonl" sft train 2000
 
-step "resolved job config"
+# `config show` checks everything the job reads (so it runs once the data exists): it stops
+# here, naming the key or file, before any worker starts.
+step "checked and resolved job config"
 "$rlhf" config show "$config" "$@"
 
 sft_model=$("$rlhf" config show "$config" "$@" | awk '/^sft:/{s=1} s && /^  output_path:/{print $2; exit}')

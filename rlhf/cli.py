@@ -12,10 +12,12 @@ from rlhf.errors import RLHFError
 
 def _config_show(args) -> int:
     from rlhf.config import format_config, load_config
-    from rlhf.rewards import check_reward_functions
+    from rlhf.config.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
-    check_reward_functions([fn.path for fn in cfg.reward.functions])
+    checked = preflight(cfg, command="show", ray_address=trainer_cli.env_address())
+    for note in checked.notes:
+        print(note, file=sys.stderr)
     print(format_config(cfg), end="")
     return 0
 
@@ -83,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     config = commands.add_parser("config", help="inspect job configurations")
     config_commands = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
     show = config_commands.add_parser(
-        "show", help="validate a config (and load its reward functions), print it resolved")
+        "show", help="validate a config and everything it names (files, folders, reward "
+                     "functions, the Ray pool, the output folder), print it resolved")
     show.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
     show.add_argument("overrides", nargs="*", metavar="section.key=value",
                       help="overrides, e.g. actor.parallel.tp=2 actor.optim.lr=1e-6")
@@ -127,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verify-model", help="compare a model folder in a tensor-parallel layout with transformers "
                              "(logits, log-probs, gradients); prints one JSON line")
     verify.add_argument("model_dir", help="Hugging Face model folder (safetensors)")
-    verify.add_argument("--tp", type=int, required=True, help="tensor-parallel size")
+    verify.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     verify.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
     verify.add_argument("--vpp", type=int, default=1,
                         help="virtual stages per pipeline rank (interleaved 1F1B; needs --pp > 1)")

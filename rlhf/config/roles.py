@@ -204,6 +204,8 @@ class RewardConfig(ForwardRoleConfig):
     """Multiplier of the reward model's score in the summed reward."""
     timeout_s: float = 10.0
     """Seconds one reward-function call may take before it counts as an error."""
+    import_timeout_s: float = 60.0
+    """Seconds the import check of the reward functions (run before the job starts) may take."""
     num_workers: int = 2
     """Reward worker processes; 0 = run them in the calling process, without timeouts (debug)."""
     on_error: Literal["raise", "fallback"] = "raise"
@@ -217,6 +219,7 @@ class RewardConfig(ForwardRoleConfig):
         for path in paths:
             if paths.count(path) > 1:
                 raise ConfigError(f"functions lists {path!r} twice; merge the entries' weights")
-        if self.timeout_s <= 0:
-            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+        for key in ("timeout_s", "import_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
         require_min(self, 0, "num_workers")

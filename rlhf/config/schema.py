@@ -209,7 +209,13 @@ class TrainerConfig:
     save_every: int = 0
     """Write a checkpoint every this many steps (and at the end); 0 = only at the end."""
     resume: str = "auto"
-    """auto (latest checkpoint in output_dir, if any), never, or a checkpoint folder."""
+    """auto (the newest checkpoint in output_dir that verifies), never, or a checkpoint folder."""
+    overwrite: bool = False
+    """Start afresh in an output_dir that holds another run: its checkpoints, metrics and
+    exports are first moved aside to output_dir/old_runs/<time>."""
+    allow_config_change: bool = False
+    """Resume even though keys that define the run (model, algorithm, rewards, data, layouts)
+    differ from the checkpoint's config."""
     seed: int = 0
     """Seed of training-side randomness (new value heads, mini-batch order)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -5,6 +5,9 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
+import os
+import subprocess
 import sys
 import traceback
 from collections.abc import Callable
@@ -38,19 +41,71 @@ def load_reward_function(spec: str) -> Callable:
     return fn
 
 
-def check_reward_functions(specs: list[str]) -> None:
-    """Load every reward function now, so a bad one is reported before any process starts.
+def check_reward_functions(specs: list[str], *, timeout_s: float = 60.0) -> None:
+    """Import every reward function in a child process that may take `timeout_s` seconds, so
+    an import that raises, exits or hangs is reported by name before any worker starts.
 
     Raises ConfigError naming the config key (reward.functions[i].path) of each bad entry.
     """
-    problems = []
+    if not specs:
+        return
+    code = ("import sys; from rlhf.rewards.loader import _check_in_child; "
+            "_check_in_child(sys.argv[1:])")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True,
+                              env=env, timeout=timeout_s)
+        stdout, stderr, exit_code = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout, stderr, exit_code = e.stdout or b"", e.stderr or b"", None
+    problems = _child_problems(specs, _decode(stdout), _decode(stderr), exit_code, timeout_s)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+_MARK = "@@rlhf-reward-import@@ "
+
+
+def _check_in_child(specs: list[str]) -> None:
+    """The child's side of check_reward_functions: one marked JSON line per event on stdout."""
+    def say(**event) -> None:
+        print(_MARK + json.dumps(event), flush=True)
+
     for i, spec in enumerate(specs):
+        say(start=i)
         try:
             load_reward_function(spec)
         except RLHFError as e:
-            problems.append(f"reward.functions[{i}].path: {e}")
-    if problems:
-        raise ConfigError("\n".join(problems))
+            say(error=i, message=str(e))
+    say(done=True)
+
+
+def _child_problems(specs: list[str], stdout: str, stderr: str, exit_code: int | None,
+                    timeout_s: float) -> list[str]:
+    events = [json.loads(line[len(_MARK):]) for line in stdout.splitlines()
+              if line.startswith(_MARK)]
+    problems = [f"reward.functions[{e['error']}].path: {e['message']}"
+                for e in events if "error" in e]
+    if any(e.get("done") for e in events):
+        return problems
+    started = [e["start"] for e in events if "start" in e]
+    where = (f"reward.functions[{started[-1]}].path: reward function {specs[started[-1]]!r}"
+             if started else "the reward functions' import check")
+    tail = stderr.strip().splitlines()[-5:]
+    shown = ("; its last output:\n" + "\n".join(tail)) if tail else ""
+    if exit_code is None:
+        problems.append(f"{where}: importing it did not finish within {timeout_s:g} s (does "
+                        f"the module block or loop at import?); move slow work into the "
+                        f"function or raise reward.import_timeout_s")
+    else:
+        problems.append(f"{where}: importing it ended the process (exit code {exit_code}, e.g. "
+                        f"sys.exit or os._exit at import){shown}; remove that from the module's "
+                        f"top level")
+    return problems
+
+
+def _decode(data: bytes | str) -> str:
+    return data.decode("utf-8", "replace") if isinstance(data, bytes) else data
 
 
 def user_traceback(exc: BaseException) -> str:

@@ -71,15 +71,15 @@ def function_names(specs: Sequence[str]) -> list[str]:
 class RewardRunner:
     """Weighted rule-based reward functions run in num_workers processes with a per-call timeout.
 
-    functions: (spec, weight) pairs. on_error "raise" stops at the first failure; "fallback"
-    gives the failed call fallback_score (before weighting) and counts it in the metrics.
+    functions: (spec, weight) pairs; none for a job scored by a reward model alone (every
+    total is then 0 and the model's score is added by the caller). on_error "raise" stops at
+    the first failure; "fallback" gives the failed call fallback_score (before weighting) and
+    counts it in the metrics.
     """
 
     def __init__(self, functions: Sequence[tuple[str, float]], *, num_workers: int = 2,
                  timeout_s: float = 10.0, on_error: OnError = "raise",
                  fallback_score: float = 0.0):
-        if not functions:
-            raise RLHFError("RewardRunner needs at least one reward function")
         if on_error not in ("raise", "fallback"):
             raise RLHFError(f"on_error must be 'raise' or 'fallback', got {on_error!r}")
         if num_workers < 0 or not timeout_s > 0 or not math.isfinite(fallback_score):
@@ -91,7 +91,7 @@ class RewardRunner:
         self.on_error, self.fallback_score, self.timeout_s = on_error, fallback_score, timeout_s
         self._functions = [load_reward_function(spec) for spec in self.specs]
         self._pool = (WorkerPool(self.specs, num_workers=num_workers, timeout_s=timeout_s)
-                      if num_workers > 0 else None)
+                      if num_workers > 0 and self.specs else None)
         self._closed = False
 
     @classmethod
@@ -119,7 +119,7 @@ class RewardRunner:
                 if outcome[0] != "ok" and self.on_error == "raise":
                     raise RLHFError(self._describe_failure(f, index, samples[index], outcome))
                 outcomes[f][index] = outcome
-        return self._collect(outcomes)
+        return self._collect(outcomes, n)
 
     def _outcomes(self, samples: list[dict]) -> Iterator[tuple[int, int, Outcome]]:
         if self._pool is not None:
@@ -138,7 +138,7 @@ class RewardRunner:
                 f"(response {shown}): {outcome[1]}\n{fix}, or set reward.on_error: fallback to "
                 f"give such samples reward.fallback_score")
 
-    def _collect(self, outcomes: list[list[Outcome]]) -> RewardResult:
+    def _collect(self, outcomes: list[list[Outcome]], n: int) -> RewardResult:
         function_scores, metrics = {}, {}
         for name, column in zip(self.names, outcomes):
             scores = [o[1] if o[0] == "ok" else self.fallback_score for o in column]
@@ -156,7 +156,8 @@ class RewardRunner:
             metrics.update({prefix + "errors": float(errors), prefix + "timeouts": float(timeouts),
                             prefix + "fallbacks": float(errors + timeouts)})
             function_scores[name] = torch.tensor(scores, dtype=torch.float32)
-        total = combine_scores(list(function_scores.values()), self.weights)
+        total = (combine_scores(list(function_scores.values()), self.weights) if self.specs
+                 else torch.zeros(n, dtype=torch.float32))
         return RewardResult(scores=total, function_scores=function_scores, metrics=metrics)
 
     def close(self) -> None:

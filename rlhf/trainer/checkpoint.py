@@ -1,15 +1,20 @@
-"""Checkpoints under OUTPUT_DIR/checkpoints/step_N, each complete or absent.
+"""Checkpoints under OUTPUT_DIR/checkpoints/step_N, each complete or absent, each verifiable.
 
 A checkpoint is assembled in a hidden temporary folder (engine shards of each role, then the
-driver's trainer_state.pt) and renamed to step_N as a whole, so a crash while saving never
-leaves a partial step_N and never touches the previous ones.
+driver's trainer_state.pt, then manifest.json listing every file with its size and sha256)
+and renamed to step_N as a whole, so a crash while saving never leaves a partial step_N and
+never touches the previous ones. Loading checks the manifest first: a truncated or corrupted
+file is reported by path, and `resume=auto` falls back to the newest checkpoint that verifies.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,9 +23,12 @@ import torch
 
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder, atomic_write
+from rlhf.trainer.run_identity import model_config_digest, run_fingerprint
 
 STATE_FILE = "trainer_state.pt"
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
+_CHUNK = 1 << 20
 
 
 def rng_state() -> dict:
@@ -35,52 +43,139 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
+def file_sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks (checkpoint shards may be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, *, step: int, config: dict) -> None:
+    """manifest.json: every file under `folder` (size, sha256), the step, the run's config."""
+    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size,
+                                                "sha256": file_sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file()}
+    manifest = {"step": step, "config_fingerprint": run_fingerprint(config),
+                "model_config_sha256": model_config_digest(config), "config": config,
+                "files": files}
+    with atomic_write(folder / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def read_manifest(folder: Path) -> dict:
+    """A checkpoint's manifest (call verify_checkpoint first to know it is sound)."""
+    return json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """None when every file of the manifest is there with its size and hash, else the first
+    problem, naming the file (e.g. 'actor/model_rank0.pt hash mismatch')."""
+    try:
+        files = read_manifest(folder)["files"]
+    except FileNotFoundError:
+        return (f"no {MANIFEST} (a save that did not finish, or a folder made by hand or by an "
+                "older version)")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is unreadable ({e})"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want["size"]:
+            return f"{name} has {size} bytes, the manifest says {want['size']} (truncated?)"
+        if file_sha256(path) != want["sha256"]:
+            return f"{name} hash mismatch (its bytes changed after the save)"
+    return None
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 class CheckpointManager:
-    """Writes, finds and prunes the step_N checkpoints of one output folder."""
+    """Writes, finds, verifies and prunes the step_N checkpoints of one output folder."""
 
     def __init__(self, output_dir: str | Path, *, max_keep: int = 0):
         self.root = Path(output_dir) / "checkpoints"
         self.max_keep = max_keep
 
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        """(step, folder) of every complete checkpoint, oldest first."""
+    def step_folders(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every step_N folder, sound or not, oldest first."""
         if not self.root.is_dir():
             return []
-        found = [(int(m.group(1)), p) for p in self.root.iterdir()
-                 if (m := _STEP_DIR.fullmatch(p.name)) and (p / STATE_FILE).is_file()]
-        return sorted(found)
+        return sorted((int(m.group(1)), p) for p in self.root.iterdir()
+                      if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir())
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, folder) of every checkpoint with a manifest and a state file, oldest first
+        (not hashed: see `newest_sound` for the verified choice)."""
+        return [(s, p) for s, p in self.step_folders()
+                if (p / MANIFEST).is_file() and (p / STATE_FILE).is_file()]
 
     def latest(self) -> Path | None:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
-    def resolve(self, resume: str) -> Path | None:
-        """trainer.resume: auto = the latest checkpoint (None if none), never = None, or a path."""
+    def newest_sound(self) -> tuple[Path | None, list[str]]:
+        """The newest checkpoint that verifies (None if none) and a line per newer one skipped."""
+        skipped = []
+        for _, folder in reversed(self.step_folders()):
+            problem = verify_checkpoint(folder)
+            if problem is None:
+                return folder, skipped
+            skipped.append(f"checkpoint {folder.name} is damaged: {problem}; skipped")
+        return None, skipped
+
+    def resolve(self, resume: str, *, report: Callable[[str], None] | None = None) -> Path | None:
+        """trainer.resume: auto = the newest checkpoint that verifies (None if there is no
+        step_N folder at all), never = None, or a checkpoint folder, which must verify.
+        Each damaged checkpoint that auto skips is described to `report` (default: stderr)."""
         if resume == "never":
             return None
         if resume == "auto":
-            return self.latest()
+            folder, skipped = self.newest_sound()
+            for line in skipped:
+                (report or _to_stderr)(line)
+            if folder is None and skipped:
+                raise RLHFError(f"no checkpoint in {self.root} verifies ({skipped[0]}); start "
+                                "afresh with trainer.resume=never trainer.overwrite=true (moves "
+                                "them aside) or use another trainer.output_dir")
+            return folder
         folder = Path(resume)
-        if not (folder / STATE_FILE).is_file():
-            raise RLHFError(f"trainer.resume={resume!r} is not a checkpoint folder (no "
-                            f"{STATE_FILE} in it); give a checkpoints/step_N folder, auto or "
-                            "never")
+        if not folder.is_dir() or not _STEP_DIR.fullmatch(folder.name):
+            raise RLHFError(f"trainer.resume={resume!r} is not a checkpoint folder; give an "
+                            "OUTPUT_DIR/checkpoints/step_N folder, auto or never")
+        problem = verify_checkpoint(folder)
+        if problem is not None:
+            good, _ = CheckpointManager(folder.parent.parent).newest_sound()
+            fix = (f"resume from {good.name} with trainer.resume={good}" if good is not None
+                   else "start afresh with trainer.resume=never")
+            raise RLHFError(f"checkpoint {folder.name} is damaged: {problem}; {fix}")
         return folder
 
     def save(self, step: int, *, write_roles: Callable[[Path], None], state: dict) -> Path:
-        """Run `write_roles(tmp)` (engine shards), write `state`, then publish as step_N."""
+        """Run `write_roles(tmp)` (engine shards), write `state` and the manifest, then publish
+        as step_N. `state["config"]` (the job's config as a dict) goes into the manifest."""
         final = self.root / f"step_{step}"
         # A folder saved again (a resumed run's final save) is swapped whole, like a new one.
         with atomic_folder(final) as tmp:
             write_roles(tmp)
             with atomic_write(tmp / STATE_FILE, "wb") as f:
                 torch.save(state, f)
+            write_manifest(tmp, step=step, config=state.get("config", {}))  # last, see above
         self._prune()
         return final
 
     def load_state(self, folder: Path) -> dict:
         """The driver state of a checkpoint (our own file: numpy and Python RNG states)."""
-        return torch.load(folder / STATE_FILE, weights_only=False)
+        try:
+            return torch.load(folder / STATE_FILE, weights_only=False)
+        except Exception as e:  # noqa: BLE001 - any unpickling failure means a damaged file
+            raise RLHFError(f"checkpoint {folder.name} is damaged: {STATE_FILE} cannot be read "
+                            f"({type(e).__name__}: {e})") from None
 
     def remove_stale(self) -> None:
         """Delete temporary folders left by a crash during a save."""
@@ -90,5 +185,5 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         if self.max_keep > 0:
-            for _, path in self.checkpoints()[:-self.max_keep]:
+            for _, path in self.step_folders()[:-self.max_keep]:
                 shutil.rmtree(path, ignore_errors=True)

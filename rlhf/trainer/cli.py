@@ -38,29 +38,45 @@ def _load(args):
     return load_config(args.config, args.overrides)
 
 
-def _env_address() -> str | None:
-    # The launcher edge: `ray job submit` sets RAY_ADDRESS for the driver it starts.
+def env_address() -> str | None:
+    """The launcher edge: `ray job submit` sets RAY_ADDRESS for the driver it starts."""
     return os.environ.get("RAY_ADDRESS") or None
 
 
-def _train(args) -> int:
+def _start(args, command: str):
+    """The checked config of `command`, with Ray joined or started (nothing else yet)."""
+    from rlhf.config.preflight import check_cluster_fits, move_old_run_aside, preflight
     from rlhf.plan.report import check_fits
-    from rlhf.trainer.session import init_ray
+    from rlhf.logs import filter_worker_output, setup_driver_logging
+    from rlhf.trainer.session import init_ray, use_gpu
 
     cfg = _load(args)
-    check_fits(cfg, config_path=args.config)  # refuses, before any worker, a job that won't fit
-    init_ray(cfg, env_address=_env_address())
+    checked = preflight(cfg, command=command, ray_address=env_address())
+    if command == "train":
+        check_fits(cfg, config_path=args.config)  # refuses, before any worker, a job that won't fit
+    if checked.move_old_run_aside:
+        print(f"trainer.overwrite: moved the previous run aside to "
+              f"{move_old_run_aside(cfg.trainer.output_dir)}", flush=True)
+    log_dir = Path(cfg.trainer.output_dir) / ("logs" if command == "train" else "sft/logs")
+    setup_driver_logging(log_dir)
+    init_ray(cfg, env_address=env_address())
+    filter_worker_output(log_dir)
+    if cfg.ray.address or env_address():
+        check_cluster_fits(cfg, command, use_gpu=use_gpu(cfg))
+    return cfg
+
+
+def _train(args) -> int:
+    cfg = _start(args, "train")
     records = run_train(cfg, progress=not args.no_progress)
     _print_summary(records, Path(cfg.trainer.output_dir))
     return 0
 
 
 def _sft(args) -> int:
-    from rlhf.trainer.session import init_ray
     from rlhf.trainer.sft import run_sft, sft_output_path
 
-    cfg = _load(args)
-    init_ray(cfg, env_address=_env_address())
+    cfg = _start(args, "sft")
     records = run_sft(cfg, job_name=f"{cfg.trainer.experiment_name}-sft",
                       progress=not args.no_progress)
     print(f"sft: loss {records[0]['sft/nll']:.4f} (step {records[0]['step']}) -> "
@@ -70,17 +86,15 @@ def _sft(args) -> int:
 
 
 def run_train(cfg, *, progress: bool = True) -> list[dict]:
-    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model."""
+    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model.
+
+    `rlhf train` checks the job's inputs first (rlhf.config.preflight); callers of this
+    function directly may too."""
     from rlhf.config import format_config
     from rlhf.trainer.ppo import PPOTrainer
     from rlhf.trainer.session import RoleGroups
     from rlhf.trainer.setup import ensure_model, load_tokenizer
-    from rlhf.trainer.sft import sft_output_path
 
-    if (Path(cfg.model.path) == sft_output_path(cfg) and cfg.sft.total_steps > 0
-            and not (Path(cfg.model.path) / "config.json").is_file()):
-        raise RLHFError(f"model.path {cfg.model.path} is where `rlhf sft` writes its model, and "
-                        "it is not there yet; run `rlhf sft CONFIG` first")
     ensure_model(cfg.model.path, cfg.model.tiny)
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,7 +143,7 @@ def _export_hf(args) -> int:
     cfg, folder = checkpoint_config(Path(args.checkpoint))
     from rlhf.trainer.session import init_ray
 
-    init_ray(cfg, env_address=_env_address())
+    init_ray(cfg, env_address=env_address())
     export_checkpoint(cfg, folder, Path(args.out))
     print(f"wrote the policy of {folder} to {args.out}")
     return 0
@@ -138,12 +152,10 @@ def _export_hf(args) -> int:
 def checkpoint_config(folder: Path):
     """The JobConfig a checkpoint was written with."""
     from rlhf.config import config_from_dict
-    from rlhf.trainer.checkpoint import STATE_FILE, CheckpointManager
+    from rlhf.trainer.checkpoint import CheckpointManager
 
-    if not (folder / STATE_FILE).is_file():
-        raise RLHFError(f"{folder} is not a training checkpoint (no {STATE_FILE}); give an "
-                        "OUTPUT_DIR/checkpoints/step_N folder")
-    state = CheckpointManager(folder.parent.parent).load_state(folder)
+    ckpt = CheckpointManager(folder.parent.parent)
+    state = ckpt.load_state(ckpt.resolve(str(folder)))  # verified against its manifest first
     return config_from_dict(state["config"]), folder
 
 

@@ -23,7 +23,10 @@ def ensure_model(path: str | Path, tiny: TinyModelConfig | None) -> Path:
 
 
 def load_tokenizer(path: str | Path):
-    """The Hugging Face tokenizer of a model folder."""
+    """The Hugging Face tokenizer of a local folder (never looked up on a model hub)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    if not Path(path).is_dir():
+        raise RLHFError(f"tokenizer folder {str(path)!r} does not exist; set model.tokenizer_path "
+                        "or model.path to a local folder")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config import JobConfig
+from rlhf.config.preflight import sft_output_path
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptDataset, PromptLoader, read_rows
 from rlhf.data.ragged import Ragged
@@ -15,11 +16,6 @@ from rlhf.files import atomic_folder
 from rlhf.trainer.metrics import MetricsLogger
 from rlhf.trainer.session import RoleGroups
 from rlhf.trainer.setup import ensure_model, load_tokenizer
-
-
-def sft_output_path(cfg: JobConfig) -> Path:
-    """Where `rlhf sft` writes the fine-tuned HF folder."""
-    return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
 
 
 def response_ids(texts: list, tokenizer) -> Ragged:

@@ -56,7 +56,8 @@ def test_grpo_steps_then_a_failing_reward_stops_the_job(ray_cluster, tmp_path):
     ckpt = CheckpointManager(cfg.trainer.output_dir)
     assert [s for s, _ in ckpt.checkpoints()] == [1, 2]
     assert ckpt.load_state(ckpt.latest())["step"] == 2
-    assert sorted(p.name for p in ckpt.latest().iterdir()) == ["actor", "trainer_state.pt"]
+    assert sorted(p.name for p in ckpt.latest().iterdir()) == ["actor", "manifest.json",
+                                                               "trainer_state.pt"]
     assert not list(ckpt.root.glob(".step_*"))
 
 

@@ -10,6 +10,7 @@ import ray
 import torch
 from safetensors.torch import load_file
 
+from rlhf.trainer.checkpoint import verify_checkpoint
 from rlhf.trainer.cli import _roles, checkpoint_config, export_checkpoint
 from rlhf.trainer.metrics import read_metrics
 from rlhf.trainer.ppo import PPOTrainer
@@ -74,7 +75,9 @@ def test_checkpoints_hold_roles_and_driver_state(job):
     steps = [s for s, _ in trainer.ckpt.checkpoints()]
     assert steps == [1, 2, 3]
     folder = trainer.ckpt.latest()
-    assert sorted(p.name for p in folder.iterdir()) == ["actor", "critic", "trainer_state.pt"]
+    assert sorted(p.name for p in folder.iterdir()) == ["actor", "critic", "manifest.json",
+                                                         "trainer_state.pt"]
+    assert verify_checkpoint(folder) is None
     state = trainer.ckpt.load_state(folder)
     assert state["step"] == 3 and state["loader"]["position"] == 3
     assert state["kl_ctrl"] == {"coef": cfg.algorithm.kl_coef}

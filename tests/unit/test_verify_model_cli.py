@@ -82,3 +82,13 @@ def test_missing_folder_exits_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["verify-model", str(tmp_path / "empty"), "--tp", "2"]) == 2
     assert "config.json not found" in capsys.readouterr().err
+
+
+def test_tp_defaults_to_one(folder, capsys):
+    from rlhf.cli import build_parser
+
+    assert build_parser().parse_args(["verify-model", folder]).tp == 1
+    assert main(["verify-model", folder, "--num-seqs", "2", "--max-len", "8"]) == 0
+    report = _report(capsys)
+    assert report["passed"]
+    assert (report["layout"]["tp"], report["layout"]["pp"], report["layout"]["nproc"]) == (1, 1, 1)

@@ -2,14 +2,27 @@
 
 from pathlib import Path
 
+import pytest
+
 from rlhf.cli import main
 from rlhf.config import config_from_dict, load_config, reference_markdown
 from rlhf.config.yaml_io import parse_yaml
+from rlhf.data.arith import ArithTask, write_arith_dataset
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 
 
-def test_config_show_prints_the_resolved_yaml(capsys):
+@pytest.fixture
+def quickstart_inputs(tmp_path, monkeypatch):
+    """The quickstart's data files (small) in a fresh working directory; `config show` checks
+    that they exist. Its models are built by `rlhf sft` and model.tiny, so they may be absent."""
+    monkeypatch.chdir(tmp_path)
+    for name, kind in (("train", "rl"), ("val", "rl"), ("sft_train", "sft")):
+        write_arith_dataset(tmp_path / "outputs/quickstart/data" / f"{name}.jsonl",
+                            task=ArithTask(), n=4, seed=0, kind=kind)
+
+
+def test_config_show_prints_the_resolved_yaml(capsys, quickstart_inputs):
     assert main(["config", "show", str(QUICKSTART), "actor.optim.lr=2e-6"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("model:\n")
@@ -37,7 +50,7 @@ def test_config_docs_prints_the_reference(capsys):
     assert capsys.readouterr().out == reference_markdown()
 
 
-def test_config_show_loads_the_reward_functions(capsys, tmp_path):
+def test_config_show_loads_the_reward_functions(capsys, tmp_path, quickstart_inputs):
     reward = tmp_path / "reward.py"
     reward.write_text("def score(*, prompt, response, ground_truth, extra):\n    return 1.0\n")
     assert main(["config", "show", str(QUICKSTART),

@@ -148,3 +148,52 @@ def test_signatures_that_are_accepted(tmp_path):
     assert call(load_reward_function(f"{path}:positional")) == 2.0
     assert call(load_reward_function(f"{path}:star_args")) == 1.0
     assert call(load_reward_function(f"{path}:instance")) == 3.0
+
+
+# ---- the import check runs in a child process with a time limit ------------------------------
+
+def test_import_check_reports_a_module_that_exits_by_name(tmp_path):
+    from rlhf.errors import ConfigError
+    from rlhf.rewards import check_reward_functions
+
+    good = write(tmp_path / "good.py", GOOD.format(name="f", value="1.0"))
+    exits = write(tmp_path / "exits.py", "import sys\nprint('bye')\nsys.exit(0)\n")
+    hard = write(tmp_path / "hard.py",
+                 "import os, sys\nsys.stderr.write('dying\\n')\nos._exit(3)\n")
+    check_reward_functions([f"{good}:f", "rlhf.rewards.arith:exact_match"])
+    with pytest.raises(ConfigError) as info:
+        check_reward_functions([f"{good}:f", f"{exits}:f"])
+    assert str(info.value) == (f"reward.functions[1].path: reward function '{exits}:f': "
+                               "importing it ended the process (exit code 0, e.g. sys.exit or "
+                               "os._exit at import); remove that from the module's top level")
+    with pytest.raises(ConfigError,
+                       match=r"(?s)^reward.functions\[0\].path: .*exit code 3.*dying"):
+        check_reward_functions([f"{hard}:f", f"{good}:f"])
+
+
+def test_import_check_gives_up_on_a_module_that_hangs(tmp_path):
+    from rlhf.errors import ConfigError
+    from rlhf.rewards import check_reward_functions
+
+    hangs = write(tmp_path / "hangs.py", "while True:\n    pass\n")
+    good = write(tmp_path / "good.py", GOOD.format(name="f", value="1.0"))
+    with pytest.raises(ConfigError, match=r"^reward.functions\[1\].path: reward function "
+                                          r"'.*hangs.py:f': importing it did not finish within "
+                                          r"2 s .*raise reward.import_timeout_s$"):
+        check_reward_functions([f"{good}:f", f"{hangs}:f"], timeout_s=2)
+
+
+def test_import_check_lists_each_bad_function_and_its_reason(tmp_path):
+    from rlhf.errors import ConfigError
+    from rlhf.rewards import check_reward_functions
+
+    raises = write(tmp_path / "raises.py", "raise KeyError('judge url')\n")
+    good = write(tmp_path / "good.py", GOOD.format(name="f", value="1.0"))
+    with pytest.raises(ConfigError) as info:
+        check_reward_functions([f"{raises}:f", f"{good}:g", f"{good}:f"])
+    lines = str(info.value).split("\n")
+    assert lines[0].startswith(f"reward.functions[0].path: reward function '{raises}:f': "
+                               "running")
+    assert any("KeyError: 'judge url'" in line for line in lines)
+    assert lines[-1].startswith("reward.functions[1].path: ")
+    assert lines[-1].endswith("its functions are f")

@@ -255,3 +255,15 @@ def test_a_worker_that_cannot_load_the_function_is_reported(tmp_path):
     with RewardRunner([(f"{path}:f", 1.0)], num_workers=1) as runner:
         with pytest.raises(RLHFError, match="(?s)could not load the reward functions.*RuntimeError: not here"):
             score(runner, ["1"])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_no_functions_score_zero_for_a_reward_model_only_job(num_workers):
+    with RewardRunner([], num_workers=num_workers) as runner:
+        result = runner.score(["p"] * 3, ["a", "b", "c"], ["g"] * 3)
+        assert runner._pool is None  # no worker processes for nothing to run
+    assert torch.equal(result.scores, torch.zeros(3))
+    assert result.function_scores == {} and result.metrics == {}
+    rm = torch.tensor([0.5, -1.0, 2.0])
+    total = combine_scores([result.scores], [1.0], rm_scores=rm, rm_weight=2.0)
+    assert torch.equal(total, 2.0 * rm)

@@ -1,13 +1,20 @@
 """CheckpointManager: complete-or-absent step folders, resume resolution, pruning."""
 
+import hashlib
+import os
 import random
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
 from rlhf.errors import RLHFError
-from rlhf.trainer.checkpoint import STATE_FILE, CheckpointManager, rng_state, set_rng_state
+from rlhf.trainer.checkpoint import (MANIFEST, STATE_FILE, CheckpointManager, read_manifest,
+                                    rng_state, set_rng_state, verify_checkpoint)
+from rlhf.trainer.run_identity import run_fingerprint
 
 
 def write_shard(folder):
@@ -43,7 +50,7 @@ def test_a_crash_while_saving_leaves_the_last_checkpoint_untouched(tmp_path):
     assert not list((tmp_path / "checkpoints").glob(".step_*"))
 
 
-def test_a_folder_without_state_file_is_not_a_checkpoint(tmp_path):
+def test_a_folder_without_manifest_is_skipped_with_a_message(tmp_path):
     ckpt = CheckpointManager(tmp_path)
     ckpt.save(1, write_roles=write_shard, state={"step": 1})
     (tmp_path / "checkpoints" / "step_9").mkdir()  # e.g. copied by hand, half done
@@ -51,8 +58,14 @@ def test_a_folder_without_state_file_is_not_a_checkpoint(tmp_path):
     assert ckpt.latest().name == "step_1"
     ckpt.remove_stale()
     assert not (tmp_path / "checkpoints" / ".step_3.tmp-dead").exists()
-    with pytest.raises(RLHFError, match="not a checkpoint folder"):
+    said = []
+    assert ckpt.resolve("auto", report=said.append).name == "step_1"
+    assert said == [said[0]] and said[0].startswith("checkpoint step_9 is damaged: no manifest")
+    with pytest.raises(RLHFError, match=r"step_9 is damaged: no manifest.json.*resume from "
+                                        r"step_1 with trainer.resume=.*step_1$"):
         ckpt.resolve(str(tmp_path / "checkpoints" / "step_9"))
+    with pytest.raises(RLHFError, match="not a checkpoint folder"):
+        ckpt.resolve(str(tmp_path))
 
 
 def test_resaving_a_step_replaces_it_and_max_keep_prunes(tmp_path):
@@ -72,3 +85,135 @@ def test_rng_state_round_trips():
     torch.testing.assert_close(got[0], want[0])
     assert np.array_equal(got[1], want[1]) and got[2] == want[2]
     assert STATE_FILE == "trainer_state.pt"
+
+
+# ---- manifests: every damage is found and named ----------------------------------------------
+
+def write_big_shard(folder):
+    (folder / "actor").mkdir()
+    torch.save({"w": torch.arange(4096, dtype=torch.float32)}, folder / "actor" / "model_rank0.pt")
+
+
+def zero_bytes_inside(path, start=200, length=64):
+    """Corrupt a file in place, keeping its size (a bad disk block, a botched copy)."""
+    with open(path, "r+b") as f:
+        f.seek(start)
+        f.write(b"\0" * length)
+
+
+def truncate(path, keep=100):
+    with open(path, "r+b") as f:
+        f.truncate(keep)
+
+
+DAMAGE = {
+    "zeroed bytes in a shard": (lambda d: zero_bytes_inside(d / "actor" / "model_rank0.pt"),
+                                "actor/model_rank0.pt hash mismatch"),
+    "truncated shard": (lambda d: truncate(d / "actor" / "model_rank0.pt"),
+                        "actor/model_rank0.pt has 100 bytes, the manifest says"),
+    "truncated state file": (lambda d: truncate(d / STATE_FILE),
+                             f"{STATE_FILE} has 100 bytes, the manifest says"),
+    "missing state file": (lambda d: (d / STATE_FILE).unlink(), f"{STATE_FILE} is missing"),
+    "missing manifest": (lambda d: (d / MANIFEST).unlink(), "no manifest.json"),
+    "garbled manifest": (lambda d: (d / MANIFEST).write_text("{"), "manifest.json is unreadable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_resume_auto_skips_a_damaged_checkpoint_naming_the_file(case, tmp_path):
+    damage, want = DAMAGE[case]
+    ckpt = CheckpointManager(tmp_path)
+    for step in (3, 4):
+        ckpt.save(step, write_roles=write_big_shard, state={"step": step, "config": {}})
+    assert verify_checkpoint(tmp_path / "checkpoints" / "step_4") is None
+    damage(tmp_path / "checkpoints" / "step_4")
+    said = []
+    assert ckpt.resolve("auto", report=said.append) == tmp_path / "checkpoints" / "step_3"
+    assert len(said) == 1 and said[0].startswith(f"checkpoint step_4 is damaged: {want}")
+    with pytest.raises(RLHFError) as info:
+        ckpt.resolve(str(tmp_path / "checkpoints" / "step_4"))
+    assert str(info.value).startswith(f"checkpoint step_4 is damaged: {want}")
+    assert str(info.value).endswith(f"resume from step_3 with trainer.resume="
+                                    f"{tmp_path / 'checkpoints' / 'step_3'}")
+
+
+def test_when_no_checkpoint_verifies_resume_auto_stops(tmp_path):
+    ckpt = CheckpointManager(tmp_path)
+    ckpt.save(1, write_roles=write_big_shard, state={"step": 1})
+    zero_bytes_inside(tmp_path / "checkpoints" / "step_1" / "actor" / "model_rank0.pt")
+    with pytest.raises(RLHFError, match=r"no checkpoint in .* verifies \(checkpoint step_1 is "
+                                        r"damaged: actor/model_rank0.pt hash mismatch"):
+        ckpt.resolve("auto", report=lambda line: None)
+
+
+def test_the_manifest_lists_every_file_the_step_and_the_run_fingerprint(tmp_path):
+    ckpt = CheckpointManager(tmp_path)
+    config = {"model": {"path": str(tmp_path / "nowhere")}, "algorithm": {"adv_estimator": "gae"}}
+    folder = ckpt.save(7, write_roles=write_big_shard, state={"step": 7, "config": config})
+    manifest = read_manifest(folder)
+    assert manifest["step"] == 7 and manifest["config"] == config
+    assert sorted(manifest["files"]) == ["actor/model_rank0.pt", STATE_FILE]
+    shard = folder / "actor" / "model_rank0.pt"
+    assert manifest["files"]["actor/model_rank0.pt"] == {
+        "size": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    assert manifest["config_fingerprint"] == run_fingerprint(config)
+    other = {**config, "algorithm": {"adv_estimator": "grpo"}}
+    assert run_fingerprint(other) != run_fingerprint(config)
+    assert run_fingerprint({**config, "trainer": {"total_steps": 5}}) == run_fingerprint(config)
+
+
+def test_an_unreadable_state_file_names_the_checkpoint(tmp_path):
+    ckpt = CheckpointManager(tmp_path)
+    folder = ckpt.save(2, write_roles=write_big_shard, state={"step": 2})
+    truncate(folder / STATE_FILE, keep=10)
+    with pytest.raises(RLHFError, match=f"checkpoint step_2 is damaged: {STATE_FILE} cannot be "
+                                        "read"):
+        ckpt.load_state(folder)
+
+
+# A driver that saves step_1 and step_2, then is killed (SIGKILL, below) while writing step_3.
+DRIVER = """
+import sys, time
+from pathlib import Path
+import torch
+from rlhf.trainer.checkpoint import CheckpointManager
+
+def shards(slow):
+    def write(folder):
+        (folder / "actor").mkdir()
+        for rank in range(2):
+            shard = folder / "actor" / f"model_rank{rank}.pt"
+            torch.save({"w": torch.full((4096,), float(rank))}, shard)
+            if slow:
+                print("writing", flush=True)
+                time.sleep(600)
+    return write
+
+ckpt = CheckpointManager(sys.argv[1])
+for step in (1, 2):
+    ckpt.save(step, write_roles=shards(False), state={"step": step, "config": {}})
+ckpt.save(3, write_roles=shards(True), state={"step": 3, "config": {}})
+"""
+
+
+def test_a_driver_killed_while_saving_and_a_corrupted_shard_resume_from_the_last_good(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout.readline() == "writing\n"  # inside the save of step_3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == \
+        ["step_1", "step_2"]
+    assert list(root.glob(".step_3*"))  # the partial save, left where the kill found it
+    zero_bytes_inside(root / "step_2" / "actor" / "model_rank1.pt")
+    ckpt = CheckpointManager(tmp_path)
+    ckpt.remove_stale()
+    said = []
+    folder = ckpt.resolve("auto", report=said.append)
+    assert folder == root / "step_1" and ckpt.load_state(folder)["step"] == 1
+    assert said == ["checkpoint step_2 is damaged: actor/model_rank1.pt hash mismatch (its bytes "
+                    "changed after the save); skipped"]
+    assert not list(root.glob(".step_*"))

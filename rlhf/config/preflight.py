@@ -1,0 +1,332 @@
+"""Everything a job reads, checked before anything starts: `rlhf config show` runs these checks
+and `rlhf train` / `rlhf sft` run them again before Ray starts.
+
+Files and folders must exist with the right kind (a model folder has config.json and
+safetensors weights, a tokenizer folder a tokenizer, a data file a supported suffix and a
+readable first row), the reward functions must import in a child process within
+reward.import_timeout_s, the pool must fit the local Ray the job will start, a reward model
+must have a value head, and the output folder must hold either nothing of another run or a
+checkpoint that verifies and was written with the same run-defining config. Paths are paths:
+nothing here (or later) looks a missing folder up on a model hub.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rlhf.config.loader import config_to_dict
+from rlhf.config.schema import JobConfig
+from rlhf.errors import ConfigError, RLHFError
+
+Command = Literal["show", "train", "sft"]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+# What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs")
+
+
+@dataclass
+class Preflight:
+    """What the checks found besides problems: lines to show, and whether to move a run aside."""
+
+    notes: list[str] = field(default_factory=list)
+    move_old_run_aside: bool = False
+
+
+def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> Preflight:
+    """Check what `command` will read; raise one ConfigError listing every problem.
+
+    command: "train" / "sft" check what that command reads; "show" checks both (allowing a
+    model.path that `rlhf sft` will write). ray_address: the cluster the job will join (the
+    launcher's RAY_ADDRESS); None with no ray.address means a local Ray sized by ray.num_cpus.
+    """
+    result = Preflight()
+    problems = list(_check_models(cfg, command))
+    if command in ("show", "train"):
+        problems += _check_data(cfg.data.train_files, "data.train_files", cfg.data.prompt_key,
+                                cfg.data.ground_truth_key)
+        problems += _check_data(cfg.data.val_files, "data.val_files", cfg.data.prompt_key,
+                                cfg.data.ground_truth_key)
+        problems += _check_run_folder(cfg, result)
+        problems += _check_extras(cfg)
+        problems += _check_reward_imports(cfg)
+    if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
+        problems += _check_data(cfg.sft.train_files, "sft.train_files", cfg.sft.prompt_key,
+                                cfg.sft.response_key)
+    if not (cfg.ray.address or ray_address):
+        problems += _check_local_pool(cfg, command)
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} problems in the job's inputs:\n"
+                          + "\n".join(f"  - {p}" for p in problems))
+    return result
+
+
+# ---- models and tokenizers -------------------------------------------------------------------
+
+def sft_output_path(cfg: JobConfig) -> Path:
+    """Where `rlhf sft` writes the fine-tuned HF folder."""
+    return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
+
+
+def _check_models(cfg: JobConfig, command: Command) -> Iterator[str]:
+    if command in ("show", "train"):
+        written_by_sft = (cfg.sft.total_steps > 0
+                          and Path(cfg.model.path) == sft_output_path(cfg))
+        if written_by_sft and command == "train" and not _has_config(cfg.model.path):
+            yield (f"model.path={cfg.model.path!r} is where `rlhf sft` writes its model, and it "
+                   "is not there yet; run `rlhf sft CONFIG` first")
+        elif not written_by_sft:
+            yield from _model_folder(cfg.model.path, "model.path", buildable=cfg.model.tiny,
+                                     tokenizer=cfg.model.tokenizer_path is None)
+        if cfg.algorithm.use_critic and cfg.critic.model_path is not None:
+            yield from _model_folder(cfg.critic.model_path, "critic.model_path")
+        if cfg.reward.model_path is not None:
+            yield from _model_folder(cfg.reward.model_path, "reward.model_path", value_head=True)
+    if command == "sft" and _has_config(str(sft_output_path(cfg))):
+        yield (f"sft.output_path: {str(sft_output_path(cfg))!r} already holds a model; delete it "
+               "or set sft.output_path to a new folder")
+    if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
+        key = "sft.init_path" if cfg.sft.init_path else "model.path"
+        yield from _model_folder(cfg.sft.init_path or cfg.model.path, key,
+                                 buildable=cfg.model.tiny,
+                                 tokenizer=cfg.model.tokenizer_path is None)
+    if cfg.model.tokenizer_path is not None:
+        yield from _tokenizer_folder(cfg.model.tokenizer_path, "model.tokenizer_path")
+
+
+def _has_config(path: str) -> bool:
+    return (Path(path) / "config.json").is_file()
+
+
+def _where(path: str) -> str:
+    return "" if Path(path).is_absolute() else f" (relative to {str(Path.cwd())!r})"
+
+
+def _model_folder(path: str, key: str, *, buildable=None, tokenizer: bool = False,
+                  value_head: bool = False) -> Iterator[str]:
+    folder = Path(path)
+    if buildable is not None and not _has_config(path):
+        return  # model.tiny builds it there before the workers start
+    if not folder.exists():
+        yield (f"{key}={path!r}: no such folder{_where(path)}; give a local Hugging Face model "
+               "folder (paths are never looked up on a model hub)")
+    elif not folder.is_dir():
+        yield f"{key}={path!r} is a file, not a folder; give the model's folder"
+    elif not os.access(folder, os.R_OK | os.X_OK):
+        yield f"{key}={path!r} cannot be read (permissions)"
+    elif not _has_config(path):
+        yield f"{key}={path!r} has no config.json; give a Hugging Face model folder"
+    elif not any((folder / name).is_file() for name in WEIGHT_FILES):
+        yield (f"{key}={path!r} has no {' or '.join(WEIGHT_FILES)}; only safetensors weights "
+               "are supported")
+    elif value_head and "score.weight" not in _tensor_names(folder):
+        yield (f"{key}={path!r} holds no value head (no score.weight tensor): it is a plain "
+               "language model, which would score with a random head; give a sequence-scoring "
+               "model (e.g. an exported critic or a *ForSequenceClassification folder)")
+    elif tokenizer:
+        yield from _tokenizer_folder(path, key, hint="; or set model.tokenizer_path")
+
+
+def _tensor_names(folder: Path) -> set[str]:
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            return set(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        from safetensors import safe_open
+
+        with safe_open(folder / "model.safetensors", framework="pt", device="cpu") as f:
+            return set(f.keys())
+    except Exception as e:  # noqa: BLE001 - any failure to read the header is reported as such
+        raise ConfigError(f"{folder}: cannot read the weights' tensor names ({e})") from None
+
+
+def _tokenizer_folder(path: str, key: str, hint: str = "") -> Iterator[str]:
+    folder = Path(path)
+    if not folder.exists():
+        yield (f"{key}={path!r}: no such folder{_where(path)}; give a local tokenizer folder "
+               "(paths are never looked up on a model hub)")
+    elif not folder.is_dir():
+        yield f"{key}={path!r} is a file, not a folder; give the tokenizer's folder"
+    elif not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        yield f"{key}={path!r} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}){hint}"
+
+
+# ---- data ------------------------------------------------------------------------------------
+
+def _check_data(files, key: str, prompt_key: str, answer_key: str) -> Iterator[str]:
+    from rlhf.data.dataset import SUFFIXES, check_row
+
+    for i, name in enumerate(files):
+        path, where = Path(name), f"{key}[{i}]={name!r}"
+        if path.is_dir():
+            yield f"{where} is a folder, not a file; list the .jsonl or .parquet files in it"
+        elif path.suffix not in SUFFIXES:
+            yield (f"{where}: unsupported data file type {path.suffix!r}; use JSON Lines "
+                   "(.jsonl) or Parquet (.parquet)")
+        elif not path.exists():
+            yield f"{where} does not exist{_where(name)}"
+        else:
+            try:
+                found = _first_record(path)
+                if found is None:
+                    yield f"{where} holds no rows"
+                else:
+                    check_row(found[1], found[0], prompt_key=prompt_key,
+                              ground_truth_key=answer_key)
+            except OSError as e:
+                yield f"{where} cannot be read ({e.strerror or e})"
+            except RLHFError as e:
+                yield f"{key}[{i}]: {e}"
+
+
+def _first_record(path: Path):
+    """(location, record) of a data file's first row, or None when it has none."""
+    from rlhf.data.dataset import _jsonl_records, _parquet_records
+
+    records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
+    with contextlib.closing(records):
+        return next(records, None)
+
+
+# ---- rewards, extras, the Ray pool -----------------------------------------------------------
+
+def _check_reward_imports(cfg: JobConfig) -> list[str]:
+    from rlhf.rewards.loader import check_reward_functions
+
+    try:
+        check_reward_functions([fn.path for fn in cfg.reward.functions],
+                               timeout_s=cfg.reward.import_timeout_s)
+    except ConfigError as e:
+        return [str(e)]  # may span lines: a raising import comes with the user's traceback
+    return []
+
+
+def _check_extras(cfg: JobConfig) -> Iterator[str]:
+    if cfg.trainer.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        yield ("trainer.tensorboard is true but the tensorboard package is not installed; "
+               "install the extra (pip install 'rlhf[tensorboard]', or .venv/bin/pip install "
+               "tensorboard) or set trainer.tensorboard=false")
+
+
+def pool_problems(cfg: JobConfig, command: Command, *, cpus: float, gpus: float | None,
+                  where: str) -> list[str]:
+    """The job's ranks (one CPU each, plus one GPU each when `gpus` is given) against a
+    cluster of `cpus` CPUs and `gpus` GPUs, described by `where`."""
+    problems = []
+    for label, roles in _jobs(cfg, command):
+        shared = any(role.placement == "colocated" for role in roles.values())
+        ranks = cfg.trainer.pool_size * shared + sum(
+            role.world_size for role in roles.values() if role.placement == "separate")
+        for kind, have in (("CPU", cpus), ("GPU", gpus)):
+            if have is not None and ranks > have:
+                problems.append(
+                    f"{label} needs {ranks} ranks (one {kind} each: trainer.nnodes * "
+                    f"trainer.ranks_per_node = {cfg.trainer.pool_size} shared"
+                    + "".join(f", {n}.world_size={r.world_size}" for n, r in roles.items()
+                              if r.placement == "separate")
+                    + f") but {where} has {have:g} {kind}s; lower trainer.ranks_per_node or "
+                    f"the world sizes" + (", or raise ray.num_cpus" if kind == "CPU" else ""))
+    return problems
+
+
+def _jobs(cfg: JobConfig, command: Command):
+    train = {"actor": cfg.actor}
+    if cfg.algorithm.use_critic:
+        train["critic"] = cfg.critic
+    if cfg.algorithm.use_ref:
+        train["ref"] = cfg.ref
+    if cfg.reward.model_path is not None:
+        train["reward"] = cfg.reward
+    jobs = []
+    if command in ("show", "train"):
+        jobs.append(("the training job", train))
+    if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
+        jobs.append(("rlhf sft", {"sft": cfg.sft}))
+    return jobs
+
+
+def _check_local_pool(cfg: JobConfig, command: Command) -> list[str]:
+    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    source = f"ray.num_cpus={cfg.ray.num_cpus}" if cfg.ray.num_cpus else "this machine"
+    gpus = None
+    if cfg.trainer.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+    return pool_problems(cfg, command, cpus=cpus, gpus=gpus,
+                         where=f"the local Ray it starts ({source})")
+
+
+def check_cluster_fits(cfg: JobConfig, command: Command, *, use_gpu: bool) -> None:
+    """After joining an existing Ray cluster and before any worker starts: the pool fits it."""
+    import ray
+
+    have = ray.cluster_resources()
+    problems = pool_problems(cfg, command, cpus=have.get("CPU", 0),
+                             gpus=have.get("GPU", 0) if use_gpu else None,
+                             where="the Ray cluster joined")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+# ---- the output folder and resuming ----------------------------------------------------------
+
+def _check_run_folder(cfg: JobConfig, result: Preflight) -> Iterator[str]:
+    from rlhf.trainer.checkpoint import CheckpointManager, read_manifest
+    from rlhf.trainer.run_identity import config_differences, model_config_digest
+
+    t, out = cfg.trainer, Path(cfg.trainer.output_dir)
+    if out.exists() and not out.is_dir():
+        yield f"trainer.output_dir={t.output_dir!r} is a file; give a folder"
+        return
+    ckpt = CheckpointManager(out)
+    has_run = bool(ckpt.step_folders()) or (out / "metrics.jsonl").is_file()
+    try:
+        folder = ckpt.resolve(t.resume, report=result.notes.append)
+    except RLHFError as e:
+        if not (t.resume == "auto" and t.overwrite):
+            yield f"trainer.resume={t.resume}: {e}"
+            return
+        folder = None
+    if folder is None:
+        if has_run and not t.overwrite:
+            why = ("trainer.resume=never would start a new run over it" if t.resume == "never"
+                   else "it has no checkpoint to resume")
+            yield (f"trainer.output_dir={t.output_dir!r} holds another run (checkpoints/ or "
+                   f"metrics.jsonl) and {why}; use another trainer.output_dir, or set "
+                   f"trainer.overwrite=true to move the old run aside to "
+                   f"{out / 'old_runs'} first")
+        result.move_old_run_aside = has_run and t.overwrite
+        return
+    manifest, current = read_manifest(folder), config_to_dict(cfg)
+    diffs = config_differences(manifest.get("config", {}), current)
+    saved_model, model_now = manifest.get("model_config_sha256"), model_config_digest(current)
+    if saved_model and model_now and saved_model != model_now:
+        diffs.append(f"{cfg.model.path}/config.json: another model than the checkpoint's")
+    if diffs and not t.allow_config_change:
+        yield (f"trainer.resume={t.resume} resumes {folder}, but keys that define the run "
+               f"differ from its config: {'; '.join(diffs)}; use another trainer.output_dir, "
+               f"or set trainer.allow_config_change=true to resume anyway")
+    result.notes.append(f"resuming from {folder}")
+
+
+def move_old_run_aside(output_dir: str | Path) -> Path:
+    """Move what a previous run wrote in output_dir into output_dir/old_runs/<UTC time>/."""
+    out = Path(output_dir)
+    dest = out / "old_runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    dest.mkdir(parents=True, exist_ok=False)
+    for name in RUN_ENTRIES:
+        if (out / name).exists():
+            shutil.move(str(out / name), str(dest / name))
+    return dest
