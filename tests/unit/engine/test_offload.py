@@ -72,7 +72,10 @@ def test_phase_by_phase_every_tensor_is_where_the_table_says(folder, world):
         _assert_placed(offloader, engine, phase, ALL)
     engine.step()
     state = engine.state_tensors()
-    assert not state["grads"] and len(state["optimizer"]) >= 2 * len(state["masters"])
+    # The flat grad buffer stays allocated (zeroed by the step); the moments and the bf16
+    # model's master shard exist from construction.
+    assert len(state["grads"]) == 1 and not state["grads"][0].any()
+    assert len(state["optimizer"]) == 2 and len(state["masters"]) == 1
     for phase in ("idle", "sync", "idle", "forward", "generate", "checkpoint", "idle"):
         offloader.enter(phase)
         _assert_placed(offloader, engine, phase, ALL)
@@ -123,12 +126,9 @@ def test_every_switch_on_trains_exactly_like_none(folder, world):
     assert exp_a.keys() == exp_b.keys() and all(torch.equal(exp_a[k], exp_b[k]) for k in exp_a)
     for k, v in sd_a["model"].items():
         assert torch.equal(v, sd_b["model"][k]), k
-    for a, b in zip(sd_a["master"], sd_b["master"], strict=True):
-        assert torch.equal(a, b)
-    moments_a = sd_a["optimizer"]["state"]
-    assert moments_a and all(torch.equal(moments_a[i]["exp_avg_sq"],
-                                         sd_b["optimizer"]["state"][i]["exp_avg_sq"])
-                             for i in moments_a)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        a, b = sd_a["optimizer"][key], sd_b["optimizer"][key]
+        assert a is not None and a.any() and torch.equal(a, b), key
 
 
 def test_a_tensor_listed_twice_stays_where_either_kind_needs_it():
