@@ -166,6 +166,25 @@ def test_train_and_sft_stop_before_ray_starts(assets, config_file):
     assert not ray.is_initialized()
 
 
+def test_train_refuses_a_sound_job_that_does_not_fit_before_ray_starts(config_file, capsys,
+                                                                      monkeypatch):
+    """The memory plan runs right after the input checks: a job whose inputs are all sound but
+    whose plan exceeds trainer.device_memory_gb stops with exit 2 before Ray, naming the way
+    past it for experts."""
+    import rlhf.trainer.session as session
+
+    def no_ray(*args, **kwargs):
+        raise RuntimeError("init_ray reached")
+
+    monkeypatch.setattr(session, "init_ray", no_ray)
+    assert main(["train", str(config_file), "trainer.device_memory_gb=0.01"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "trainer.skip_memory_check=true" in err
+    with pytest.raises(RuntimeError, match="init_ray reached"):  # the expert's way past it
+        main(["train", str(config_file), "trainer.device_memory_gb=0.01",
+              "trainer.skip_memory_check=true"])
+
+
 def test_a_model_that_sft_will_write_may_be_absent_for_show_but_not_train(assets, tmp_path):
     t = tree(assets, tmp_path / "run")
     t["model"] = {"path": str(tmp_path / "sft_out")}
