@@ -103,11 +103,10 @@ def all_gather_coalesced(tensors: Sequence[Tensor], *,
     dtypes must match across ranks; dtypes may differ between tensors): out[i][r] is rank
     r's tensors[i], a view into one shared buffer."""
     size = group_size(group)
-    if size == 1:
+    if size == 1 or not tensors:
         return [[t] for t in tensors]
     offsets, total = byte_offsets(t.numel() * t.element_size() for t in tensors)
-    device = tensors[0].device if tensors else None
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
     for t, offset in zip(tensors, offsets):
         byte_view(flat, offset, t.shape, t.dtype).copy_(t)
     out = flat.new_empty(size * total)
