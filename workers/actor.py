@@ -68,7 +68,8 @@ class ActorWorker(CheckpointMixin, Worker):
     @in_phase("sync")
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into this rank's vLLM replica if it changed since the last sync;
-        sync/bytes (per replica), sync/seconds, sync/gb_per_s, sync/skipped."""
+        sync/bytes (per replica), sync/seconds (split into sync/gather_s, sync/broadcast_s,
+        sync/reload_s), sync/gb_per_s, sync/skipped."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time
         return self.rollout.sync(lambda: self.engine.export_hf_weights(bucket_bytes=bucket_bytes))
 

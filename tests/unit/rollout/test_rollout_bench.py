@@ -14,8 +14,8 @@ ROOT = str(Path(__file__).resolve().parents[3])
 SMALL = ["--layers", "1", "--hidden", "256"]  # 4 heads, 2 KV heads: tp=2 divides both
 
 
-def bench(*argv):
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", *argv, *SMALL],
+def bench(command, *argv):
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", command, *SMALL, *argv],
                           capture_output=True, text=True, timeout=280, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
@@ -23,11 +23,17 @@ def bench(*argv):
     return json.loads(lines[0])
 
 
-def test_bench_sync_reports_gb_per_s_beside_memcpy():
-    out = bench("sync", "--tp", "2", "--repeats", "1", "--bucket-mb", "0.05")
-    assert (out["bench"], out["tp"], out["pp"], out["replicas"]) == ("sync", 2, 1, 2)
+def test_bench_sync_reports_gb_per_s_beside_memcpy_and_splits_the_time():
+    out = bench("sync", "--tp", "2", "--pp", "2", "--layers", "2", "--repeats", "1",
+                "--bucket-mb", "0.05")
+    assert (out["bench"], out["tp"], out["pp"], out["replicas"]) == ("sync", 2, 2, 4)
     assert out["bytes_per_replica"] > 0
     assert out["gb_per_s"] > 0 and out["memcpy_gb_per_s"] > 0
+    ratio = out["gb_per_s"] / out["memcpy_gb_per_s"]  # both rounded to 3 decimals
+    assert 0 < out["of_memcpy"] == pytest.approx(ratio, rel=0.05, abs=1e-3)
+    assert out["gather_s"] > 0 and out["broadcast_s"] > 0 and out["reload_s"] > 0
+    split = out["gather_s"] + out["broadcast_s"] + out["reload_s"]
+    assert split >= out["seconds"] - 1e-3  # each part is the slowest rank's
 
 
 def test_bench_rollout_reports_tokens_per_s_of_both_engines():

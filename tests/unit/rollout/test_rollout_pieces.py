@@ -12,6 +12,7 @@ import torch
 from rlhf.config import RolloutConfig
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
+from rlhf.models.export import ExportStream
 from rlhf.parallel.mesh import ProcessGroupCache
 from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, configure_engine_process,
                           derive_seed, engine_args, logprob_gap, request_seeds, sampling_params)
@@ -193,6 +194,23 @@ def test_sync_pushes_only_after_the_policy_changed(world):
     assert metrics["sync/skipped"] == 0.0 and metrics["sync/bytes"] == 3 * 4 + 2 * 8
     assert replica.engine.loaded == ["a", "b"]
     assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
+
+
+def test_sync_splits_its_seconds_when_the_exporter_times_itself(world):
+    def exporter(times):  # stands in for the TP gathers and PP broadcasts of a real export
+        times.gather_s += 0.25
+        yield [("a", torch.zeros(3))]
+        times.broadcast_s += 0.5
+        yield [("b", torch.zeros(2))]
+
+    replica = fake_replica(world)
+    skipped = replica.sync(lambda: ExportStream(exporter))
+    assert skipped["sync/gather_s"] == skipped["sync/reload_s"] == 0.0
+    replica.mark_stale()
+    metrics = replica.sync(lambda: ExportStream(exporter))
+    assert replica.engine.loaded == ["a", "b"]
+    assert metrics["sync/gather_s"] == 0.25 and metrics["sync/broadcast_s"] == 0.5
+    assert metrics["sync/reload_s"] == pytest.approx(metrics["sync/seconds"] - 0.75)
 
 
 def test_importing_the_actor_does_not_import_vllm():

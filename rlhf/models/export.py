@@ -1,0 +1,167 @@
+"""Full HF tensors from a tp x pp layout's shards, bucket by bucket (weight sync, grad checks).
+
+Buckets are planned on full sizes: at most `bucket_bytes`, a bigger tensor alone. Per bucket:
+
+    TP   the local shards of its split tensors are packed into one byte buffer and
+         all-gathered in ONE collective (`all_gather_coalesced`), then placed into full tensors;
+    PP   the stage that owns the bucket packs its full tensors into one byte buffer and
+         broadcasts it ONCE over the pp group; every stage yields views of that buffer.
+
+Every rank of the model group receives every full tensor once and nothing twice (a tied LM
+head is not exported: HF and vLLM take it from the embedding). `ExportStream` adds up the
+seconds each rank spends gathering and broadcasting, for the sync metrics.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from rlhf.models.hf_io import bucketed
+from rlhf.parallel.collectives import all_gather_coalesced, byte_offsets, byte_view
+from rlhf.parallel.mesh import ParallelMesh
+
+Bucket = list[tuple[str, Tensor]]
+Spec = tuple[str, tuple[int, ...], torch.dtype]  # HF name, full shape, dtype
+
+
+@dataclass(frozen=True)
+class ExportItem:
+    """One HF tensor to export: its name, full shape, and this rank's part of it."""
+
+    name: str
+    shape: tuple[int, ...]  # full HF shape (a padded vocabulary is cut back to its real size)
+    local: Tensor  # detached; the whole tensor when replicated, else this TP rank's shard
+    split_dim: int | None  # the dim it is split along over TP; None: replicated
+
+    @property
+    def spec(self) -> Spec:
+        return self.name, self.shape, self.local.dtype
+
+
+@dataclass
+class ExportTimes:
+    """Seconds this rank spent so far in the TP gathers and in the PP broadcasts (waiting for
+    the owning stage included)."""
+
+    gather_s: float = 0.0
+    broadcast_s: float = 0.0
+
+
+class ExportStream(Iterator[Bucket]):
+    """Buckets of HF-named full tensors, made as they are consumed (collective: every rank
+    of the model group must consume them all, in step); `times` so far."""
+
+    def __init__(self, make: Callable[[ExportTimes], Iterator[Bucket]]):
+        self.times = ExportTimes()
+        self._buckets = make(self.times)
+
+    def __next__(self) -> Bucket:
+        return next(self._buckets)
+
+
+def export_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, *,
+                   bucket_bytes: int) -> ExportStream:
+    """This stage's `items` (and, with pp > 1, every other stage's) as full tensors in
+    buckets of at most `bucket_bytes` (a bigger tensor alone), in stage order.
+
+    Replicated tensors of this stage at pp = 1 are the items' own (views of parameters);
+    every other tensor is a view into a fresh per-bucket buffer.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if mesh.pp_size == 1:
+        return ExportStream(lambda times: _stage_buckets(items, mesh, bucket_bytes, times))
+    return ExportStream(lambda times: _pipeline_buckets(items, mesh, bucket_bytes, times))
+
+
+def _plan(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
+    """Indices of `specs` per bucket (hf_io's bucketing rule, on full sizes)."""
+    metas = ((str(i), torch.empty(shape, dtype=dtype, device="meta"))
+             for i, (_, shape, dtype) in enumerate(specs))
+    return [[int(i) for i, _ in bucket] for bucket in bucketed(metas, bucket_bytes)]
+
+
+def _stage_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, bucket_bytes: int,
+                   times: ExportTimes) -> Iterator[Bucket]:
+    for plan in _plan([it.spec for it in items], bucket_bytes):
+        start = time.perf_counter()
+        bucket = _gathered([items[i] for i in plan], mesh)
+        times.gather_s += time.perf_counter() - start
+        yield bucket
+
+
+def _pipeline_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, bucket_bytes: int,
+                      times: ExportTimes) -> Iterator[Bucket]:
+    # Stage layouts are exchanged once per export: names and shapes, no tensors.
+    stages: list = [None] * mesh.pp_size
+    dist.all_gather_object(stages, [it.spec for it in items], group=mesh.pp_group)
+    device = items[0].local.device
+    for stage, specs in enumerate(stages):
+        src = mesh.rank_at(dp=mesh.dp_rank, pp=stage, tp=mesh.tp_rank)
+        for plan in _plan(specs, bucket_bytes):
+            planned = [specs[i] for i in plan]
+            offsets, total = byte_offsets(_nbytes(shape, dtype) for _, shape, dtype in planned)
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
+            views = [byte_view(buffer, offset, shape, dtype)
+                     for offset, (_, shape, dtype) in zip(offsets, planned)]
+            if stage == mesh.pp_rank:
+                start = time.perf_counter()
+                _gathered([items[i] for i in plan], mesh, into=views)
+                times.gather_s += time.perf_counter() - start
+            start = time.perf_counter()
+            dist.broadcast(buffer, src=src, group=mesh.pp_group)
+            times.broadcast_s += time.perf_counter() - start
+            yield [(name, view) for (name, _, _), view in zip(planned, views)]
+
+
+def _gathered(items: Sequence[ExportItem], mesh: ParallelMesh, *,
+              into: Sequence[Tensor] | None = None) -> Bucket:
+    """Full tensors of `items` (collective over TP: one all-gather for all split ones),
+    written `into` the given views, or else into one fresh buffer (split ones) and the
+    items' own tensors (replicated ones)."""
+    group = mesh.tp_group if mesh.tp_size > 1 else None
+    split = [i for i, it in enumerate(items) if it.split_dim is not None and group is not None]
+    if into is None:
+        into = _fresh_views(items, split)
+    parts = all_gather_coalesced([items[i].local for i in split], group=group)
+    for i, ranks in zip(split, parts):
+        _place(into[i], ranks, dim=items[i].split_dim)
+    gathered = set(split)
+    for i, it in enumerate(items):
+        if i not in gathered and into[i] is not it.local:
+            into[i].copy_(it.local)
+    return [(it.name, tensor) for it, tensor in zip(items, into)]
+
+
+def _fresh_views(items: Sequence[ExportItem], split: list[int]) -> list[Tensor]:
+    """The replicated items' own tensors, and views into one new buffer for the split ones."""
+    offsets, total = byte_offsets(_nbytes(items[i].shape, items[i].local.dtype) for i in split)
+    buffer = torch.empty(total, dtype=torch.uint8, device=items[0].local.device)
+    views = [it.local for it in items]
+    for i, offset in zip(split, offsets):
+        views[i] = byte_view(buffer, offset, items[i].shape, items[i].local.dtype)
+    return views
+
+
+def _place(full: Tensor, ranks: Sequence[Tensor], *, dim: int) -> None:
+    """full <- the TP ranks' shards concatenated along `dim`, cut to full's size: padding
+    (of a vocabulary padded to a multiple of tp) is only ever at the end."""
+    per_rank = ranks[0].shape[dim]
+    for r, shard in enumerate(ranks):
+        start = r * per_rank
+        count = min(per_rank, full.shape[dim] - start)
+        if count <= 0:
+            break
+        full.narrow(dim, start, count).copy_(shard.narrow(dim, 0, count))
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
