@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
-from rlhf.models.parallelize import build_model, export_full_hf_weights, tp_layout
+from rlhf.models.parallelize import build_model, export_full_hf_weights
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed
@@ -45,7 +45,7 @@ def test_all_gather_coalesced_gives_every_ranks_tensors_in_one_collective():
 
 def _export(rank, world, folder):
     mesh = ParallelMesh(list(range(world)), tp=2, pp=2, cache=ProcessGroupCache())
-    model = build_model(folder, mesh=mesh, plan=ParallelConfig(tp=2, pp=2), head="lm")
+    model, table = build_model(folder, mesh=mesh, plan=ParallelConfig(tp=2, pp=2), head="lm")
     counts = {"all_gather": 0, "broadcast": 0}
     single, broadcast = C._all_gather_single, dist.broadcast
 
@@ -59,7 +59,7 @@ def _export(rank, world, folder):
         buckets = [[(name, t.clone()) for name, t in bucket] for bucket in stream]
     finally:
         C._all_gather_single, dist.broadcast = single, broadcast
-    split = set(tp_layout(model))  # this stage's TP-split parameters
+    split = {e.name for e in table.entries if e.shard is not None}  # this stage's TP splits
     gathered = sum(any(name in split for name, _ in bucket) for bucket in buckets)
     return counts, buckets, gathered, (stream.times.gather_s, stream.times.broadcast_s)
 
