@@ -10,7 +10,8 @@ import argparse
 import importlib
 
 # name -> module under rlhf.bench; imported only when the parser is built.
-BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout": "rollout"}
+BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout": "rollout",
+                              "step": "step"}
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
