@@ -1,13 +1,23 @@
 """Varlen (packed, THD) causal attention behind one interface.
 
 On CUDA with flash-attn installed and a half-precision input, flash-attn's varlen kernel runs
-over the whole packed stream. Everywhere else an exact loop runs PyTorch's SDPA once per
-sequence: nothing crosses sequence boundaries and no padding is computed.
+over the whole packed stream (a missing flash-attn on CUDA is warned about once). Everywhere
+else `sdpa_split` runs PyTorch's fused SDPA kernel (flash attention for CPU, or CUDA's) once per
+sequence on views of the packed tensors: nothing crosses sequence boundaries, no padding is
+computed. `sdpa_varlen` is the plain per-sequence reference the kernels are tested against.
+
+Why not padding, FlexAttention or nested tensors (measured on torch 2.13, CPU, fp32): the fused
+CPU kernel costs the same per sequence whether sequences come one per call or batched, so
+length buckets only add padding and a gather whose backward is slower than the split's;
+FlexAttention has no backward on CPU; nested-tensor SDPA has no CPU backend. The old loop was
+slow because SDPA on 3-D inputs silently takes the unfused math path, and slicing (not
+splitting) made each sequence's backward write a zero-filled gradient of the whole stream.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -15,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
 
 
 def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
@@ -25,7 +36,10 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
     num_heads / num_kv_heads consecutive query heads). `cu_seqlens` is (n+1,) int32.
     """
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"
-    kernel = pick_kernel(q_THD.device.type, q_THD.dtype, flash_available=_flash_fn() is not None)
+    device_type, flash_available = q_THD.device.type, _flash_fn() is not None
+    if missing_flash_message(device_type, q_THD.dtype, flash_available=flash_available):
+        _warn_missing_flash_once(device_type, q_THD.dtype)
+    kernel = pick_kernel(device_type, q_THD.dtype, flash_available=flash_available)
     return kernel(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                   causal=causal, scale=scale)
 
@@ -34,12 +48,55 @@ def pick_kernel(device_type: str, dtype: torch.dtype, *, flash_available: bool) 
     """The kernel `varlen_attention` uses for this device and dtype (pure, so tests check it)."""
     if device_type == "cuda" and flash_available and dtype in _FLASH_DTYPES:
         return flash_varlen
-    return sdpa_varlen
+    return sdpa_split
+
+
+def missing_flash_message(device_type: str, dtype: torch.dtype, *,
+                          flash_available: bool) -> str | None:
+    """The warning for a CUDA half-precision run that would use flash-attn but lacks it (pure)."""
+    if device_type != "cuda" or flash_available or dtype not in _FLASH_DTYPES:
+        return None
+    return (f"flash-attn is not installed (or does not load against this torch), so {dtype} "
+            "varlen attention on CUDA runs PyTorch's SDPA once per sequence, which is slower "
+            f"for many short sequences. Install it with `{FLASH_INSTALL_HINT}`.")
+
+
+@functools.cache
+def _warn_missing_flash_once(device_type: str, dtype: torch.dtype) -> None:
+    message = missing_flash_message(device_type, dtype, flash_available=False)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
+               max_seqlen: int, causal: bool, scale: float) -> Tensor:
+    """One fused SDPA call per sequence on split views (max_seqlen is unused).
+
+    4-D inputs, because SDPA's fused kernels refuse 3-D ones; `split`, whose backward is one
+    concatenation, because slicing would zero-fill a whole-stream gradient per sequence; GQA
+    inside the kernel (enable_gqa) instead of materialised repeated k/v.
+    """
+    lengths = _lengths(cu_seqlens)
+    if sum(lengths) != q_THD.shape[0]:
+        raise ValueError(f"cu_seqlens covers {sum(lengths)} tokens but the packed tensors hold "
+                         f"{q_THD.shape[0]}; build cu_seqlens from the same packed batch")
+    gqa = q_THD.shape[1] != k_THD.shape[1]
+    outs = []
+    for q_SHD, k_SHD, v_SHD in zip(q_THD.split(lengths), k_THD.split(lengths),
+                                   v_THD.split(lengths)):
+        if q_SHD.shape[0] == 0:  # an empty sequence keeps its slot in cu_seqlens, no tokens
+            continue
+        q_1HSD, k_1HSD, v_1HSD = (x.transpose(0, 1).unsqueeze(0) for x in (q_SHD, k_SHD, v_SHD))
+        out_1HSD = F.scaled_dot_product_attention(q_1HSD, k_1HSD, v_1HSD, is_causal=causal,
+                                                  scale=scale, enable_gqa=gqa)
+        outs.append(out_1HSD[0].transpose(0, 1))
+    if not outs:
+        return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
+    return torch.cat(outs, dim=0)
 
 
 def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                 max_seqlen: int, causal: bool, scale: float) -> Tensor:
-    """Exact reference path: one SDPA call per sequence (max_seqlen is unused)."""
+    """Reference only: plain per-sequence SDPA on 3-D slices (the unfused math path)."""
     n_rep = q_THD.shape[1] // k_THD.shape[1]
     if n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1, as in HF's repeat_kv
         k_THD = k_THD.repeat_interleave(n_rep, dim=1)
@@ -47,7 +104,7 @@ def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tens
     bounds = cu_seqlens.tolist()
     outs = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
-        if stop == start:  # an empty sequence keeps its slot in cu_seqlens but has no tokens
+        if stop == start:
             continue
         q_HSD, k_HSD, v_HSD = (x[start:stop].transpose(0, 1) for x in (q_THD, k_THD, v_THD))
         out_HSD = F.scaled_dot_product_attention(q_HSD, k_HSD, v_HSD, is_causal=causal, scale=scale)
@@ -64,6 +121,11 @@ def flash_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Ten
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
     return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu, max_seqlen, max_seqlen,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal)
+
+
+def _lengths(cu_seqlens: Tensor) -> list[int]:
+    bounds = cu_seqlens.tolist()
+    return [stop - start for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 
 import ray
@@ -13,7 +14,8 @@ from rlhf.errors import ConfigError, RLHFError
 
 logger = logging.getLogger(__name__)
 
-# Ranks run one compute thread each: more threads than cores only adds contention.
+# Processes that set no thread count (Ray's helpers, reward actors) run one OpenMP thread; a
+# rank sets torch's intra-op threads to its bundle's CPUs (ColocatedWorker), see cpus_per_rank.
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -49,6 +51,32 @@ def use_gpu(cfg: JobConfig) -> bool:
     return cfg.trainer.device == "cuda"
 
 
+def cpus_per_rank(*, node_cpus: float, ranks_on_node: int, local_cores: int | None) -> int:
+    """CPUs (and so intra-op threads) each rank of a CPU job gets: its node's share, at least 1.
+
+    `node_cpus` is Ray's CPU count of the smallest node; `local_cores` the cores this process
+    may run on when the ranks share its machine (a local cluster), since Ray's logical CPUs may
+    exceed them and more threads than cores only adds contention.
+    """
+    if ranks_on_node < 1:
+        raise ValueError(f"ranks_on_node must be at least 1, got {ranks_on_node}")
+    cores = node_cpus if local_cores is None else min(node_cpus, local_cores)
+    return max(1, int(cores) // ranks_on_node)
+
+
+def _job_cpus_per_rank(ranks_on_node: int) -> int:
+    """cpus_per_rank for this Ray cluster: the smallest alive node, capped by this machine's
+    cores when the cluster is this machine alone."""
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    if not nodes:
+        return 1
+    node_cpus = min(n["Resources"]["CPU"] for n in nodes)
+    here = ray.get_runtime_context().get_node_id()
+    local = len(nodes) == 1 and nodes[0]["NodeID"] == here
+    return cpus_per_rank(node_cpus=node_cpus, ranks_on_node=ranks_on_node,
+                         local_cores=len(os.sched_getaffinity(0)) if local else None)
+
+
 class RoleGroups:
     """The worker groups of one job: colocated roles share one pool, each separate role gets
     its own; `views[name]` drives a role wherever it lives."""
@@ -59,21 +87,26 @@ class RoleGroups:
         shared = {n: spec for n, spec in roles.items()
                   if role_configs[n].placement == "colocated"}
         separate = [n for n in roles if n not in shared]
+        per_node = {n: min(role_configs[n].world_size, cfg.trainer.ranks_per_node)
+                    for n in separate}
+        # Every pool may land on one node: split that node's CPUs over all of their ranks.
+        on_node = (cfg.trainer.ranks_per_node if shared else 0) + sum(per_node.values())
+        cpus = 1 if gpu else _job_cpus_per_rank(on_node)
         self.groups: list[WorkerGroup] = []
         self.views: dict[str, RoleView] = {}
         try:
             if shared:
                 pool = ResourcePool(f"{job_name}:shared", ranks_per_node=cfg.trainer.ranks_per_node,
-                                    nnodes=cfg.trainer.nnodes, use_gpu=gpu)
+                                    nnodes=cfg.trainer.nnodes, use_gpu=gpu, cpus_per_rank=cpus)
                 self._add(WorkerGroup(pool, shared, job_name=job_name))
             for name in separate:
                 size = role_configs[name].world_size
-                per_node = min(size, cfg.trainer.ranks_per_node)
-                if size % per_node:
+                if size % per_node[name]:
                     raise ConfigError(f"{name}.world_size={size} does not fill whole nodes of "
-                                      f"trainer.ranks_per_node={per_node} ranks")
-                pool = ResourcePool(f"{job_name}:{name}", ranks_per_node=per_node,
-                                    nnodes=size // per_node, use_gpu=gpu)
+                                      f"trainer.ranks_per_node={per_node[name]} ranks")
+                pool = ResourcePool(f"{job_name}:{name}", ranks_per_node=per_node[name],
+                                    nnodes=size // per_node[name], use_gpu=gpu,
+                                    cpus_per_rank=cpus)
                 self._add(WorkerGroup(pool, {name: roles[name]}, job_name=job_name))
         except BaseException:
             self.shutdown()

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.models import attention
-from rlhf.models.attention import flash_varlen, pick_kernel, sdpa_varlen, varlen_attention
+from rlhf.models.attention import flash_varlen, pick_kernel, sdpa_split, sdpa_varlen, varlen_attention
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.tiny import make_tiny_model
@@ -188,9 +188,9 @@ def test_sdpa_varlen_equals_causal_attention_per_sequence(kv_heads):
 def test_kernel_dispatch_is_a_function_of_device_dtype_and_availability():
     assert pick_kernel("cuda", torch.bfloat16, flash_available=True) is flash_varlen
     assert pick_kernel("cuda", torch.float16, flash_available=True) is flash_varlen
-    assert pick_kernel("cuda", torch.float32, flash_available=True) is sdpa_varlen  # half only
-    assert pick_kernel("cuda", torch.bfloat16, flash_available=False) is sdpa_varlen
-    assert pick_kernel("cpu", torch.bfloat16, flash_available=True) is sdpa_varlen
+    assert pick_kernel("cuda", torch.float32, flash_available=True) is sdpa_split  # half only
+    assert pick_kernel("cuda", torch.bfloat16, flash_available=False) is sdpa_split
+    assert pick_kernel("cpu", torch.bfloat16, flash_available=True) is sdpa_split
 
 
 def test_attention_heads_come_from_attributes(models, packed):

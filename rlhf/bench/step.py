@@ -1,0 +1,259 @@
+"""Whole PPO/GRPO steps: our trainer against a single-process transformers baseline.
+
+Runs `--warmup + --steps` steps of the real PPOTrainer (local Ray, the worker groups `rlhf
+train` builds), then the same number of steps of a plain transformers GRPO loop
+(rlhf.bench.step_baseline) on the same model, prompts, sizes and total threads. Prints JSON
+lines: one per system (generated tokens/s, seconds per phase, CPU utilisation per phase: the
+ranks' CPU seconds over wall seconds and the cores they hold) and a summary with the ratio.
+Warm-up steps are excluded. Models: `tiny24m` (8 layers, width 512, 8 heads / 4 kv heads,
+vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `quickstart`
+(the quickstart's model and batch sizes, with the same GRPO k3 loss in both systems).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from rlhf.config import TinyModelConfig
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+TINY24M = TinyModelConfig(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
+                          intermediate_size=1408, vocab_size=512, max_position_embeddings=512)
+# The view methods that run on the ranks, and the trainer's timing/* phase each one is.
+RANK_PHASES = {"sync_weights": "sync_weights", "generate": "generate",
+               "compute_log_prob": "old_log_prob", "compute_ref_log_prob": "ref",
+               "compute_values": "values", "update_critic": "update_critic",
+               "update_actor": "update_actor"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=("tiny24m", "quickstart"), default="tiny24m")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per system")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
+    parser.add_argument("--prompts", type=int, help="prompts per step (default: per model)")
+    parser.add_argument("--samples", type=int, help="samples per prompt (default: per model)")
+    parser.add_argument("--new-tokens", type=int, help="max new tokens (default: per model)")
+    parser.add_argument("--ranks", type=int, default=2, help="colocated ranks of our run")
+    parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
+                        help="cores both systems use (Ray's CPUs; the baseline's threads)")
+    parser.add_argument("--layers", type=int, help="override the model's layer count (tests)")
+    parser.add_argument("--hidden", type=int, help="override the model's width (tests)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("error: --steps must be at least 1 and --warmup at least 0")
+    if args.cores < args.ranks:
+        raise SystemExit(f"error: --cores {args.cores} is fewer than --ranks {args.ranks}; "
+                         "every rank needs a core")
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _job_config(args, Path(tmp))
+        ours = _run_ours(cfg, warmup=args.warmup)
+        # Same total threads as the cores our ranks held (Ray is shut down by now).
+        baseline = _run_baseline(cfg, threads=ours["cores"], warmup=args.warmup)
+    lines = [{"system": "ours", **_summary(ours, args.steps)},
+             {"system": "transformers", **_summary(baseline, args.steps)}]
+    ratio = lines[0]["generated_tokens_per_s"] / max(lines[1]["generated_tokens_per_s"], 1e-9)
+    lines.append({"summary": args.model, "ours_over_transformers": round(ratio, 3),
+                  "timed_steps": args.steps, "warmup_steps": args.warmup,
+                  "cores": ours["cores"]})
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+def _summary(result: dict, steps: int) -> dict:
+    step_s = result["seconds"]["step"]
+    return {"cores": result["cores"],
+            "generated_tokens_per_s": round(result["generated_tokens"] / step_s, 2),
+            "generated_tokens": result["generated_tokens"],
+            "seconds_per_step": round(step_s / steps, 4),
+            "seconds": {k: round(v, 4) for k, v in result["seconds"].items()},
+            "cpu_util": {k: round(v, 3) for k, v in result["cpu_util"].items()}}
+
+
+# ---- our trainer --------------------------------------------------------------------------------
+
+
+def _run_ours(cfg, *, warmup: int) -> dict:
+    """cfg.trainer.total_steps steps of the PPOTrainer that `rlhf train` runs."""
+    import ray
+
+    from rlhf.trainer.cli import _roles
+    from rlhf.trainer.ppo import PPOTrainer
+    from rlhf.trainer.session import RoleGroups, init_ray
+    from rlhf.trainer.setup import load_tokenizer
+
+    started = not ray.is_initialized()
+    init_ray(cfg, env_address=None)
+    try:
+        roles, role_configs = _roles(cfg)
+        groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
+                            role_configs=role_configs)
+        try:
+            cores = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size for g in groups.groups)
+            meter = RankCpuMeter(_rank_pids(), cores=cores, skip_steps=warmup)
+            views = {name: MeteredView(view, meter) for name, view in groups.views.items()}
+            trainer = PPOTrainer(cfg, views, tokenizer=load_tokenizer(cfg.model.path),
+                                 job_name=cfg.trainer.experiment_name, progress=False)
+            records = trainer.fit()[warmup:]
+        finally:
+            groups.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    seconds = {}
+    for record in records:
+        for key, value in record.items():
+            if key.startswith("timing/"):
+                seconds[key.removeprefix("timing/")] = seconds.get(key.removeprefix("timing/"),
+                                                                   0.0) + value
+    generated = sum(round(r["response_length/mean"] * samples) for r in records)
+    return {"cores": cores, "generated_tokens": generated, "seconds": seconds,
+            "cpu_util": meter.utilisation()}
+
+
+class RankCpuMeter:
+    """`with meter("generate"):` adds the ranks' CPU seconds and the wall seconds of the call.
+
+    Steps are counted by their sync_weights call (each step makes exactly one, first); the
+    first `skip_steps` steps are not recorded.
+    """
+
+    def __init__(self, pids: list[int], *, cores: int, skip_steps: int):
+        import psutil
+
+        self.procs = [psutil.Process(pid) for pid in pids]
+        self.cores, self.skip_steps, self.steps = cores, skip_steps, 0
+        self.cpu: dict[str, float] = {}
+        self.wall: dict[str, float] = {}
+
+    def _cpu_seconds(self) -> float:
+        total = 0.0
+        for proc in self.procs:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        return total
+
+    @contextmanager
+    def __call__(self, phase: str):
+        if phase == "sync_weights":
+            self.steps += 1
+        cpu0, wall0 = self._cpu_seconds(), time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.steps > self.skip_steps:
+                self.cpu[phase] = self.cpu.get(phase, 0.0) + self._cpu_seconds() - cpu0
+                self.wall[phase] = self.wall.get(phase, 0.0) + time.perf_counter() - wall0
+
+    def utilisation(self) -> dict[str, float]:
+        """CPU seconds over (wall seconds x cores) per phase: 1.0 is every core busy."""
+        return {k: self.cpu[k] / (self.wall[k] * self.cores) for k in self.wall if self.wall[k]}
+
+
+class MeteredView:
+    """A role view whose rank-side calls (RANK_PHASES) run under a RankCpuMeter."""
+
+    def __init__(self, view, meter: RankCpuMeter):
+        self._view, self._meter = view, meter
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._view, name)
+        phase = RANK_PHASES.get(name)
+        if phase is None or not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            with self._meter(phase):
+                return attr(*args, **kwargs)
+        return call
+
+
+def _rank_pids() -> list[int]:
+    """The Ray worker processes of this driver's local cluster that host our ranks."""
+    import psutil
+
+    pids = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "ColocatedWorker" in " ".join(proc.cmdline()):
+                pids.append(proc.pid)
+        except psutil.Error:
+            continue
+    if not pids:
+        raise RuntimeError("found no ColocatedWorker process under this driver; rlhf bench "
+                           "step measures ranks of the local Ray cluster it starts itself")
+    return pids
+
+
+# ---- the baseline -------------------------------------------------------------------------------
+
+
+def _run_baseline(cfg, *, threads: int, warmup: int) -> dict:
+    from rlhf.bench.step_baseline import run_baseline
+    from rlhf.data.dataset import build_prompt_dataset
+    from rlhf.trainer.setup import load_tokenizer
+
+    data = build_prompt_dataset(cfg.data.train_files, load_tokenizer(cfg.model.path), cfg.data)
+    size, steps = cfg.data.train_batch_size, cfg.trainer.total_steps
+    ids = [row.tolist() for row in data.prompt_ids.to_list()]
+    prompts = [ids[i * size:(i + 1) * size] for i in range(steps)]
+    answers = [data.ground_truth[i * size:(i + 1) * size] for i in range(steps)]
+    result = run_baseline(model_path=cfg.model.path, prompts=prompts, answers=answers,
+                          samples=cfg.rollout.n, new_tokens=cfg.rollout.max_new_tokens,
+                          kl_coef=cfg.algorithm.kl_loss_coef, lr=cfg.actor.optim.lr,
+                          threads=threads, warmup=warmup)
+    return {"cores": threads, **result}
+
+
+# ---- the job ------------------------------------------------------------------------------------
+
+
+def _job_config(args, root: Path):
+    from rlhf.config import config_from_dict, load_config
+    from rlhf.data.arith import ArithTask, write_arith_dataset
+    from rlhf.models.tiny import make_tiny_model
+
+    total = args.warmup + args.steps
+    if args.model == "quickstart":
+        base = load_config(CONFIGS / "quickstart.yaml", [])
+        spec, prompts, samples, new_tokens = base.model.tiny, 32, 8, 16
+        budget = base.actor.max_tokens_per_micro_batch
+    else:
+        spec, prompts, samples, new_tokens, budget = TINY24M, 16, 4, 32, 4096
+    prompts, samples = args.prompts or prompts, args.samples or samples
+    new_tokens = args.new_tokens or new_tokens
+    shape = {k: v for k, v in (("num_layers", args.layers), ("hidden_size", args.hidden)) if v}
+    if shape:
+        heads = (args.hidden or spec.hidden_size) // spec.head_dim
+        shape.update(num_heads=heads, num_kv_heads=max(1, heads // 2))
+    spec = TinyModelConfig(**{**spec.__dict__, **shape})
+    model = make_tiny_model(spec, root / f"{args.model}-model")
+    train = root / "train.jsonl"
+    write_arith_dataset(train, task=ArithTask(), n=prompts * total, seed=0, split="train")
+    tree = {
+        "model": {"path": str(model)},
+        "actor": {"ppo_mini_batch_size": prompts, "max_tokens_per_micro_batch": budget,
+                  "optim": {"lr": 1.0e-6}},
+        "ref": {"max_tokens_per_micro_batch": budget},
+        "reward": {"functions": [{"path": "rlhf.rewards.arith:exact_match"}], "num_workers": 0},
+        "rollout": {"n": samples, "max_new_tokens": new_tokens, "temperature": 1.0,
+                    "cpu_kv_cache_gb": 0.25, "max_num_seqs": prompts * samples},
+        "algorithm": {"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
+                      "kl_loss_type": "k3", "kl_loss_coef": 0.01, "ppo_epochs": 1},
+        "data": {"train_files": [str(train)], "max_prompt_length": 64,
+                 "train_batch_size": prompts, "shuffle": False},
+        "trainer": {"output_dir": str(root / "run"), "total_steps": total, "val_every": 0,
+                    "save_every": 0, "device": "cpu", "ranks_per_node": args.ranks,
+                    "ray_metrics": False, "experiment_name": f"bench-step-{os.getpid()}"},
+        "ray": {"num_cpus": args.cores},
+    }
+    return config_from_dict(tree)
