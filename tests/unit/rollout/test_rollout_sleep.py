@@ -10,7 +10,7 @@ import torch
 
 from rlhf.config import RolloutConfig
 from rlhf.data.ragged import Ragged
-from rlhf.rollout import compat, engine as engine_module, replica as replica_module
+from rlhf.rollout import compat, replica as replica_module, weights as weights_module
 from rlhf.rollout.compat import VLLMVersionError, check_vllm_internals
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
@@ -26,7 +26,7 @@ class FakeLLM:
 
     def collective_rpc(self, fn, args=()):
         self.calls.append(("rpc", fn.__name__))
-        if fn.__name__ == "_reload_weights":
+        if fn.__name__ == "reload_weights":
             self.received += [name for name, _ in args[0]]  # consume the stream
             return [None for _ in self.workers]
         return [fn(worker, *args) for worker in self.workers]
@@ -89,7 +89,7 @@ def test_cuda_sleeps_at_level_2_and_wakes_weights_for_the_sync_then_the_kv_cache
     assert llm.calls == [
         ("LLM", True), ("rpc", "_has_runner_model"),
         ("generate", 2), ("sleep", 2),
-        ("wake_up", ("weights",)), ("rpc", "_reload_weights"),  # no KV cache during the sync
+        ("wake_up", ("weights",)), ("rpc", "reload_weights"),  # no KV cache during the sync
         ("wake_up", ("kv_cache",)), ("generate", 2), ("sleep", 2),
     ]
 
@@ -115,7 +115,7 @@ def test_cpu_never_sleeps_so_a_sync_is_skipped_until_the_policy_changes(fake_vll
     replica.generate(prompts, greedy=True, seed=0)
     assert replica.engine.llm.calls == [
         ("LLM", False), ("rpc", "_has_runner_model"), ("generate", 1),
-        ("rpc", "_reload_weights"), ("reset_prefix_cache",), ("generate", 1)]
+        ("rpc", "reload_weights"), ("reset_prefix_cache",), ("generate", 1)]
 
 
 def test_internals_check_names_the_installed_version_and_what_is_missing(fake_vllm):
@@ -136,7 +136,7 @@ def test_the_installed_vllm_has_the_internals_the_sync_uses():
     pytest.importorskip("vllm")
     assert compat.missing_reload_functions() == []
     for name in compat.RELOAD_FUNCTIONS:  # the functions the check looks for are those used
-        assert name in engine_module._reload_weights.__code__.co_names
+        assert name in weights_module._layerwise_reload.__code__.co_names
 
 
 def test_the_gpu_extra_pins_the_tested_vllm_range():
