@@ -5,7 +5,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 import yaml
 from transformers import LlamaForSequenceClassification
@@ -157,13 +156,17 @@ def test_a_reward_model_with_a_value_head_and_no_functions_passes(assets, config
     assert (code, err) == (0, "")
 
 
-def test_train_and_sft_stop_before_ray_starts(assets, config_file):
-    assert not ray.is_initialized()
+def test_train_and_sft_stop_before_ray_starts(assets, config_file, monkeypatch):
+    import rlhf.trainer.session as session
+
+    def no_ray(*args, **kwargs):  # Ray may already run in this test session: watch the call
+        raise AssertionError("init_ray reached")
+
+    monkeypatch.setattr(session, "init_ray", no_ray)
     missing = f"data.train_files=[{assets['root']}/absent.jsonl]"
     assert main(["train", str(config_file), missing]) == 2
     assert main(["sft", str(config_file), f"sft.train_files=[{assets['root']}/absent.jsonl]",
                  "sft.total_steps=2"]) == 2
-    assert not ray.is_initialized()
 
 
 def test_train_refuses_a_sound_job_that_does_not_fit_before_ray_starts(config_file, capsys,
