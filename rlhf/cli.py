@@ -8,6 +8,7 @@ from rlhf.bench import cli as bench_cli
 from rlhf.plan import report as plan_report
 from rlhf.trainer import cli as trainer_cli
 from rlhf.errors import RLHFError
+from rlhf.config.loader import add_job_arguments
 
 
 def _config_show(args) -> int:
@@ -87,9 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_commands.add_parser(
         "show", help="validate a config and everything it names (files, folders, reward "
                      "functions, the Ray pool, the output folder), print it resolved")
-    show.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
-    show.add_argument("overrides", nargs="*", metavar="section.key=value",
-                      help="overrides, e.g. actor.parallel.tp=2 actor.optim.lr=1e-6")
+    add_job_arguments(show, example="actor.parallel.tp=2 actor.optim.lr=1e-6")
     show.set_defaults(run=_config_show)
     docs = config_commands.add_parser("docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(run=_config_docs)

@@ -127,3 +127,11 @@ def format_config(cfg: JobConfig) -> str:
 
 __all__ = ["load_config", "config_from_dict", "config_to_dict", "format_config",
            "apply_override", "merge_trees", "read_config_tree"]
+
+
+def add_job_arguments(parser, *, example: str) -> None:
+    """The positional `config` and `overrides` every job command takes (`example`: an override
+    line shown in the help)."""
+    parser.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help=f"overrides, e.g. {example}")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from rlhf.errors import RLHFError
+from rlhf.config.loader import add_job_arguments
 
 GIB = 2**30
 
@@ -18,9 +19,7 @@ def add_command(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "plan", help="predict the memory of every role and device in each phase of a step, "
                      "and whether the job fits; exit 1 when it does not")
-    parser.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="overrides, e.g. actor.parallel.tp=2 trainer.device_memory_gb=79")
+    add_job_arguments(parser, example="actor.parallel.tp=2 trainer.device_memory_gb=79")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     parser.add_argument("--models", action="append", default=[], metavar="DIR",
                         help="where to look for <model folder name>/config.json when a model "

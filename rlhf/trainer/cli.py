@@ -8,6 +8,7 @@ from pathlib import Path
 
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
+from rlhf.config.loader import add_job_arguments
 
 FINAL_MODEL = "hf_model"
 
@@ -20,9 +21,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
             ("sft", _sft, "supervised fine-tuning on prompt/answer rows (the sft section); "
                           "writes an HF folder to warm-start a policy")):
         parser = commands.add_parser(name, help=text)
-        parser.add_argument("config", help="YAML file, e.g. configs/quickstart.yaml")
-        parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                            help="overrides, e.g. trainer.total_steps=5 actor.parallel.tp=2")
+        add_job_arguments(parser, example="trainer.total_steps=5 actor.parallel.tp=2")
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
         parser.set_defaults(run=run)
     export = commands.add_parser(
