@@ -30,6 +30,7 @@ from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from rlhf.rollout import ReplicaSpec, RolloutReplica
+from rlhf.rollout.multiturn import env_rows
 from workers.base import Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
                             require_fields, response_fields, sampling_temperature, token_share)
@@ -52,7 +53,8 @@ class ActorWorker(CheckpointMixin, Worker):
     @in_phase("generate")
     def generate(self, batch: Batch, *, greedy: bool = False) -> Batch:
         """rollout.n samples of every `prompt_ids` row (prompt-major; greedy: one, at
-        temperature 0): `response_ids`, `rollout_log_probs` and meta["metrics"].
+        temperature 0): `response_ids`, `rollout_log_probs` and meta["metrics"]; with
+        rollout.env, multi-turn episodes with `model_mask` and `env_reward` too.
 
         Every rank samples its own chunk. Sample j of the prompt in row p of the driver's batch
         is seeded by (batch.meta["seed"], p, j) when the driver gives that int (reproducible
@@ -62,7 +64,8 @@ class ActorWorker(CheckpointMixin, Worker):
         seed = batch.meta.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
-        return self.rollout.generate(batch["prompt_ids"], greedy=greedy, seed=seed)
+        rows = env_rows(batch) if self.config.rollout.env.path is not None else None
+        return self.rollout.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows)
 
     @register(dispatch=Dispatch.COLLECTIVE)
     @in_phase("sync")
@@ -123,7 +126,7 @@ class ActorWorker(CheckpointMixin, Worker):
         stand in for `old_log_probs`, and each micro-batch's (log-probs, entropy, mb) is kept."""
         algo, tis_cap = self.config.algorithm, self.config.rollout.tis_cap
         norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
-                    global_seqs=global_seqs, max_response_length=self.config.rollout.max_new_tokens)
+                    global_seqs=global_seqs, max_response_length=self.config.rollout.max_response_tokens)
 
         def loss_fn(out: dict[str, Tensor], mb) -> tuple[Tensor, dict]:
             t, cu = mb.tensors, mb.packed.cu_seqlens
@@ -174,6 +177,6 @@ def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:
     return ReplicaSpec(
         model_path=config.model.path, config=config.rollout, device=ctx.device,
         dtype=resolve_dtype(config.actor.dtype, ctx.device),
-        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
+        max_model_len=config.data.max_prompt_length + config.rollout.max_response_tokens,
         world_group=ctx.group_cache.get(range(world)), replica_group=replica_group,
         rank=ctx.rank)

@@ -63,7 +63,7 @@ class CriticWorker(CheckpointMixin, Worker):
     def _loss_fn(self, global_tokens: int, global_seqs: int):
         algo = self.config.algorithm
         norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
-                    global_seqs=global_seqs, max_response_length=self.config.rollout.max_new_tokens)
+                    global_seqs=global_seqs, max_response_length=self.config.rollout.max_response_tokens)
 
         def loss_fn(out: dict[str, Tensor], mb) -> tuple[Tensor, dict]:
             t, cu = mb.tensors, mb.packed.cu_seqlens

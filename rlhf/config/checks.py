@@ -50,9 +50,10 @@ def _active_roles(cfg: JobConfig, policy: ModelFacts | None):
 def _check_inputs(cfg: JobConfig) -> Iterator[str]:
     if not cfg.data.train_files:
         yield "data.train_files is empty; list the training JSONL or Parquet file(s)"
-    if not cfg.reward.functions and cfg.reward.model_path is None:
+    if not cfg.reward.functions and cfg.reward.model_path is None and cfg.rollout.env.path is None:
         yield ("reward.functions is empty and reward.model_path is null; give at least one "
-               "reward function (e.g. [{path: 'pkg.module:function'}]) or a reward model")
+               "reward function (e.g. [{path: 'pkg.module:function'}]), a reward model or an "
+               "environment (rollout.env.path)")
     if cfg.trainer.val_every > 0 and not cfg.data.val_files:
         yield (f"trainer.val_every={cfg.trainer.val_every} needs data.val_files; list the "
                f"validation file(s) or set trainer.val_every=0")
@@ -74,9 +75,9 @@ def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
                "identical, so group advantages are all zero; use a temperature above 0")
     if policy is None:
         return
-    sequence = cfg.data.max_prompt_length + rollout.max_new_tokens
+    sequence = cfg.data.max_prompt_length + rollout.max_response_tokens
     if sequence > policy.max_position_embeddings:
-        yield (f"data.max_prompt_length + rollout.max_new_tokens = {sequence} exceeds the "
+        yield (f"data.max_prompt_length + {_response_key(rollout)} = {sequence} exceeds the "
                f"model's max_position_embeddings {policy.max_position_embeddings} "
                f"({policy.source}); shorten one of them")
     if policy.num_heads % rollout.tp:
@@ -85,6 +86,15 @@ def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
     if cfg.trainer.device == "cpu" and policy.head_dim not in VLLM_CPU_HEAD_SIZES:
         yield (f"model head size {policy.head_dim} ({policy.source}) has no vLLM CPU kernel "
                f"(trainer.device is cpu); use one of {list(VLLM_CPU_HEAD_SIZES)}")
+
+
+def _response_key(rollout) -> str:
+    """The key that bounds a response: a turn without an environment, an episode with one."""
+    if rollout.env.path is None:
+        return "rollout.max_new_tokens"
+    if rollout.max_episode_tokens is None:
+        return "rollout.max_turns * rollout.max_new_tokens"
+    return "rollout.max_episode_tokens"
 
 
 def _check_training(cfg: JobConfig) -> Iterator[str]:
@@ -106,10 +116,10 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
                f"{where}; change the plan or the number of ranks")
     if role.dtype == "float16" and cfg.trainer.device == "cpu":
         yield f"{name}.dtype=float16 is not supported on cpu; use float32, bfloat16 or auto"
-    sequence = cfg.data.max_prompt_length + cfg.rollout.max_new_tokens
+    sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_tokens
     if role.max_tokens_per_micro_batch < sequence:
         yield (f"{name}.max_tokens_per_micro_batch={role.max_tokens_per_micro_batch} is below "
-               f"data.max_prompt_length + rollout.max_new_tokens = {sequence}, so a whole "
+               f"data.max_prompt_length + {_response_key(cfg.rollout)} = {sequence}, so a whole "
                f"sequence may not fit; raise it to at least {sequence}")
     if facts is not None:
         yield from _check_plan_vs_model(name, role, facts)

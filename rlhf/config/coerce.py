@@ -40,7 +40,7 @@ def type_name(tp) -> str:
         name = f"list[{type_name(args[0])}]"
     elif origin is tuple:
         name = "[" + ", ".join(type_name(a) for a in args) + "]"
-    elif dataclasses.is_dataclass(inner):
+    elif dataclasses.is_dataclass(inner) or origin is dict:
         name = "mapping"
     else:
         name = inner.__name__
@@ -159,6 +159,10 @@ def convert(value, tp, key: str, base=None):
         return _to_tuple(key, inner, value)
     if dataclasses.is_dataclass(inner):
         return build(inner, value, key, base=base if isinstance(base, inner) else None)
+    if origin is dict:  # free-form keyword arguments handed to user code, taken as written
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise _type_error(key, tp, value, " (write a mapping with string keys)")
+        return dict(value)
     if inner is bool:
         return _to_bool(key, tp, value)
     if inner is int:

@@ -10,6 +10,7 @@ from typing import Literal
 
 from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, ReferenceConfig, RewardConfig,
                                TrainRoleConfig)
+from rlhf.config.envs import EnvConfig
 from rlhf.config.rules import require_min, require_positive_or_none, require_range
 from rlhf.config.sft import SFTConfig
 from rlhf.config.tiny import TinyModelConfig
@@ -65,6 +66,21 @@ class RolloutConfig:
     """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts: the environment that answers each model turn (rlhf/envs)."""
+    max_turns: int = 1
+    """Most model turns per episode when rollout.env is set (max_new_tokens is per turn)."""
+    max_episode_tokens: int | None = None
+    """Most response tokens of an episode (model + environment); null = max_turns x max_new_tokens."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest response a rollout returns: a whole episode with an environment."""
+        if self.env.path is None:
+            return self.max_new_tokens
+        if self.max_episode_tokens is None:
+            return self.max_turns * self.max_new_tokens
+        return self.max_episode_tokens
 
     def __post_init__(self):
         require_min(self, 1, "tp", "n", "max_new_tokens", "max_num_seqs")
@@ -83,6 +99,13 @@ class RolloutConfig:
                               f"token) or null, got {self.tis_cap}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
+        require_min(self, 1, "max_turns")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise ConfigError(f"max_episode_tokens must be at least 1 or null, got "
+                              f"{self.max_episode_tokens}")
+        if self.env.path is not None and self.tp != 1:
+            raise ConfigError(f"env: multi-turn rollouts run on replicas of one rank; set "
+                              f"rollout.tp=1 (got {self.tp})")
 
 
 @dataclass(frozen=True, kw_only=True)

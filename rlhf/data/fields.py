@@ -9,14 +9,22 @@ from rlhf.data.ragged import Ragged
 
 MASK = "response_mask"
 """Optional per-response-token bool field: False tokens count in no loss and no metric."""
+MODEL_MASK = "model_mask"
+"""Per-response-token bool field of multi-turn episodes: True where the model sampled the
+token, False on environment (observation) tokens, which are context only."""
 
 
 def response_mask(batch: Batch) -> Ragged:
-    """The batch's `response_mask` as bool, or all True over the response tokens."""
+    """The tokens that count: `response_mask` and `model_mask` where present (as bool), else
+    every response token."""
     responses = batch["response_ids"]
-    if MASK in batch:
-        return Ragged(batch[MASK].values.bool(), batch[MASK].offsets)
-    return Ragged(torch.ones(responses.values.shape[0], dtype=torch.bool), responses.offsets)
+    mask_T = torch.ones(responses.values.shape[0], dtype=torch.bool)
+    for key in (MASK, MODEL_MASK):
+        if key in batch:
+            if not torch.equal(batch[key].offsets, responses.offsets):
+                raise ValueError(f"{key} has different row lengths than response_ids")
+            mask_T = mask_T & batch[key].values.bool()
+    return Ragged(mask_T, responses.offsets)
 
 
 def sample_lengths(batch: Batch) -> list[int]:

@@ -5,7 +5,8 @@ per token so arithmetic is learnable. Chat turns look like
 
     <|bos|><|system|>\\nBe brief.<|eos|><|user|>\\n12+7=<|eos|><|assistant|>\\n19<|eos|>
 
-Every turn ends with the eos token, so a model's generated assistant turn stops at eos.
+Every turn ends with the eos token, so a model's generated assistant turn stops at eos. Tool
+calls and results follow the <tool_call>/<tool_response> convention (see CHAT_TEMPLATE).
 No token is added automatically when encoding plain text (the template writes bos).
 """
 
@@ -23,14 +24,21 @@ EOS_TOKEN = "<|eos|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS)
 
+# A "tool" message (a tool's result, rlhf/envs/tools.py) is a user turn holding
+# <tool_response>RESULT</tool_response>; the model calls tools by writing
+# <tool_call>{"name": ..., "arguments": {...}}</tool_call> in its own turn.
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}"
     "{{- raise_exception('unknown chat role ' ~ message['role'] ~ "
-    "'; use system, user or assistant') -}}"
+    "'; use system, user, assistant or tool') -}}"
     "{%- endif -%}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{- '<|user|>\\n<tool_response>' ~ message['content'] ~ '</tool_response>' ~ eos_token -}}"
+    "{%- else -%}"
     "{{- '<|' ~ message['role'] ~ '|>\\n' ~ message['content'] ~ eos_token -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )

@@ -1,4 +1,7 @@
-"""Load a reward function from 'package.module:function' or 'path/to/file.py:function'."""
+"""Load a reward function from 'package.module:function' or 'path/to/file.py:function'.
+
+`load_object` is the shared half: any named object (a reward function, an environment class)
+by the same two forms, with errors that say what was being loaded."""
 
 import difflib
 import hashlib
@@ -17,26 +20,33 @@ from types import ModuleType
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.rewards.protocol import EXPECTED_SIGNATURE, REWARD_KWARGS
 
-_FORMS = "'package.module:function' or 'path/to/file.py:function'"
+
+def _forms(what: str) -> str:
+    name = "Class" if what == "environment" else "function"
+    return f"'package.module:{name}' or 'path/to/file.py:{name}'"
+
+
+def load_object(spec: str, *, what: str = "reward function") -> object:
+    """The attribute named by spec ('package.module:name' or 'path/to/file.py:name'); errors
+    start with `what` and spec. A file path is relative to the working directory."""
+    target, sep, name = spec.rpartition(":")
+    if not (sep and target and name):
+        raise RLHFError(f"{what} {spec!r}: expected {_forms(what)}")
+    is_file = target.endswith(".py") or "/" in target or "\\" in target
+    module = (_load_file(spec, Path(target), what) if is_file
+              else _import_module(spec, target, what))
+    if not hasattr(module, name):
+        raise RLHFError(f"{what} {spec!r}: {target} has no attribute {name!r}"
+                        f"{_close_names(module, name)}")
+    return getattr(module, name)
 
 
 def load_reward_function(spec: str) -> Callable:
-    """The callable named by spec, checked to accept the reward keyword arguments.
-
-    A file path is relative to the working directory; a module must be importable.
-    """
-    target, sep, name = spec.rpartition(":")
-    if not (sep and target and name):
-        raise RLHFError(f"reward function {spec!r}: expected {_FORMS}")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = _load_file(spec, Path(target)) if is_file else _import_module(spec, target)
-    if not hasattr(module, name):
-        raise RLHFError(f"reward function {spec!r}: {target} has no attribute {name!r}"
-                        f"{_close_names(module, name)}")
-    fn = getattr(module, name)
+    """The callable named by spec, checked to accept the reward keyword arguments."""
+    fn = load_object(spec, what="reward function")
     if not callable(fn):
-        raise RLHFError(f"reward function {spec!r}: {name} is a {type(fn).__name__}, "
-                        f"not a function; expected {EXPECTED_SIGNATURE}")
+        raise RLHFError(f"reward function {spec!r}: {spec.rpartition(':')[2]} is a "
+                        f"{type(fn).__name__}, not a function; expected {EXPECTED_SIGNATURE}")
     check_signature(fn, spec)
     return fn
 
@@ -118,28 +128,28 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(report.format()).rstrip()
 
 
-def _import_module(spec: str, target: str) -> ModuleType:
+def _import_module(spec: str, target: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
         if e.name is not None and (target == e.name or target.startswith(e.name + ".")):
             raise RLHFError(
-                f"reward function {spec!r}: module {target!r} not found ({e}); install it, put "
+                f"{what} {spec!r}: module {target!r} not found ({e}); install it, put "
                 f"its folder on PYTHONPATH, or give a file path such as "
-                f"'path/to/{target.rsplit('.', 1)[-1]}.py:function'") from None
-        raise RLHFError(f"reward function {spec!r}: importing {target!r} failed because it "
+                f"'path/to/{target.rsplit('.', 1)[-1]}.py:name'") from None
+        raise RLHFError(f"{what} {spec!r}: importing {target!r} failed because it "
                         f"imports a missing module:\n{user_traceback(e)}") from None
     except Exception as e:  # user code runs at import; show what went wrong in it
-        raise RLHFError(f"reward function {spec!r}: importing {target!r} failed:\n"
+        raise RLHFError(f"{what} {spec!r}: importing {target!r} failed:\n"
                         f"{user_traceback(e)}") from None
 
 
-def _load_file(spec: str, path: Path) -> ModuleType:
+def _load_file(spec: str, path: Path, what: str) -> ModuleType:
     if path.suffix != ".py":
-        raise RLHFError(f"reward function {spec!r}: {str(path)!r} is not a .py file; "
-                        f"expected {_FORMS}")
+        raise RLHFError(f"{what} {spec!r}: {str(path)!r} is not a .py file; "
+                        f"expected {_forms(what)}")
     if not path.is_file():
-        raise RLHFError(f"reward function {spec!r}: file {str(path)!r} does not exist "
+        raise RLHFError(f"{what} {spec!r}: file {str(path)!r} does not exist "
                         f"(relative paths start at the working directory {str(Path.cwd())!r})")
     resolved = path.resolve()
     # A name of its own per file, so user files called e.g. "reward.py" never collide with
@@ -155,7 +165,7 @@ def _load_file(spec: str, path: Path) -> ModuleType:
         del sys.modules[module_name]
         if not isinstance(e, Exception):
             raise
-        raise RLHFError(f"reward function {spec!r}: running {str(path)!r} failed:\n"
+        raise RLHFError(f"{what} {spec!r}: running {str(path)!r} failed:\n"
                         f"{user_traceback(e)}") from None
     return module
 

@@ -33,21 +33,27 @@ STARTUP_TIMEOUT_S = 120.0
 CHUNKS_PER_WORKER = 4
 _JOIN_S = 2.0
 # The driver's sys.path goes first, so workers import user modules (and rlhf) as it does.
-_WORKER_CODE = "import sys; sys.path[:] = {path!r}; from rlhf.rewards.worker import main; main()"
+_WORKER_CODE = "import sys; sys.path[:] = {path!r}; from {module} import main; main()"
+
+
+def spawn_child(module: str) -> tuple[subprocess.Popen, Connection]:
+    """A fresh interpreter running `module.main()` (see rlhf.rewards.worker.child_main) and
+    our end of its socket pair; a dead child reads as EOF on it."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WORKER_CODE.format(path=[str(p) for p in sys.path],
+                                                       module=module),
+             str(theirs.fileno()), str(os.getpid())], pass_fds=[theirs.fileno()],
+            start_new_session=True)  # Ctrl-C reaches the driver, which stops the workers
+        return proc, Connection(ours.detach())
 
 
 class _Worker:
     """One process, its pipe, and the calls it still owes (sample, function) in order."""
 
     def __init__(self, specs: list[str]):
-        ours, theirs = socket.socketpair()
-        with ours, theirs:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE.format(path=[str(p) for p in sys.path]),
-                 str(theirs.fileno()), str(os.getpid())], pass_fds=[theirs.fileno()],
-                start_new_session=True)  # Ctrl-C reaches the driver, which stops the workers
-            self.conn = Connection(ours.detach())
-        # theirs is closed here, so a dead worker reads as EOF on our end
+        self.proc, self.conn = spawn_child("rlhf.rewards.worker")
         self.conn.send(specs)
         self.ready = False
         self.owed: deque[tuple[int, int]] = deque()
@@ -72,7 +78,7 @@ class _Worker:
 
     def kill(self) -> None:
         self.proc.kill()
-        _reap(self.proc)
+        reap(self.proc)
         self.conn.close()
 
 
@@ -154,7 +160,7 @@ class WorkerPool:
         worker.ready, worker.since = True, time.monotonic()
 
     def _on_death(self, worker: _Worker, queue: deque) -> Iterator[tuple[int, int, Outcome]]:
-        code = _reap(worker.proc)
+        code = reap(worker.proc)
         if not worker.ready:
             self._replace(worker)
             raise RLHFError(f"a reward worker process exited with code {code} while loading "
@@ -204,13 +210,13 @@ def _stop_all(workers: list[_Worker]) -> None:
         except (OSError, ValueError):
             pass  # already dead or closed
     for worker in workers:
-        if _reap(worker.proc) is None:
+        if reap(worker.proc) is None:
             worker.proc.kill()
-            _reap(worker.proc)
+            reap(worker.proc)
         worker.conn.close()
 
 
-def _reap(proc: subprocess.Popen) -> int | None:
+def reap(proc: subprocess.Popen) -> int | None:
     """Exit code of proc once it ends (None if it is still running after a short wait)."""
     try:
         return proc.wait(_JOIN_S)

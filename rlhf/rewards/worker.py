@@ -66,8 +66,14 @@ def serve(conn: Connection) -> None:
                 conn.send((index, f, call_reward(functions[f], sample)))
 
 
-def main() -> None:
-    """Entry point of `python -c "...main()" FD PARENT_PID`, started by rlhf.rewards.pool."""
+def child_main(serve_fn: Callable[[Connection], None]) -> None:
+    """The body of a spawned worker (`python -c "...main()" FD PARENT_PID`, see
+    rlhf.rewards.pool.spawn_child): serve_fn on the pipe, ending with the parent."""
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    serve(Connection(fd))
+    serve_fn(Connection(fd))
+
+
+def main() -> None:
+    """Entry point of a reward worker, started by rlhf.rewards.pool."""
+    child_main(serve)

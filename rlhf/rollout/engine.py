@@ -109,6 +109,10 @@ def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
     else:
         args.update(kv_cache_memory_bytes=int(config.cpu_kv_cache_gb * 2**30),
                     enforce_eager=True)  # no graphs to capture on the CPU
+        if config.env.path is not None:
+            # Seeded sampling crashed in vLLM-CPU's chunked prefill once multi-turn prompts
+            # grew long; whole-prompt prefill avoids it.
+            args.update(enable_chunked_prefill=False)
     return args
 
 

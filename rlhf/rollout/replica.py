@@ -21,7 +21,10 @@ from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
+from rlhf.envs.render import TurnRenderer
+from rlhf.envs.runner import EnvRunner
 from rlhf.rollout.engine import Completion, RolloutEngine
+from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch, run_episodes
 from rlhf.rollout.process import configure_engine_process
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
 
@@ -50,6 +53,7 @@ class RolloutReplica:
         self.engine: RolloutEngine | None = None
         self.stale = False  # the engine starts from model_path, the initial policy
         self.calls = 0
+        self.env: tuple | None = None  # (EnvRunner, TurnRenderer, tokenizer), built on first use
 
     def ensure_engine(self) -> RolloutEngine:
         """Build the engine on first use."""
@@ -69,9 +73,12 @@ class RolloutReplica:
 
     # ---- sampling ----------------------------------------------------------------------------
 
-    def generate(self, prompts: Ragged, *, greedy: bool, seed: int | None) -> Batch:
+    def generate(self, prompts: Ragged, *, greedy: bool, seed: int | None,
+                 env_rows: list[dict] | None = None) -> Batch:
         """`response_ids` and `rollout_log_probs` of this rank's prompts (n samples each,
-        prompt-major) and metrics over the whole group in meta; collective over the group."""
+        prompt-major) and metrics over the whole group in meta; collective over the group.
+        With rollout.env, each sample is a multi-turn episode started from its `env_rows`
+        entry (prompt, ground_truth, extra): see rlhf.rollout.multiturn."""
         start = time.perf_counter()
         call = self.calls
         self.calls += 1
@@ -80,17 +87,60 @@ class RolloutReplica:
         n = 1 if greedy else self.spec.config.n
         rows, skip = self._replica_rows(mine, first)
         call_seed = seed if seed is not None else derive_seed(self.spec.config.seed, call)
-        params = [p for pos, _ in rows for p in sampling_params(
-            self.spec.config, greedy=greedy,
-            seeds=request_seeds(call_seed=call_seed, first_prompt=pos, num_prompts=1, n=n))]
+        seeds = [s for pos, _ in rows for s in request_seeds(
+            call_seed=call_seed, first_prompt=pos, num_prompts=1, n=n)]
         repeated = [prompt for _, prompt in rows for _ in range(n)]
         engine = self.ensure_engine()  # on every rank at once: building may be collective
-        completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
+        if self.spec.config.env.path is not None:
+            batch, env_sums = self._episodes(engine, repeated, seeds, env_rows, first=first, n=n,
+                                             greedy=greedy)
+        else:
+            params = sampling_params(self.spec.config, greedy=greedy, seeds=seeds)
+            completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
+            batch, env_sums = _to_batch(completions, meta={}), None
         engine.sleep()
         self.stale = self.stale or not engine.has_weights  # a level-2 sleep discards them
-        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.int64)
+        lengths = batch["response_ids"].lengths
         metrics = self._rollout_metrics(lengths, time.perf_counter() - start)
-        return _to_batch(completions, meta={"metrics": metrics})
+        if env_sums is not None:
+            metrics.update(env_metrics(self._sum_over_group(env_sums)))
+        return batch.with_meta(metrics=metrics)
+
+    def _episodes(self, engine: RolloutEngine, prompts: list[list[int]], seeds: list[int],
+                  env_rows: list[dict] | None, *, first: int, n: int,
+                  greedy: bool) -> tuple[Batch, dict]:
+        """Multi-turn episodes of this rank's prompts (rollout.tp is 1: no replica peers)."""
+        if env_rows is None or len(env_rows) * n != len(prompts):
+            raise ValueError("a multi-turn rollout needs each prompt's row (prompt, "
+                             "ground_truth, extra) for its environment")
+        if self.env is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
+            env = self.spec.config.env
+            self.env = (EnvRunner(env.path, env.kwargs, num_workers=env.num_workers,
+                                  timeout_s=env.timeout_s), TurnRenderer(tokenizer), tokenizer)
+        runner, renderer, tokenizer = self.env
+        episodes = [Episode(prompt, seed, f"row {first + i // n}, sample {i % n}",
+                            env_rows[i // n]) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
+        sums = run_episodes(engine, episodes, runner=runner, renderer=renderer,
+                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                            config=self.spec.config, greedy=greedy)
+        return episodes_to_batch(episodes), sums
+
+    def _sum_over_group(self, sums: dict[str, float]) -> dict[str, float]:
+        """Every rank's sums added up; "seconds" is the slowest rank's."""
+        group = self.spec.world_group
+        parts = [sums]
+        if group_size(group) > 1:
+            parts = [None] * group_size(group)
+            dist.all_gather_object(parts, sums, group=group)
+        total: dict[str, float] = {}
+        for part in parts:
+            for key, value in part.items():
+                total[key] = (max(total.get(key, 0.0), value) if key == "seconds"
+                              else total.get(key, 0.0) + value)
+        return total
 
     def _first_position(self, mine: list[list[int]]) -> int:
         """Row of this rank's first prompt in the driver's batch: ranks hold contiguous chunks
@@ -121,7 +171,7 @@ class RolloutReplica:
         return [r for part in parts for r in part], sum(len(p) for p in parts[:me])
 
     def _length_problem(self, prompts: list[list[int]]) -> str | None:
-        room = self.spec.max_model_len - self.spec.config.max_new_tokens
+        room = self.spec.max_model_len - self.spec.config.max_response_tokens
         lengths = [len(p) for p in prompts]
         if lengths and (max(lengths) > room or min(lengths) == 0):
             return (f"prompts must hold 1 to {room} tokens (data.max_prompt_length), got "

@@ -26,20 +26,24 @@ def request_seeds(*, call_seed: int, first_prompt: int, num_prompts: int, n: int
             for i in range(num_prompts) for j in range(n)]
 
 
-def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int]) -> list:
-    """One vLLM SamplingParams (n=1) per request: the config's sampling, or greedy.
+def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int],
+                    max_tokens: list[int] | None = None) -> list:
+    """One vLLM SamplingParams (n=1) per request: the config's sampling, or greedy; each
+    request's `max_tokens` (a multi-turn episode's room) defaults to rollout.max_new_tokens.
 
     Each request returns the log-prob of its sampled token (logprobs=0); the engine is built
     with processed log-probs, i.e. after temperature scaling, like the trainer's log-probs.
     """
     from vllm import SamplingParams  # vLLM is imported only where an engine is used
 
-    common = dict(n=1, max_tokens=config.max_new_tokens, logprobs=0, stop=list(config.stop),
+    limits = max_tokens if max_tokens is not None else [config.max_new_tokens] * len(seeds)
+    common = dict(n=1, logprobs=0, stop=list(config.stop),
                   detokenize=bool(config.stop))  # stop strings need text; ids need none
     if greedy:
-        return [SamplingParams(temperature=0.0, **common) for _ in seeds]
+        return [SamplingParams(temperature=0.0, max_tokens=limit, **common) for limit in limits]
     return [SamplingParams(temperature=config.temperature, top_p=config.top_p,
-                           top_k=config.top_k, seed=seed, **common) for seed in seeds]
+                           top_k=config.top_k, seed=seed, max_tokens=limit, **common)
+            for seed, limit in zip(seeds, limits, strict=True)]
 
 
 def logprob_gap(old_log_probs: Ragged, rollout_log_probs: Ragged,

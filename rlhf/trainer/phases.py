@@ -29,13 +29,18 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
 
 def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *,
                 rm_scores: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """(N,) float32 total rewards (functions + reward model) and the reward metrics."""
+    """(N,) float32 total rewards (functions + environment + reward model) and the metrics."""
     result = runner.score(batch["raw_prompt"], decode_responses(batch, tokenizer),
                           batch["ground_truth"], batch["extra"])
-    scores = combine_scores([result.scores], [1.0], rm_scores=rm_scores,
+    parts = [result.scores]
+    if "env_reward" in batch:  # multi-turn episodes: the environment's summed rewards
+        parts.append(batch["env_reward"])
+    scores = combine_scores(parts, [1.0] * len(parts), rm_scores=rm_scores,
                             rm_weight=cfg.reward.model_weight)
     metrics = {**result.metrics, "reward/mean": scores.mean().item(),
                "reward/max": scores.max().item(), "reward/min": scores.min().item()}
+    if "env_reward" in batch:
+        metrics["reward/env_mean"] = batch["env_reward"].float().mean().item()
     if rm_scores is not None:
         metrics["reward/rm_mean"] = rm_scores.float().mean().item()
     return scores, metrics

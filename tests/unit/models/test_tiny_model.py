@@ -174,7 +174,7 @@ def test_chat_template_renders_turns_and_generation_prompt(tokenizer):
     assert tokenizer.decode(ids).endswith("<|assistant|>\n19<|eos|>")
     assert ids[-1] == tokenizer.eos_token_id  # generation of an assistant turn stops at eos
     with pytest.raises(Exception, match="unknown chat role"):
-        tokenizer.apply_chat_template([{"role": "tool", "content": "x"}], tokenize=False)
+        tokenizer.apply_chat_template([{"role": "robot", "content": "x"}], tokenize=False)
 
 
 def test_tokenizer_fits_vocab_and_is_deterministic(tokenizer):

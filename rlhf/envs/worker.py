@@ -1,0 +1,74 @@
+"""What runs inside an environment worker process: the episodes pinned to it, by id.
+
+Messages from the runner: (spec, kwargs) first, then lists of (episode, method, payload)
+calls, None to stop. Answers: ("ready",) or ("load_error", text), then one (episode, outcome)
+per call as soon as it returns, so the runner can time every call (see rlhf.envs.runner).
+"""
+
+from __future__ import annotations
+
+from multiprocessing.connection import Connection
+from typing import Any
+
+from rlhf.envs.base import BadStep, Env, check_step_result
+from rlhf.errors import RLHFError
+from rlhf.rewards.loader import load_object, user_traceback
+from rlhf.rewards.worker import child_main
+
+# An outcome is ("ok", value), ("error", text) or ("timeout", text).
+Outcome = tuple
+
+
+def load_env_class(spec: str) -> type[Env]:
+    """The Env subclass named by spec ('pkg.module:Class' or 'path/to/file.py:Class')."""
+    cls = load_object(spec, what="environment")
+    if not (isinstance(cls, type) and issubclass(cls, Env)):
+        raise RLHFError(f"environment {spec!r} is a {type(cls).__name__}, not a subclass of "
+                        f"rlhf.envs.Env; define `class MyEnv(Env)` with reset and step")
+    return cls
+
+
+def call_env(cls: type[Env], kwargs: dict, envs: dict[int, Env], episode: int, method: str,
+             payload: dict) -> Outcome:
+    """One call on one episode's environment; never raises for the environment's errors."""
+    try:
+        if method == "end":
+            envs.pop(episode, None)
+            return ("ok", None)
+        if method == "reset":
+            envs[episode] = cls(**kwargs)
+            envs[episode].reset(**payload)
+            return ("ok", None)
+        if episode not in envs:
+            return ("error", "step before reset (no environment for this episode)")
+        return ("ok", check_step_result(envs[episode].step(**payload)))
+    except BadStep as e:
+        return ("error", f"it returned a bad value: {e}")
+    except Exception as e:
+        return ("error", f"{method} raised:\n{user_traceback(e)}")
+
+
+def serve(conn: Connection) -> None:
+    """Load the class the runner names, then serve calls until told to stop."""
+    spec, kwargs = conn.recv()
+    try:
+        cls = load_env_class(spec)
+    except Exception as e:
+        conn.send(("load_error", str(e) if isinstance(e, RLHFError) else user_traceback(e)))
+        return
+    conn.send(("ready",))
+    envs: dict[int, Any] = {}
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        for episode, method, payload in task:
+            conn.send((episode, call_env(cls, kwargs, envs, episode, method, payload)))
+
+
+def main() -> None:
+    """Entry point of an environment worker, started by rlhf.envs.runner."""
+    child_main(serve)
