@@ -33,3 +33,20 @@ class ScriptedEnv(Env):
             os._exit(3)
         return StepResult(observation=entry.get("obs"), reward=entry.get("reward", 0.0) + self.bonus,
                           done=entry.get("done", False), metrics={"steps": 1.0})
+
+
+class EchoEnv(Env):
+    """Two turns: the first answer is echoed back as "check: ..." ; the second is scored by
+    exact match with the ground truth (the end-to-end trainer tests)."""
+
+    def reset(self, *, prompt, ground_truth, extra):
+        self.answer, self.turn = str(ground_truth), 0
+
+    def step(self, *, text, token_ids):
+        self.turn += 1
+        if self.turn == 1:
+            return StepResult(observation=f"check: {text.strip()}", metrics={"echoes": 1.0})
+        return StepResult(reward=float(text.strip() == self.answer), done=True)
+
+
+ECHO_SPEC = f"{__file__}:EchoEnv"
