@@ -5,11 +5,16 @@ The log-prob gap (trainer vs vLLM) covers model tokens only: environment tokens 
 sampling log-prob (0), so a mask that let them in would show a gap of several nats."""
 
 import pytest
+from transformers import AutoTokenizer
 
+from rlhf.controller import ResourcePool, WorkerGroup
+from rlhf.data.batch import Batch
+from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.trainer.cli import run_train
 from rlhf.trainer.metrics import read_metrics
 from tests.unit.envs.scripted_env import ECHO_SPEC
 from tests.unit.trainer.jobs import job_config, make_assets
+from workers.actor import ActorWorker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -43,3 +48,32 @@ def test_grpo_step_at_pp2_on_multiturn_episodes(ray_cluster, tmp_path):
     assets = make_assets(tmp_path)
     check_step(multiturn_config(assets, tmp_path / "grpo-pp2", actor={"parallel": {"pp": 2}},
                                 algorithm={"adv_estimator": "grpo", "kl_in_reward": False}))
+
+
+def test_model_token_log_probs_agree_across_layouts(ray_cluster, tmp_path):
+    """Episodes sampled once; the tp=2 and pp=2 actors score their model tokens alike."""
+    assets = make_assets(tmp_path)
+    configs = {name: multiturn_config(assets, tmp_path / name, actor={"parallel": plan})
+               for name, plan in (("tp2", {"tp": 2}), ("pp2", {"pp": 2}))}
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    data = configs["tp2"].data
+    prompts = next(PromptLoader(build_prompt_dataset(data.train_files, tokenizer, data),
+                                batch_size=4, shuffle=False)).with_meta(seed=7)
+    log_probs, batch = {}, None
+    for name, cfg in configs.items():
+        pool = ResourcePool(f"mt-{name}", ranks_per_node=2, use_gpu=False)
+        group = WorkerGroup(pool, {"actor": (ActorWorker, {"config": cfg})}, job_name=f"mt-{name}")
+        try:
+            if batch is None:
+                out = group.generate(prompts)
+                batch = prompts.repeat_interleave(cfg.rollout.n).union(
+                    Batch({k: out[k] for k in out.keys()}))
+            log_probs[name] = group.compute_log_prob(batch)["old_log_probs"]
+        finally:
+            group.shutdown()
+    model_T = batch["model_mask"].values.bool()
+    assert 0 < int(model_T.sum()) < len(model_T)  # both kinds of token are there
+    gap = (log_probs["tp2"].values - log_probs["pp2"].values)[model_T].abs().max()
+    assert gap < 1e-5
+    vllm_gap = (log_probs["tp2"].values - batch["rollout_log_probs"].values)[model_T].abs().max()
+    assert vllm_gap < 2e-4
