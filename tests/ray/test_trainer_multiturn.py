@@ -71,9 +71,26 @@ def test_model_token_log_probs_agree_across_layouts(ray_cluster, tmp_path):
             log_probs[name] = group.compute_log_prob(batch)["old_log_probs"]
         finally:
             group.shutdown()
+    check_streams(batch, tokenizer)
     model_T = batch["model_mask"].values.bool()
     assert 0 < int(model_T.sum()) < len(model_T)  # both kinds of token are there
     gap = (log_probs["tp2"].values - log_probs["pp2"].values)[model_T].abs().max()
     assert gap < 1e-5
     vllm_gap = (log_probs["tp2"].values - batch["rollout_log_probs"].values)[model_T].abs().max()
     assert vllm_gap < 2e-4
+
+
+def check_streams(batch, tokenizer):
+    """Each episode: model turn 1, then exactly the template's rendering of EchoEnv's
+    observation for that turn, then model turn 2."""
+    eos = tokenizer.eos_token_id
+    for ids, mask in zip(batch["response_ids"].to_list(), batch["model_mask"].to_list()):
+        ids, mask = ids.tolist(), mask.tolist()
+        first_env = mask.index(False)
+        after = first_env + mask[first_env:].index(True)
+        turn1, observation = ids[:first_env], ids[first_env:after]
+        assert all(mask[after:]) and len(ids) > after
+        text = tokenizer.decode(turn1, skip_special_tokens=True).strip()
+        expected = ("" if turn1[-1] == eos else "<|eos|>") + \
+            f"<|user|>\ncheck: {text}<|eos|><|assistant|>\n"
+        assert observation == tokenizer.encode(expected, add_special_tokens=False)
