@@ -209,6 +209,19 @@ def _check_reward_imports(cfg: JobConfig) -> list[str]:
                                timeout_s=cfg.reward.import_timeout_s)
     except ConfigError as e:
         return [str(e)]  # may span lines: a raising import comes with the user's traceback
+    return _check_env_import(cfg)
+
+
+def _check_env_import(cfg: JobConfig) -> list[str]:
+    """rollout.env.path names an Env subclass that imports (in this process)."""
+    if cfg.rollout.env.path is None:
+        return []
+    from rlhf.envs.worker import load_env_class
+
+    try:
+        load_env_class(cfg.rollout.env.path)
+    except RLHFError as e:
+        return [f"rollout.env.path: {e}"]
     return []
 
 

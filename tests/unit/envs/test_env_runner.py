@@ -68,3 +68,20 @@ def test_a_bad_spec_fails_before_any_process_starts(tmp_path):
         EnvRunner(f"{tmp_path / 'envs.py'}:not_a_class")
     with pytest.raises(RLHFError, match="environment .* has no attribute 'Nope'"):
         EnvRunner(f"{tmp_path / 'envs.py'}:Nope")
+
+
+def test_preflight_names_the_config_key_of_a_bad_environment(tmp_path):
+    import dataclasses
+
+    from rlhf.config import JobConfig, RolloutConfig
+    from rlhf.config.envs import EnvConfig
+    from rlhf.config.preflight import _check_env_import
+
+    def problems(path):
+        rollout = RolloutConfig(env=EnvConfig(path=path))
+        return _check_env_import(dataclasses.replace(JobConfig(), rollout=rollout))
+
+    assert problems(SPEC) == []
+    (tmp_path / "broken.py").write_text("raise ImportError('no board library')\n")
+    (message,) = problems(f"{tmp_path / 'broken.py'}:Board")
+    assert message.startswith("rollout.env.path: environment") and "no board library" in message
