@@ -88,9 +88,10 @@ class RolloutConfig:
         if self.seq_tis_cap is not None and self.seq_tis_cap < 1:
             raise ConfigError(f"seq_tis_cap must be at least 1 (a cap below 1 down-weights every "
                               f"response) or null, got {self.seq_tis_cap}")
-        if self.reject_band is not None and not 0 < self.reject_band[0] <= 1 <= self.reject_band[1]:
-            raise ConfigError(f"reject_band must be [low, high] with 0 < low <= 1 <= high (a ratio "
-                              f"of 1 means sampler and trainer agree), got {list(self.reject_band)}")
+        band = self.reject_band
+        if band is not None and not 0 < band[0] <= 1 <= band[1]:
+            raise ConfigError(f"reject_band must be [low, high] with 0 < low <= 1 <= high (a "
+                              f"ratio of 1 means sampler and trainer agree), got {list(band)}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
 
