@@ -2,7 +2,8 @@
 
 Fields in and out are listed in workers/common.py. The loss of one micro-batch is
 
-    ppo_policy_loss(log_probs, old_log_probs, advantages)      (dual clip at clip_ratio_c)
+    policy loss(log_probs, old_log_probs, advantages)          (algorithm.policy_loss: ppo
+                                                                 with dual clip, gspo, cispo)
     + kl_loss_coef * kl_loss(log_probs, ref_log_probs)           when algorithm.use_kl_loss
     - entropy_coeff * entropy_bonus(entropy)
 
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlhf.algorithms import (aggregate, entropy_bonus, kl_loss, ppo_policy_loss,
+from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss,
                              truncated_is_weights)
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
-from rlhf.data.fields import MASK
+from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
@@ -116,12 +117,15 @@ class ActorWorker(CheckpointMixin, Worker):
             fields.append("ref_log_probs")
         if self.config.rollout.tis_cap is not None:
             fields.append("rollout_log_probs")
+        if self.config.rollout.seq_tis_cap is not None:
+            fields.append(SEQ_IS_WEIGHTS)
         return tuple(fields)
 
     def _loss_fn(self, global_tokens: int, global_seqs: int, *, seen: list | None = None):
         """The PPO loss; with `seen` (fused old log-probs), the detached current log-probs
         stand in for `old_log_probs`, and each micro-batch's (log-probs, entropy, mb) is kept."""
         algo, tis_cap = self.config.algorithm, self.config.rollout.tis_cap
+        policy_loss = get_policy_loss(algo.policy_loss)
         norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
                     global_seqs=global_seqs, max_response_length=self.config.rollout.max_new_tokens)
 
@@ -136,10 +140,13 @@ class ActorWorker(CheckpointMixin, Worker):
             is_weights_T = None
             if tis_cap is not None:
                 is_weights_T = truncated_is_weights(old_T, t["rollout_log_probs"], tis_cap)
-            pg, pg_metrics = ppo_policy_loss(
-                out["log_probs"], old_T, t["advantages"], mask_T, cu,
-                clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
-                clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
+            if SEQ_IS_WEIGHTS in t:  # the driver's sequence-level weights, one per token
+                seq_T = t[SEQ_IS_WEIGHTS]
+                is_weights_T = seq_T if is_weights_T is None else is_weights_T * seq_T
+            clip_low, clip_high = algo.policy_clip
+            pg, pg_metrics = policy_loss(
+                out["log_probs"], old_T, t["advantages"], mask_T, cu, clip_low=clip_low,
+                clip_high=clip_high, clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
             loss = pg - algo.entropy_coeff * entropy_bonus(out["entropy"], mask_T, cu, **norm)
             share = token_share(mask_T, global_tokens)
             metrics = {

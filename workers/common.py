@@ -30,6 +30,8 @@ response token j of sample i, computed at the position that predicts it):
     rollout_log_probs  float    optional; the sampler's (vLLM's) log-probs. With
                                 rollout.tis_cap set, update_actor needs it and weights each
                                 token's policy loss by min(exp(old - rollout), tis_cap)
+    seq_is_weights     float    optional; the driver's sequence-level rollout correction
+                                (rollout.seq_tis_cap): one weight per response on its tokens
 
 One PPO step, from the driver (each call reads the fields listed above and takes its plan,
 `plan=plans.forward(role)` or `plans.update(role)`, see rlhf/trainer/step_plan.py):

@@ -72,6 +72,13 @@ def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
     if algo.adv_estimator in GROUP_ESTIMATORS and rollout.temperature == 0 and rollout.n > 1:
         yield ("rollout.temperature=0 (greedy) makes the rollout.n responses of a prompt "
                "identical, so group advantages are all zero; use a temperature above 0")
+    if algo.dynamic_sampling != "off" and algo.adv_estimator not in GROUP_ESTIMATORS:
+        yield (f"algorithm.dynamic_sampling={algo.dynamic_sampling} filters prompt groups by "
+               f"their reward spread; use a group estimator ({', '.join(GROUP_ESTIMATORS)}) "
+               f"for algorithm.adv_estimator, or set algorithm.dynamic_sampling=off")
+    if algo.overlong_buffer > rollout.max_new_tokens:
+        yield (f"algorithm.overlong_buffer={algo.overlong_buffer} exceeds rollout.max_new_tokens="
+               f"{rollout.max_new_tokens}; the penalty ramp must fit inside the response")
     if policy is None:
         return
     sequence = cfg.data.max_prompt_length + rollout.max_new_tokens

@@ -65,6 +65,10 @@ class RolloutConfig:
     """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
+    seq_tis_cap: float | None = None
+    """Sequence-level TIS: weight a response's tokens by min(pi_train(y) / pi_vllm(y), cap)."""
+    reject_band: tuple[float, float] | None = None
+    """[low, high]: mask responses whose per-token geometric-mean pi_train / pi_vllm leaves it."""
 
     def __post_init__(self):
         require_min(self, 1, "tp", "n", "max_new_tokens", "max_num_seqs")
@@ -81,6 +85,13 @@ class RolloutConfig:
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ConfigError(f"tis_cap must be at least 1 (a cap below 1 down-weights every "
                               f"token) or null, got {self.tis_cap}")
+        if self.seq_tis_cap is not None and self.seq_tis_cap < 1:
+            raise ConfigError(f"seq_tis_cap must be at least 1 (a cap below 1 down-weights every "
+                              f"response) or null, got {self.seq_tis_cap}")
+        band = self.reject_band
+        if band is not None and not 0 < band[0] <= 1 <= band[1]:
+            raise ConfigError(f"reject_band must be [low, high] with 0 < low <= 1 <= high (a "
+                              f"ratio of 1 means sampler and trainer agree), got {list(band)}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
 
@@ -118,7 +129,7 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
-    """PPO clip: the ratio is kept below 1 + clip_ratio_high (raise it for clip-higher)."""
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (clip-higher); cispo's cap too."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound on the loss of negative-advantage tokens; must exceed 1."""
     value_clip: float | None = 0.5
@@ -130,6 +141,24 @@ class AlgorithmConfig:
     """How token losses are reduced to one number."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss: ppo (token ratio), gspo (sequence ratio), cispo (clipped IS weight)."""
+    gspo_clip_low: float = 3e-4
+    """GSPO: the sequence ratio is kept above 1 - gspo_clip_low."""
+    gspo_clip_high: float = 4e-4
+    """GSPO: the sequence ratio is kept below 1 + gspo_clip_high."""
+    overlong_buffer: int = 0
+    """Soft overlong penalty over the last this-many tokens before max_new_tokens; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Score penalty at max_new_tokens, reached linearly across overlong_buffer."""
+    mask_truncated: bool = False
+    """Leave responses cut at max_new_tokens (no EOS) out of the loss."""
+    dynamic_sampling: Literal["off", "all_equal", "std_below"] = "off"
+    """Drop prompt groups without reward spread and refill the batch with fresh prompts."""
+    dynamic_sampling_std: float = 0.0
+    """std_below: drop groups whose reward std is below this (must be positive)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: most generate-and-score rounds per step (round 1 included)."""
 
     def __post_init__(self):
         require_range(self, "gamma", 0, 1)
@@ -142,6 +171,15 @@ class AlgorithmConfig:
         if self.clip_ratio_c <= 1:
             raise ConfigError(f"clip_ratio_c must be greater than 1, got {self.clip_ratio_c}")
         require_positive_or_none(self, "value_clip")
+        require_range(self, "gspo_clip_low", 0, 1, low_open=True, high_open=True)
+        require_min(self, 0, "overlong_buffer", "overlong_penalty", "dynamic_sampling_std")
+        require_min(self, 1, "max_sampling_rounds")
+        if self.gspo_clip_high <= 0:
+            raise ConfigError(f"gspo_clip_high must be positive, got {self.gspo_clip_high}")
+        if self.dynamic_sampling == "std_below" and self.dynamic_sampling_std <= 0:
+            raise ConfigError("dynamic_sampling 'std_below' needs a positive "
+                              f"dynamic_sampling_std, got {self.dynamic_sampling_std}; set one "
+                              "(e.g. 0.1) or use dynamic_sampling 'all_equal'")
         if self.kl_ctrl == "adaptive":
             if self.kl_target is None or self.kl_target <= 0:
                 raise ConfigError(f"kl_ctrl 'adaptive' needs a positive kl_target, got "
@@ -152,6 +190,14 @@ class AlgorithmConfig:
         if self.kl_in_reward and self.use_kl_loss:
             raise ConfigError("kl_in_reward and use_kl_loss are both true, so KL is penalised "
                               "twice; keep one of them")
+
+    @property
+    def policy_clip(self) -> tuple[float, float]:
+        """(low, high) clip range of the policy loss: gspo_clip_* for the sequence ratio of
+        gspo, clip_ratio_* for the token ratio of ppo (cispo caps its weight at 1 + high)."""
+        if self.policy_loss == "gspo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return self.clip_ratio_low, self.clip_ratio_high
 
     @property
     def use_critic(self) -> bool:

@@ -10,6 +10,10 @@ from rlhf.data.ragged import Ragged
 MASK = "response_mask"
 """Optional per-response-token bool field: False tokens count in no loss and no metric."""
 
+SEQ_IS_WEIGHTS = "seq_is_weights"
+"""Optional per-response-token float field: the driver's sequence-level rollout-correction
+weight of each response, repeated on its tokens; the actor scales the policy loss by it."""
+
 
 def response_mask(batch: Batch) -> Ragged:
     """The batch's `response_mask` as bool, or all True over the response tokens."""

@@ -1,16 +1,20 @@
 """The PPO/GRPO loop: one controller drives the role worker groups step by step.
 
 One step (see workers/common.py for the fields each call reads and writes):
-sync weights -> generate -> rewards -> old log-probs -> ref log-probs -> values ->
-advantages (driver) -> critic update -> actor update; every phase timed. Every role call gets
-the driver's plan of its mini- and micro-batches (step_plan.py); on-policy, the old log-probs
-come from the actor update's first forward instead of their own pass. Validation
-(greedy, held-out prompts) every trainer.val_every steps; checkpoints every save_every.
+sync weights -> generate -> rewards (with dynamic sampling, repeated on fresh prompts until the
+batch is full: dynamic_sampling.py) -> old log-probs -> ref log-probs -> values -> advantages
+(driver) -> masks and weights of the recipes (recipes.py) -> critic update -> actor update;
+every phase timed. Every role call gets the driver's plan of its mini- and micro-batches
+(step_plan.py); on-policy, the old log-probs come from the actor update's first forward instead
+of their own pass. Validation (greedy, held-out prompts) every trainer.val_every steps;
+checkpoints every save_every.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from torch import Tensor
 
 from rlhf.algorithms import build_kl_controller
 from rlhf.config import JobConfig, config_to_dict
@@ -21,8 +25,10 @@ from rlhf.data.fields import response_mask
 from rlhf.rewards import RewardRunner
 from rlhf.rollout import logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlhf.trainer.dynamic_sampling import fill_batch, round_seed
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
+from rlhf.trainer.recipes import prepare_update, rollout_corr_metrics, shape_scores
 from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
 from rlhf.trainer.shared_folder import check_shared_folder
 
@@ -83,14 +89,11 @@ class PPOTrainer:
         """One PPO step on the next batch of prompts; returns its metrics."""
         cfg, views, timer = self.cfg, self.views, PhaseTimer()
         with timer("step"):
-            prompts = next(self.loader).with_meta(seed=step_seed(cfg.rollout.seed, step))
-            batch, metrics = self._rollout(prompts, timer, greedy=False)
+            seed = step_seed(cfg.rollout.seed, step)  # dynamic sampling: one batch per round
+            batch, scores, metrics = fill_batch(
+                lambda r: next(self.loader).with_meta(seed=round_seed(seed, r)),
+                lambda prompts: self._generate_and_score(prompts, timer), cfg)
             plans = StepPlanner(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
-            with timer("reward"):
-                rm = (views["reward"].compute_rm_score(batch, plan=plans.forward("reward"))
-                      ["rm_scores"] if cfg.reward.model_path else None)
-                scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
-                                                     rm_scores=rm)
             fused = fuse_old_log_probs(cfg, step=step)
             if not fused:
                 with timer("old_log_prob"):
@@ -107,14 +110,33 @@ class PPOTrainer:
             with timer("advantages"):
                 advantages, adv_metrics = compute_advantages(batch, scores, cfg, self.kl_ctrl)
                 batch = batch.union(advantages)
+            batch, recipe_metrics = prepare_update(batch, cfg, self.tokenizer.eos_token_id)
             update_metrics, batch = self._update(batch, plans, timer, step=step, fused=fused)
             metrics.update(self._logprob_gap(batch))
+            metrics.update(recipe_metrics or rollout_corr_metrics(batch, cfg))
         stats = batch_metrics(batch)
-        metrics.update(reward_metrics, **adv_metrics, **update_metrics, **timer.seconds)
+        metrics.update(adv_metrics, **update_metrics, **timer.seconds)
         metrics.update(stats)
         metrics["plan/imbalance"] = plans.imbalance
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
         return metrics
+
+    def _generate_and_score(self, prompts: Batch,
+                            timer: PhaseTimer) -> tuple[Batch, Tensor, dict[str, float]]:
+        """Samples of `prompts`, their scores (reward functions, reward model, overlong
+        shaping) and the rollout and reward metrics."""
+        cfg = self.cfg
+        batch, metrics = self._rollout(prompts, timer, greedy=False)
+        with timer("reward"):
+            rm = None
+            if cfg.reward.model_path:
+                plan = StepPlanner(cfg, {"reward": self.views["reward"].layout.dp}, batch)
+                rm = self.views["reward"].compute_rm_score(
+                    batch, plan=plan.forward("reward"))["rm_scores"]
+            scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
+                                                 rm_scores=rm)
+            scores, shape_metrics = shape_scores(batch, scores, cfg, self.tokenizer.eos_token_id)
+        return batch, scores, {**metrics, **reward_metrics, **shape_metrics}
 
     def _rollout(self, prompts: Batch, timer: PhaseTimer, *, greedy: bool) -> tuple[Batch, dict]:
         actor = self.views["actor"]
