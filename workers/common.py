@@ -235,3 +235,13 @@ def mean_metrics(history: Sequence[Mapping[str, float]], prefix: str) -> dict[st
     """Each metric averaged over the optimizer steps, named `prefix + name`."""
     keys = history[0].keys()
     return {prefix + k: math.fsum(h[k] for h in history) / len(history) for k in keys}
+
+
+def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str) -> Batch:
+    """`replica.generate` on this rank's `prompt_ids` (the actor's colocated replica or a
+    separate rollout rank's), after checking the driver's `batch.meta["seed"]`."""
+    require_fields(batch, ("prompt_ids",), where)
+    seed = batch.meta.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
+    return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed)
