@@ -76,13 +76,12 @@ def test_one_step_trains_on_the_previous_version_and_resumes_exactly(ray_cluster
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     first, later = records[0], records[1:]
     assert first["async/staleness_0"] == 1.0 and first["async/policy_version"] == 0
-    print("approx_kl", [r["actor/approx_kl"] for r in records])
     assert abs(first["actor/approx_kl"]) < 1e-8  # version 0 samples, trained at version 0
     for r in later:
         assert r["async/staleness_1"] == 1.0 and r["async/dropped_samples"] == 0
         assert r["async/policy_version"] == r["step"] - 1
         # old log-probs are the sampling version's (k-2): the ratio sees one update
-        assert abs(r["actor/approx_kl"]) > 1e-6
+        assert abs(r["actor/approx_kl"]) > 1e-4  # measured: about 1e-3 (step 1: 2e-14)
     assert {"async/actor_wait_s", "timing/wait_rollout", "rollout/seconds"} <= set(later[-1])
 
     # Resume from step 2's checkpoint (it holds batch 3, in flight) in a fresh folder.
