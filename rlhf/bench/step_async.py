@@ -91,7 +91,7 @@ def _run(cfg, *, warmup: int) -> dict:
     out = {"seconds": {p: mean(f"timing/{p}") for p in PHASES},
            "rollout_seconds": mean("rollout/seconds"), "sync_gb_per_s": mean("sync/gb_per_s")}
     if cfg.trainer.async_mode != "off":
-        out.update(actor_wait_s=mean("async/actor_wait_s"),
+        out.update(actor_wait_s=mean("timing/wait_rollout"),
                    rollout_idle_s=mean("async/rollout_idle_s"),
                    staleness_mean=mean("async/staleness_mean"))
     return out

@@ -89,6 +89,8 @@ class RolloutSource:
         return {"policy_version": self.policy_version}
 
     def load_state_dict(self, state: dict) -> None:
+        """Versions of a checkpoint (an async run's in-flight batch, if any, is not used)."""
+        state = state.get("source", state)
         self.policy_version = int(state["policy_version"])
         self.rollout_version = None  # fresh engines hold model.path, not this version
 
@@ -134,8 +136,7 @@ class RolloutPipeline:
         if step < self.total_steps:  # overlaps this batch's training
             metrics.update(self._submit(step + 1, ahead=1, timer=timer))
         batch, admit = self.admit(batch)
-        metrics.update(rollout_metrics, **admit)
-        metrics["async/actor_wait_s"] = timer.seconds.get("timing/wait_rollout", 0.0)
+        metrics.update(rollout_metrics, **admit)  # the trainer's wait: timing/wait_rollout
         return batch, metrics
 
     def _submit(self, step: int, *, ahead: int, timer: PhaseTimer) -> dict[str, float]:
@@ -189,6 +190,8 @@ class RolloutPipeline:
         return {"pending": pending, "source": self.source.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        if "source" not in state:  # a synchronous run's checkpoint: nothing was in flight
+            state = {"source": state, "pending": None}
         self.source.load_state_dict(state["source"])
         pending = state["pending"]
         self.pending = (None if pending is None else

@@ -6,6 +6,8 @@ advantages (driver) -> critic update -> actor update; every phase timed. Every r
 the driver's plan of its mini- and micro-batches (step_plan.py); on-policy, the old log-probs
 come from the actor update's first forward instead of their own pass. Validation
 (greedy, held-out prompts) every trainer.val_every steps; checkpoints every save_every.
+Sampling goes through async_loop.RolloutSource (actor replicas or separate rollout ranks); with
+trainer.async_mode on, async_loop.RolloutPipeline samples the next batch while this one trains.
 """
 
 from __future__ import annotations

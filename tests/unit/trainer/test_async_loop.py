@@ -163,3 +163,15 @@ def test_resume_restores_the_in_flight_batch_and_reproduces_the_run():
     second = train(actor2, source2, pipe2, range(4, 7))
     assert first + second == whole
     assert pool2.generated == [(5, 3), (6, 4)]  # the first send reached fresh engines
+
+
+def test_checkpoints_cross_between_sync_and_async_runs():
+    actor, pool, source, pipe = make()
+    pipe.load_state_dict({"policy_version": 4})  # a synchronous run's RolloutSource state
+    assert source.policy_version == 4 and source.rollout_version is None and pipe.pending is None
+    actor.version = 4
+    batch, _ = pipe.next_batch(5, PhaseTimer())  # sends version 4 first: nothing is stale
+    assert batch[VERSION].tolist() == [4] * (2 * N) and actor.sent == [4]
+    plain = RolloutSource({"actor": FakeActor(), "rollout": FakePool(FakeActor())}, n=N)
+    plain.load_state_dict(pipe.state_dict())
+    assert plain.policy_version == 4
