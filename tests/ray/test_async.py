@@ -96,3 +96,18 @@ def test_one_step_trains_on_the_previous_version_and_resumes_exactly(ray_cluster
         assert keys
         _same(a, b, keys, tol=1e-5)
     shutil.rmtree(tmp_path / "whole", ignore_errors=True)
+
+
+def test_a_tp2_actor_feeds_two_rollout_ranks_within_the_log_prob_tolerance(ray_cluster, tmp_path):
+    """Both actor ranks export (TP all-gathers), rank 0 sends, both rollout ranks receive every
+    tensor: after the transfer vLLM scores the samples as the trainer does."""
+    assets = make_assets(tmp_path)
+    cfg = job_config(assets, tmp_path / "tp2", algorithm=GRPO,
+                     actor={"ppo_mini_batch_size": 4, "parallel": {"tp": 2}},
+                     rollout={"placement": "separate", "world_size": 2},
+                     trainer={"ranks_per_node": 2, "total_steps": 2, "save_every": 0})
+    run_train(cfg, progress=False)
+    records = read_metrics(cfg.trainer.output_dir)
+    step2 = records[-1]
+    assert step2["sync/skipped"] == 0.0 and step2["sync/bytes"] == step2["transfer/bytes"]
+    assert step2["rollout/logprob_gap_max"] < 2e-4
