@@ -27,19 +27,20 @@ from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
-from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import Offloader, in_phase
-from rlhf.errors import ConfigError
-from rlhf.rollout import ReplicaSpec, RolloutReplica
+from rlhf.rollout import RolloutReplica
 from workers.base import Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
-                            require_fields, response_fields, sampling_temperature, token_share)
+                            require_fields, response_fields, sample_rollouts,
+                            sampling_temperature, token_share)
 from workers.engine_state import CheckpointMixin
+from workers.rollout import WeightSenderMixin, rollout_spec
 
 
-class ActorWorker(CheckpointMixin, Worker):
+class ActorWorker(CheckpointMixin, WeightSenderMixin, Worker):
     """The policy on its own (config.actor.parallel) layout: rollouts with the rank's vLLM
-    replica (built on the first generate or sync), log-probs and PPO updates."""
+    replica (built on the first generate or sync; none when rollout.placement is separate,
+    where WeightSenderMixin sends the weights to the rollout ranks), log-probs, PPO updates."""
 
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
@@ -47,7 +48,8 @@ class ActorWorker(CheckpointMixin, Worker):
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
         self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)
-        self.rollout = RolloutReplica(rollout_spec(ctx, config))
+        self.rollout = (RolloutReplica(rollout_spec(ctx, config))
+                        if config.rollout.placement == "colocated" else None)
 
     @register(dispatch=Dispatch.RANK_SPLIT)
     @in_phase("generate")
@@ -59,11 +61,7 @@ class ActorWorker(CheckpointMixin, Worker):
         is seeded by (batch.meta["seed"], p, j) when the driver gives that int (reproducible
         across layouts and resumes), else by (rollout.seed, number of earlier calls, p, j).
         """
-        require_fields(batch, ("prompt_ids",), "actor.generate")
-        seed = batch.meta.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
-        return self.rollout.generate(batch["prompt_ids"], greedy=greedy, seed=seed)
+        return sample_rollouts(self._replica(), batch, greedy=greedy, where="actor.generate")
 
     @register(dispatch=Dispatch.COLLECTIVE)
     @in_phase("sync")
@@ -71,11 +69,22 @@ class ActorWorker(CheckpointMixin, Worker):
         """Push the policy into this rank's vLLM replica if it changed since the last sync;
         sync/bytes (per replica), sync/seconds (split into sync/gather_s, sync/broadcast_s,
         sync/reload_s), sync/gb_per_s, sync/skipped."""
+        return self._replica().sync(self.export_weights)
+
+    def export_weights(self):
+        """The policy's full HF tensors in rollout.sync_bucket_mb buckets (collective)."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time
-        return self.rollout.sync(lambda: self.engine.export_hf_weights(bucket_bytes=bucket_bytes))
+        return self.engine.export_hf_weights(bucket_bytes=bucket_bytes)
+
+    def _replica(self) -> RolloutReplica:
+        if self.rollout is None:
+            raise RuntimeError("rollout.placement is separate: this actor hosts no vLLM replica; "
+                               "the driver samples on the rollout role and calls send_weights")
+        return self.rollout
 
     def _after_load(self) -> None:
-        self.rollout.mark_stale()
+        if self.rollout is not None:
+            self.rollout.mark_stale()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
@@ -103,7 +112,8 @@ class ActorWorker(CheckpointMixin, Worker):
                               lambda tokens, seqs: self._loss_fn(tokens, seqs, seen=seen),
                               outputs=("log_probs", "entropy"), on_policy=fused,
                               temperature=sampling_temperature(self.config))
-        self.rollout.mark_stale()
+        if self.rollout is not None:
+            self.rollout.mark_stale()
         if not fused:
             return metrics
         outputs = [{"log_probs": lp, "entropy": ent} for lp, ent, _ in seen]
@@ -165,22 +175,3 @@ class ActorWorker(CheckpointMixin, Worker):
 
         return loss_fn
 
-
-def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:
-    """This rank's rollout replica: rollout.tp consecutive ranks form one (collective: every
-    rank builds the same replica groups in the same order)."""
-    tp, world = config.rollout.tp, ctx.world_size
-    if world % tp:
-        raise ConfigError(f"rollout.tp={tp} does not divide the actor's {world} ranks; pick a "
-                          f"rollout.tp that divides {world}")
-    replica_group = None
-    for start in range(0, world, tp) if tp > 1 else ():
-        group = ctx.group_cache.get(range(start, start + tp))
-        if start <= ctx.rank < start + tp:
-            replica_group = group
-    return ReplicaSpec(
-        model_path=config.model.path, config=config.rollout, device=ctx.device,
-        dtype=resolve_dtype(config.actor.dtype, ctx.device),
-        max_model_len=config.data.max_prompt_length + config.rollout.max_new_tokens,
-        world_group=ctx.group_cache.get(range(world)), replica_group=replica_group,
-        rank=ctx.rank)

@@ -14,6 +14,8 @@ Per sample:
                                       the first response token is predicted from the last one
     response_ids       Ragged int64   sampled response tokens; may be empty
     rm_scores          (n,) float32   RewardModelWorker.compute_rm_score (see reward_model.py)
+    policy_version     (n,) int64     the driver (rlhf.trainer.async_loop): the version of the
+                                      weights that sampled it (actor updates before them)
 
 Per response token (Ragged with the row lengths of `response_ids`; entry j of row i is about
 response token j of sample i, computed at the position that predicts it):
@@ -237,3 +239,13 @@ def mean_metrics(history: Sequence[Mapping[str, float]], prefix: str) -> dict[st
     """Each metric averaged over the optimizer steps, named `prefix + name`."""
     keys = history[0].keys()
     return {prefix + k: math.fsum(h[k] for h in history) / len(history) for k in keys}
+
+
+def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str) -> Batch:
+    """`replica.generate` on this rank's `prompt_ids` (the actor's colocated replica or a
+    separate rollout rank's), after checking the driver's `batch.meta["seed"]`."""
+    require_fields(batch, ("prompt_ids",), where)
+    seed = batch.meta.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
+    return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed)

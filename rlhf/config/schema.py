@@ -10,7 +10,8 @@ from typing import Literal
 
 from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, ReferenceConfig, RewardConfig,
                                TrainRoleConfig)
-from rlhf.config.rules import require_min, require_positive_or_none, require_range
+from rlhf.config.rules import (require_min, require_placement, require_positive_or_none,
+                               require_range)
 from rlhf.config.sft import SFTConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.errors import ConfigError
@@ -69,6 +70,11 @@ class RolloutConfig:
     """Sequence-level TIS: weight a response's tokens by min(pi_train(y) / pi_vllm(y), cap)."""
     reject_band: tuple[float, float] | None = None
     """[low, high]: mask responses whose per-token geometric-mean pi_train / pi_vllm leaves it."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: a vLLM replica on every actor rank, synced in-process; separate: world_size
+    rollout ranks of their own (no training engine), sent weights over a transfer group."""
+    world_size: int | None = None
+    """Ranks of the separate rollout pool (a multiple of tp); set exactly when separate."""
 
     def __post_init__(self):
         require_min(self, 1, "tp", "n", "max_new_tokens", "max_num_seqs")
@@ -94,6 +100,7 @@ class RolloutConfig:
                               f"ratio of 1 means sampler and trainer agree), got {list(band)}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
+        require_placement(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -286,11 +293,25 @@ class TrainerConfig:
     """Memory of one device in GiB for `rlhf plan`; null = the detected GPU (RAM on the CPU)."""
     skip_memory_check: bool = False
     """Start `rlhf train` even when `rlhf plan` predicts the job does not fit (experts only)."""
+    async_mode: Literal["off", "one_step", "bounded"] = "off"
+    """off: generate then train; one_step: the rollout pool samples batch k+1 while the actor
+    trains batch k, one policy version behind; bounded: up to max_staleness versions behind
+    (both need rollout.placement separate)."""
+    max_staleness: int = 1
+    """Most policy versions a trained sample may lag (async_mode bounded; one_step is 1);
+    older samples are dropped and counted."""
+    async_old_log_probs: Literal["rollout", "recompute"] = "rollout"
+    """Async ratio denominator: rollout = the sampling version's vLLM log-probs; recompute = the
+    trainer's current weights (rollout.tis_cap then corrects towards the sampling version)."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
         require_positive_or_none(self, "device_memory_gb")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
+        require_min(self, 1, "max_staleness")
+        if self.async_mode == "one_step" and self.max_staleness != 1:
+            raise ConfigError(f"async_mode one_step is max_staleness 1, got max_staleness="
+                              f"{self.max_staleness}; use async_mode=bounded for a larger bound")
         for key in ("output_dir", "resume", "experiment_name"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")

@@ -27,6 +27,10 @@ BAD = {
     "dynamic-sampling-needs-groups": (["algorithm.adv_estimator=gae",
                                        "algorithm.dynamic_sampling=all_equal"],
                                       "algorithm.dynamic_sampling"),
+    "dynamic-sampling-vs-async": (GRPO + ["algorithm.dynamic_sampling=all_equal",
+                                          "trainer.async_mode=one_step",
+                                          "rollout.placement=separate", "rollout.world_size=1"],
+                                  "refills a step's batch"),
     "sampling-rounds": (GRPO + ["algorithm.max_sampling_rounds=0"],
                         "algorithm.max_sampling_rounds"),
 }
@@ -48,7 +52,7 @@ def test_recipe_keys_load(no_model_folder):
     cfg = load_config(QUICKSTART, no_model_folder + GRPO + [
         "algorithm.policy_loss=gspo", "algorithm.gspo_clip_low=1e-3",
         "rollout.reject_band=[0.5, 2]", "rollout.seq_tis_cap=3",
-        "algorithm.overlong_buffer=16", "algorithm.mask_truncated=true",
+        "algorithm.overlong_buffer=4", "algorithm.mask_truncated=true",
         "algorithm.dynamic_sampling=std_below", "algorithm.dynamic_sampling_std=0.1"])
     assert cfg.algorithm.policy_clip == (1e-3, 4e-4)
     assert cfg.rollout.reject_band == (0.5, 2.0) and cfg.rollout.seq_tis_cap == 3.0
