@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's main command. Installs into ./.venv on first use, builds the tiny model and the
-# arithmetic data under outputs/quickstart/ if they are missing, validates the job config, runs
-# a short supervised warm start (rlhf sft) and then PPO (rlhf train), which prints the held-out
-# accuracy before and after.
+# "max of two numbers" data under outputs/quickstart/ if they are missing, validates the job
+# config, runs a short format-only supervised warm start (rlhf sft: answer with a number, then
+# stop; the number it imitates is one of the two at random) and then PPO (rlhf train), which
+# prints the held-out accuracy before and after: the skill comes from RL.
 #
 #   bash examples/quickstart.sh [section.key=value ...]    # overrides go to the job config
 set -euo pipefail
@@ -21,12 +22,13 @@ fi
 dataset() {  # FILE KIND SPLIT N
   if [ ! -f "$1" ]; then
     step "writing $4 $3 rows ($2) to $1"
-    "$rlhf" make-dataset arith "$1" --kind "$2" --split "$3" --n "$4" --seed 0
+    "$rlhf" make-dataset arith "$1" --form max --max-value 99 --kind "$2" --split "$3" \
+      --n "$4" --seed 0
   fi
 }
 dataset "$out/data/train.jsonl" rl train 2000
 dataset "$out/data/val.jsonl" rl val 200
-dataset "$out/data/sft_train.jsonl" sft train 2000
+dataset "$out/data/sft_train.jsonl" format train 2000
 
 # `config show` checks everything the job reads (so it runs once the data exists): it stops
 # here, naming the key or file, before any worker starts.

@@ -48,7 +48,10 @@ def _make_tiny_model(args) -> int:
 def _make_dataset(args) -> int:
     from rlhf.data.arith import ArithTask, write_arith_dataset
 
-    task = ArithTask(ops=args.ops, max_value=args.max_value, terms=args.terms)
+    if args.form != "expr" and args.ops is not None:
+        raise RLHFError(f"--ops applies to --form expr only; drop it for --form {args.form}")
+    ops = {} if args.ops is None else {"ops": args.ops}  # ArithTask holds the default
+    task = ArithTask(form=args.form, max_value=args.max_value, terms=args.terms, **ops)
     n = write_arith_dataset(Path(args.out), task=task, n=args.n, seed=args.seed, kind=args.kind,
                             split=args.split, overwrite=args.overwrite)
     print(f"wrote {n} {args.kind} rows to {args.out}")
@@ -114,12 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("out", help="JSONL file to write")
     data.add_argument("--n", type=int, required=True, help="number of rows")
     data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--kind", choices=["rl", "sft"], default="rl",
-                      help="rl: prompt + ground_truth; sft: also the answer text to imitate")
+    data.add_argument("--kind", choices=["rl", "sft", "format"], default="rl",
+                      help="rl: prompt + ground_truth; sft: also the answer text to imitate; "
+                           "format: also a well-formed but unchecked answer to imitate (one of "
+                           "the prompt's operands at random), so SFT teaches the answer's shape "
+                           "and leaves the skill to RL")
     data.add_argument("--split", choices=["all", "train", "val"], default="all",
                       help="train/val: only problems of that split (a fixed hash of the prompt "
                            "puts one in five in val), so train and val files never overlap")
-    data.add_argument("--ops", default="+-", help="operators to draw from, e.g. '+-*'")
+    data.add_argument("--form", choices=["expr", "max"], default="expr",
+                      help="expr: an expression, '12+7-3='; max: the largest operand, "
+                           "'max(12,7)='")
+    data.add_argument("--ops", default=None,
+                      help="operators to draw from, e.g. '+-*' (--form expr only; default '+-')")
     data.add_argument("--max-value", type=int, default=20, help="largest operand")
     data.add_argument("--terms", type=int, default=2, help="operands per problem")
     data.add_argument("--overwrite", action="store_true", help="replace an existing file")

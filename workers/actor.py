@@ -2,7 +2,8 @@
 
 Fields in and out are listed in workers/common.py. The loss of one micro-batch is
 
-    ppo_policy_loss(log_probs, old_log_probs, advantages)      (dual clip at clip_ratio_c)
+    policy loss(log_probs, old_log_probs, advantages)          (algorithm.policy_loss: ppo
+                                                                 with dual clip, gspo, cispo)
     + kl_loss_coef * kl_loss(log_probs, ref_log_probs)           when algorithm.use_kl_loss
     - entropy_coeff * entropy_bonus(entropy)
 
@@ -19,27 +20,27 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlhf.algorithms import (aggregate, entropy_bonus, kl_loss, ppo_policy_loss,
+from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss,
                              truncated_is_weights)
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
-from rlhf.data.fields import MASK
-from rlhf.engine.engine import resolve_dtype
+from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
 from rlhf.engine.offload import Offloader, in_phase
-from rlhf.errors import ConfigError
-from rlhf.rollout import ReplicaSpec, RolloutReplica
-from rlhf.rollout.multiturn import env_rows
+from rlhf.rollout import RolloutReplica
 from workers.base import Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
-                            require_fields, response_fields, sampling_temperature, token_share)
+                            require_fields, response_fields, sample_rollouts,
+                            sampling_temperature, token_share)
 from workers.engine_state import CheckpointMixin
+from workers.rollout import WeightSenderMixin, rollout_spec
 
 
-class ActorWorker(CheckpointMixin, Worker):
+class ActorWorker(CheckpointMixin, WeightSenderMixin, Worker):
     """The policy on its own (config.actor.parallel) layout: rollouts with the rank's vLLM
-    replica (built on the first generate or sync), log-probs and PPO updates."""
+    replica (built on the first generate or sync; none when rollout.placement is separate,
+    where WeightSenderMixin sends the weights to the rollout ranks), log-probs, PPO updates."""
 
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
@@ -47,7 +48,8 @@ class ActorWorker(CheckpointMixin, Worker):
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
         self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)
-        self.rollout = RolloutReplica(rollout_spec(ctx, config))
+        self.rollout = (RolloutReplica(rollout_spec(ctx, config))
+                        if config.rollout.placement == "colocated" else None)
 
     @register(dispatch=Dispatch.RANK_SPLIT)
     @in_phase("generate")
@@ -60,12 +62,8 @@ class ActorWorker(CheckpointMixin, Worker):
         is seeded by (batch.meta["seed"], p, j) when the driver gives that int (reproducible
         across layouts and resumes), else by (rollout.seed, number of earlier calls, p, j).
         """
-        require_fields(batch, ("prompt_ids",), "actor.generate")
-        seed = batch.meta.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
-        rows = env_rows(batch) if self.config.rollout.env.path is not None else None
-        return self.rollout.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows)
+        return sample_rollouts(self._replica(), batch, greedy=greedy, where="actor.generate",
+                               env=self.config.rollout.env.path is not None)
 
     @register(dispatch=Dispatch.COLLECTIVE)
     @in_phase("sync")
@@ -73,11 +71,22 @@ class ActorWorker(CheckpointMixin, Worker):
         """Push the policy into this rank's vLLM replica if it changed since the last sync;
         sync/bytes (per replica), sync/seconds (split into sync/gather_s, sync/broadcast_s,
         sync/reload_s), sync/gb_per_s, sync/skipped."""
+        return self._replica().sync(self.export_weights)
+
+    def export_weights(self):
+        """The policy's full HF tensors in rollout.sync_bucket_mb buckets (collective)."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time
-        return self.rollout.sync(lambda: self.engine.export_hf_weights(bucket_bytes=bucket_bytes))
+        return self.engine.export_hf_weights(bucket_bytes=bucket_bytes)
+
+    def _replica(self) -> RolloutReplica:
+        if self.rollout is None:
+            raise RuntimeError("rollout.placement is separate: this actor hosts no vLLM replica; "
+                               "the driver samples on the rollout role and calls send_weights")
+        return self.rollout
 
     def _after_load(self) -> None:
-        self.rollout.mark_stale()
+        if self.rollout is not None:
+            self.rollout.mark_stale()
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
@@ -105,7 +114,8 @@ class ActorWorker(CheckpointMixin, Worker):
                               lambda tokens, seqs: self._loss_fn(tokens, seqs, seen=seen),
                               outputs=("log_probs", "entropy"), on_policy=fused,
                               temperature=sampling_temperature(self.config))
-        self.rollout.mark_stale()
+        if self.rollout is not None:
+            self.rollout.mark_stale()
         if not fused:
             return metrics
         outputs = [{"log_probs": lp, "entropy": ent} for lp, ent, _ in seen]
@@ -119,12 +129,15 @@ class ActorWorker(CheckpointMixin, Worker):
             fields.append("ref_log_probs")
         if self.config.rollout.tis_cap is not None:
             fields.append("rollout_log_probs")
+        if self.config.rollout.seq_tis_cap is not None:
+            fields.append(SEQ_IS_WEIGHTS)
         return tuple(fields)
 
     def _loss_fn(self, global_tokens: int, global_seqs: int, *, seen: list | None = None):
         """The PPO loss; with `seen` (fused old log-probs), the detached current log-probs
         stand in for `old_log_probs`, and each micro-batch's (log-probs, entropy, mb) is kept."""
         algo, tis_cap = self.config.algorithm, self.config.rollout.tis_cap
+        policy_loss = get_policy_loss(algo.policy_loss)
         norm = dict(agg_mode=algo.loss_agg_mode, global_tokens=global_tokens,
                     global_seqs=global_seqs, max_response_length=self.config.rollout.max_response_tokens)
 
@@ -139,10 +152,13 @@ class ActorWorker(CheckpointMixin, Worker):
             is_weights_T = None
             if tis_cap is not None:
                 is_weights_T = truncated_is_weights(old_T, t["rollout_log_probs"], tis_cap)
-            pg, pg_metrics = ppo_policy_loss(
-                out["log_probs"], old_T, t["advantages"], mask_T, cu,
-                clip_low=algo.clip_ratio_low, clip_high=algo.clip_ratio_high,
-                clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
+            if SEQ_IS_WEIGHTS in t:  # the driver's sequence-level weights, one per token
+                seq_T = t[SEQ_IS_WEIGHTS]
+                is_weights_T = seq_T if is_weights_T is None else is_weights_T * seq_T
+            clip_low, clip_high = algo.policy_clip
+            pg, pg_metrics = policy_loss(
+                out["log_probs"], old_T, t["advantages"], mask_T, cu, clip_low=clip_low,
+                clip_high=clip_high, clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
             loss = pg - algo.entropy_coeff * entropy_bonus(out["entropy"], mask_T, cu, **norm)
             share = token_share(mask_T, global_tokens)
             metrics = {
@@ -161,22 +177,3 @@ class ActorWorker(CheckpointMixin, Worker):
 
         return loss_fn
 
-
-def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:
-    """This rank's rollout replica: rollout.tp consecutive ranks form one (collective: every
-    rank builds the same replica groups in the same order)."""
-    tp, world = config.rollout.tp, ctx.world_size
-    if world % tp:
-        raise ConfigError(f"rollout.tp={tp} does not divide the actor's {world} ranks; pick a "
-                          f"rollout.tp that divides {world}")
-    replica_group = None
-    for start in range(0, world, tp) if tp > 1 else ():
-        group = ctx.group_cache.get(range(start, start + tp))
-        if start <= ctx.rank < start + tp:
-            replica_group = group
-    return ReplicaSpec(
-        model_path=config.model.path, config=config.rollout, device=ctx.device,
-        dtype=resolve_dtype(config.actor.dtype, ctx.device),
-        max_model_len=config.data.max_prompt_length + config.rollout.max_response_tokens,
-        world_group=ctx.group_cache.get(range(world)), replica_group=replica_group,
-        rank=ctx.rank)

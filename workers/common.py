@@ -14,6 +14,8 @@ Per sample:
                                       the first response token is predicted from the last one
     response_ids       Ragged int64   sampled response tokens; may be empty
     rm_scores          (n,) float32   RewardModelWorker.compute_rm_score (see reward_model.py)
+    policy_version     (n,) int64     the driver (rlhf.trainer.async_loop): the version of the
+                                      weights that sampled it (actor updates before them)
 
 Per response token (Ragged with the row lengths of `response_ids`; entry j of row i is about
 response token j of sample i, computed at the position that predicts it):
@@ -30,6 +32,8 @@ response token j of sample i, computed at the position that predicts it):
     rollout_log_probs  float    optional; the sampler's (vLLM's) log-probs. With
                                 rollout.tis_cap set, update_actor needs it and weights each
                                 token's policy loss by min(exp(old - rollout), tis_cap)
+    seq_is_weights     float    optional; the driver's sequence-level rollout correction
+                                (rollout.seq_tis_cap): one weight per response on its tokens
 
 One PPO step, from the driver (each call reads the fields listed above and takes its plan,
 `plan=plans.forward(role)` or `plans.update(role)`, see rlhf/trainer/step_plan.py):
@@ -62,6 +66,7 @@ from rlhf.data.ragged import Ragged
 from rlhf.engine import (MicroBatch, TrainEngine, collect_response_values, predicting_positions,
                          scatter_response_values)
 from rlhf.errors import ConfigError
+from rlhf.rollout.multiturn import env_rows
 from workers.base import Worker
 
 TOKENS = ("prompt_ids", "response_ids")
@@ -235,3 +240,15 @@ def mean_metrics(history: Sequence[Mapping[str, float]], prefix: str) -> dict[st
     """Each metric averaged over the optimizer steps, named `prefix + name`."""
     keys = history[0].keys()
     return {prefix + k: math.fsum(h[k] for h in history) / len(history) for k in keys}
+
+
+def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str, env: bool) -> Batch:
+    """`replica.generate` on this rank's `prompt_ids` (the actor's colocated replica or a
+    separate rollout rank's), after checking the driver's `batch.meta["seed"]`; with `env`
+    (rollout.env set), multi-turn episodes started from the batch's dataset rows."""
+    require_fields(batch, ("prompt_ids",), where)
+    seed = batch.meta.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
+    rows = env_rows(batch) if env else None
+    return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows)

@@ -44,9 +44,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cores both systems use (Ray's CPUs; the baseline's threads)")
     parser.add_argument("--layers", type=int, help="override the model's layer count (tests)")
     parser.add_argument("--hidden", type=int, help="override the model's width (tests)")
+    parser.add_argument("--async", dest="run_async", action="store_true",
+                        help="instead: synchronous vs one-step-off-policy steps on one training "
+                             "rank and one rollout rank (rlhf.bench.step_async)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.run_async:
+        from rlhf.bench.step_async import run as run_async
+        return run_async(args)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("error: --steps must be at least 1 and --warmup at least 0")
     if args.cores < args.ranks:

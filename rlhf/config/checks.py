@@ -61,10 +61,7 @@ def _check_inputs(cfg: JobConfig) -> Iterator[str]:
 
 def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
     rollout, algo = cfg.rollout, cfg.algorithm
-    actor_world = cfg.role_world_size(cfg.actor)
-    if actor_world % rollout.tp:
-        yield (f"rollout.tp={rollout.tp} does not divide the actor's {actor_world} ranks; "
-               f"choose a divisor of {actor_world}")
+    yield from _check_rollout_placement(cfg)
     if cfg.trainer.device == "cpu" and rollout.tp != 1:
         yield f"rollout.tp={rollout.tp} but trainer.device is cpu, where vLLM runs with tp 1"
     if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
@@ -73,6 +70,13 @@ def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
     if algo.adv_estimator in GROUP_ESTIMATORS and rollout.temperature == 0 and rollout.n > 1:
         yield ("rollout.temperature=0 (greedy) makes the rollout.n responses of a prompt "
                "identical, so group advantages are all zero; use a temperature above 0")
+    if algo.dynamic_sampling != "off" and algo.adv_estimator not in GROUP_ESTIMATORS:
+        yield (f"algorithm.dynamic_sampling={algo.dynamic_sampling} filters prompt groups by "
+               f"their reward spread; use a group estimator ({', '.join(GROUP_ESTIMATORS)}) "
+               f"for algorithm.adv_estimator, or set algorithm.dynamic_sampling=off")
+    if algo.overlong_buffer > rollout.max_new_tokens:
+        yield (f"algorithm.overlong_buffer={algo.overlong_buffer} exceeds rollout.max_new_tokens="
+               f"{rollout.max_new_tokens}; the penalty ramp must fit inside the response")
     if policy is None:
         return
     sequence = cfg.data.max_prompt_length + rollout.max_response_tokens
@@ -95,6 +99,31 @@ def _response_key(rollout) -> str:
     if rollout.max_episode_tokens is None:
         return "rollout.max_turns * rollout.max_new_tokens"
     return "rollout.max_episode_tokens"
+
+
+def _check_rollout_placement(cfg: JobConfig) -> Iterator[str]:
+    rollout, trainer = cfg.rollout, cfg.trainer
+    if rollout.placement == "separate":
+        if rollout.world_size % rollout.tp:
+            yield (f"rollout.world_size={rollout.world_size} is not a multiple of rollout.tp="
+                   f"{rollout.tp}: each replica takes rollout.tp ranks; make world_size a "
+                   f"multiple of {rollout.tp}")
+    else:
+        actor_world = cfg.role_world_size(cfg.actor)
+        if actor_world % rollout.tp:
+            yield (f"rollout.tp={rollout.tp} does not divide the actor's {actor_world} ranks; "
+                   f"choose a divisor of {actor_world}")
+    if trainer.async_mode != "off" and rollout.placement != "separate":
+        yield (f"trainer.async_mode={trainer.async_mode} overlaps generation with training, "
+               "which needs rollout ranks of their own: set rollout.placement=separate and "
+               "rollout.world_size, or trainer.async_mode=off")
+    if trainer.async_mode != "off" and cfg.algorithm.dynamic_sampling != "off":
+        yield (f"algorithm.dynamic_sampling={cfg.algorithm.dynamic_sampling} refills a step's "
+               f"batch with fresh rollouts, which trainer.async_mode={trainer.async_mode} does "
+               "not do (one batch sampled ahead per step): set one of them to off")
+    if trainer.async_mode == "off" and trainer.max_staleness != 1:
+        yield (f"trainer.max_staleness={trainer.max_staleness} only applies to "
+               "trainer.async_mode=bounded; set async_mode=bounded or remove max_staleness")
 
 
 def _check_training(cfg: JobConfig) -> Iterator[str]:

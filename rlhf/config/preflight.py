@@ -261,6 +261,8 @@ def _jobs(cfg: JobConfig, command: Command):
         train["ref"] = cfg.ref
     if cfg.reward.model_path is not None:
         train["reward"] = cfg.reward
+    if cfg.rollout.placement == "separate":
+        train["rollout"] = cfg.rollout
     jobs = []
     if command in ("show", "train"):
         jobs.append(("the training job", train))

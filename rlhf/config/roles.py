@@ -4,7 +4,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlhf.config.rules import require_min, require_positive_or_none, require_range
+from rlhf.config.rules import (require_min, require_placement, require_positive_or_none,
+                               require_range)
 from rlhf.errors import ConfigError
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -113,13 +114,7 @@ class ForwardRoleConfig:
 
     def __post_init__(self):
         require_min(self, 1, "max_tokens_per_micro_batch")
-        if self.placement == "separate" and self.world_size is None:
-            raise ConfigError("placement 'separate' needs world_size (the ranks of its own pool)")
-        if self.placement == "colocated" and self.world_size is not None:
-            raise ConfigError("world_size is only for placement 'separate'; a colocated role uses "
-                              "trainer.nnodes * trainer.ranks_per_node ranks: remove world_size")
-        if self.world_size is not None:
-            require_min(self, 1, "world_size")
+        require_placement(self)
 
 
 @dataclass(frozen=True, kw_only=True)

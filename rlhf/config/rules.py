@@ -32,3 +32,14 @@ def require_positive_or_none(obj, *names: str) -> None:
         value = getattr(obj, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{name} must be positive (or null to turn it off), got {value}")
+
+
+def require_placement(obj) -> None:
+    """`placement` and `world_size` agree: separate needs world_size >= 1, colocated none."""
+    if obj.placement == "separate" and obj.world_size is None:
+        raise ConfigError("placement 'separate' needs world_size (the ranks of its own pool)")
+    if obj.placement == "colocated" and obj.world_size is not None:
+        raise ConfigError("world_size is only for placement 'separate'; a colocated role uses "
+                          "trainer.nnodes * trainer.ranks_per_node ranks: remove world_size")
+    if obj.world_size is not None:
+        require_min(obj, 1, "world_size")

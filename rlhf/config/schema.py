@@ -11,7 +11,8 @@ from typing import Literal
 from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, ReferenceConfig, RewardConfig,
                                TrainRoleConfig)
 from rlhf.config.envs import EnvConfig
-from rlhf.config.rules import require_min, require_positive_or_none, require_range
+from rlhf.config.rules import (require_min, require_placement, require_positive_or_none,
+                               require_range)
 from rlhf.config.sft import SFTConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.errors import ConfigError
@@ -66,6 +67,15 @@ class RolloutConfig:
     """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
+    seq_tis_cap: float | None = None
+    """Sequence-level TIS: weight a response's tokens by min(pi_train(y) / pi_vllm(y), cap)."""
+    reject_band: tuple[float, float] | None = None
+    """[low, high]: mask responses whose per-token geometric-mean pi_train / pi_vllm leaves it."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: a vLLM replica on every actor rank, synced in-process; separate: world_size
+    rollout ranks of their own (no training engine), sent weights over a transfer group."""
+    world_size: int | None = None
+    """Ranks of the separate rollout pool (a multiple of tp); set exactly when separate."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn rollouts: the environment that answers each model turn (rlhf/envs)."""
     max_turns: int = 1
@@ -97,6 +107,13 @@ class RolloutConfig:
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ConfigError(f"tis_cap must be at least 1 (a cap below 1 down-weights every "
                               f"token) or null, got {self.tis_cap}")
+        if self.seq_tis_cap is not None and self.seq_tis_cap < 1:
+            raise ConfigError(f"seq_tis_cap must be at least 1 (a cap below 1 down-weights every "
+                              f"response) or null, got {self.seq_tis_cap}")
+        band = self.reject_band
+        if band is not None and not 0 < band[0] <= 1 <= band[1]:
+            raise ConfigError(f"reject_band must be [low, high] with 0 < low <= 1 <= high (a "
+                              f"ratio of 1 means sampler and trainer agree), got {list(band)}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
         require_min(self, 1, "max_turns")
@@ -106,6 +123,7 @@ class RolloutConfig:
         if self.env.path is not None and self.tp != 1:
             raise ConfigError(f"env: multi-turn rollouts run on replicas of one rank; set "
                               f"rollout.tp=1 (got {self.tp})")
+        require_placement(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -141,7 +159,7 @@ class AlgorithmConfig:
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
-    """PPO clip: the ratio is kept below 1 + clip_ratio_high (raise it for clip-higher)."""
+    """PPO clip: the ratio is kept below 1 + clip_ratio_high (clip-higher); cispo's cap too."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound on the loss of negative-advantage tokens; must exceed 1."""
     value_clip: float | None = 0.5
@@ -153,6 +171,24 @@ class AlgorithmConfig:
     """How token losses are reduced to one number."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """Policy loss: ppo (token ratio), gspo (sequence ratio), cispo (clipped IS weight)."""
+    gspo_clip_low: float = 3e-4
+    """GSPO: the sequence ratio is kept above 1 - gspo_clip_low."""
+    gspo_clip_high: float = 4e-4
+    """GSPO: the sequence ratio is kept below 1 + gspo_clip_high."""
+    overlong_buffer: int = 0
+    """Soft overlong penalty over the last this-many tokens before max_new_tokens; 0 = off."""
+    overlong_penalty: float = 1.0
+    """Score penalty at max_new_tokens, reached linearly across overlong_buffer."""
+    mask_truncated: bool = False
+    """Leave responses cut at max_new_tokens (no EOS) out of the loss."""
+    dynamic_sampling: Literal["off", "all_equal", "std_below"] = "off"
+    """Drop prompt groups without reward spread and refill the batch with fresh prompts."""
+    dynamic_sampling_std: float = 0.0
+    """std_below: drop groups whose reward std is below this (must be positive)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: most generate-and-score rounds per step (round 1 included)."""
 
     def __post_init__(self):
         require_range(self, "gamma", 0, 1)
@@ -165,6 +201,15 @@ class AlgorithmConfig:
         if self.clip_ratio_c <= 1:
             raise ConfigError(f"clip_ratio_c must be greater than 1, got {self.clip_ratio_c}")
         require_positive_or_none(self, "value_clip")
+        require_range(self, "gspo_clip_low", 0, 1, low_open=True, high_open=True)
+        require_min(self, 0, "overlong_buffer", "overlong_penalty", "dynamic_sampling_std")
+        require_min(self, 1, "max_sampling_rounds")
+        if self.gspo_clip_high <= 0:
+            raise ConfigError(f"gspo_clip_high must be positive, got {self.gspo_clip_high}")
+        if self.dynamic_sampling == "std_below" and self.dynamic_sampling_std <= 0:
+            raise ConfigError("dynamic_sampling 'std_below' needs a positive "
+                              f"dynamic_sampling_std, got {self.dynamic_sampling_std}; set one "
+                              "(e.g. 0.1) or use dynamic_sampling 'all_equal'")
         if self.kl_ctrl == "adaptive":
             if self.kl_target is None or self.kl_target <= 0:
                 raise ConfigError(f"kl_ctrl 'adaptive' needs a positive kl_target, got "
@@ -175,6 +220,14 @@ class AlgorithmConfig:
         if self.kl_in_reward and self.use_kl_loss:
             raise ConfigError("kl_in_reward and use_kl_loss are both true, so KL is penalised "
                               "twice; keep one of them")
+
+    @property
+    def policy_clip(self) -> tuple[float, float]:
+        """(low, high) clip range of the policy loss: gspo_clip_* for the sequence ratio of
+        gspo, clip_ratio_* for the token ratio of ppo (cispo caps its weight at 1 + high)."""
+        if self.policy_loss == "gspo":
+            return self.gspo_clip_low, self.gspo_clip_high
+        return self.clip_ratio_low, self.clip_ratio_high
 
     @property
     def use_critic(self) -> bool:
@@ -263,11 +316,25 @@ class TrainerConfig:
     """Memory of one device in GiB for `rlhf plan`; null = the detected GPU (RAM on the CPU)."""
     skip_memory_check: bool = False
     """Start `rlhf train` even when `rlhf plan` predicts the job does not fit (experts only)."""
+    async_mode: Literal["off", "one_step", "bounded"] = "off"
+    """off: generate then train; one_step: the rollout pool samples batch k+1 while the actor
+    trains batch k, one policy version behind; bounded: up to max_staleness versions behind
+    (both need rollout.placement separate)."""
+    max_staleness: int = 1
+    """Most policy versions a trained sample may lag (async_mode bounded; one_step is 1);
+    older samples are dropped and counted."""
+    async_old_log_probs: Literal["rollout", "recompute"] = "rollout"
+    """Async ratio denominator: rollout = the sampling version's vLLM log-probs; recompute = the
+    trainer's current weights (rollout.tis_cap then corrects towards the sampling version)."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
         require_positive_or_none(self, "device_memory_gb")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
+        require_min(self, 1, "max_staleness")
+        if self.async_mode == "one_step" and self.max_staleness != 1:
+            raise ConfigError(f"async_mode one_step is max_staleness 1, got max_staleness="
+                              f"{self.max_staleness}; use async_mode=bounded for a larger bound")
         for key in ("output_dir", "resume", "experiment_name"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")

@@ -13,6 +13,10 @@ MODEL_MASK = "model_mask"
 """Per-response-token bool field of multi-turn episodes: True where the model sampled the
 token, False on environment (observation) tokens, which are context only."""
 
+SEQ_IS_WEIGHTS = "seq_is_weights"
+"""Optional per-response-token float field: the driver's sequence-level rollout-correction
+weight of each response, repeated on its tokens; the actor scales the policy loss by it."""
+
 
 def response_mask(batch: Batch) -> Ragged:
     """The tokens that count: `response_mask` and `model_mask` where present (as bool), else

@@ -20,6 +20,8 @@ state, minus what `<role>.offload` moves to the host while that role does not ne
 placement table of rlhf.engine.offload). On CUDA vLLM sleeps outside sync and generate (it
 wakes in two parts: weights for the sync, then the KV cache). On the CPU vLLM never sleeps and
 an offloaded tensor's host copy is in the same RAM, so offloading there only adds bytes.
+With rollout.placement separate, vLLM lives on the rollout pool's ranks instead (resident in
+every phase, no training state) and the actor's ranks hold none.
 """
 
 from __future__ import annotations
@@ -205,12 +207,14 @@ def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
 
 
 def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, StageMemory]], *,
-                vllm: dict[str, int] | None, phases: list[str]) -> dict[str, dict[str, int]]:
+                vllm: dict[str, int] | None, phases: list[str],
+                resident: bool = False) -> dict[str, dict[str, int]]:
     """Phase -> component -> bytes on one rank holding the roles in `placed`.
 
     Where each kind of a role's state lives is `rlhf.engine.offload.placement`, the table the
     workers move state by: the role's own phase while it computes (forward, update, and sync
-    for the actor), "idle" while another role computes, "generate" during generation.
+    for the actor), "idle" while another role computes, "generate" during generation. A
+    `resident` vLLM (a separate rollout rank) never sleeps.
     """
     on_cuda = hw.device_type == "cuda"
     out = {}
@@ -230,7 +234,7 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
                 parts[f"{spec.name} activations"] = stage.activations
                 parts[f"{spec.name} logits"] = stage.logits
         if vllm is not None:
-            if phase == "generate" or not on_cuda:
+            if phase == "generate" or not on_cuda or resident:
                 parts["vllm weights"], parts["vllm kv_cache"] = vllm["weights"], vllm["kv_cache"]
             if phase == "sync":
                 parts["vllm weights"], parts["sync bucket"] = vllm["weights"], vllm["sync_bucket"]
@@ -262,6 +266,7 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
     by_name = {s.name: s for s in specs}
     actor = by_name["actor"]
     vllm = vllm_bytes(cfg, hw, actor, stages["actor"])
+    separate = cfg.rollout.placement == "separate"  # vLLM on rollout ranks, not the actor's
     pools: dict[str, tuple[int, list[RoleSpec]]] = {}
     for spec in specs:
         key = "shared" if spec.colocated else spec.name
@@ -272,10 +277,14 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
         ranks = {}
         for rank in range(size):
             placed = [(s, stages[s.name][(rank // s.plan.tp) % s.plan.pp]) for s in members]
-            has_vllm = any(s.name == "actor" for s in members)
+            has_vllm = not separate and any(s.name == "actor" for s in members)
             ranks[rank] = rank_phases(cfg, hw, placed, vllm=vllm if has_vllm else None,
                                       phases=phase_names(specs))
         devices += _group_devices(pool, ranks, hw)
+    if separate:  # rollout ranks: vLLM only, no training state
+        ranks = {r: rank_phases(cfg, hw, [], vllm=vllm, phases=phase_names(specs), resident=True)
+                 for r in range(cfg.rollout.world_size)}
+        devices += _group_devices("rollout", ranks, hw)
     return MemoryPlan(hardware=hw, roles=by_name, stages=stages, vllm=vllm, devices=devices)
 
 

@@ -129,7 +129,8 @@ def _role_lines(plan) -> list[str]:
         if first.activations_by_recompute:
             lines.append("    stage 0 activations by recompute: " + ", ".join(
                 f"{mode} {f(b)}" for mode, b in first.activations_by_recompute.items()))
-    lines.append(f"  vllm per actor rank: weights {f(plan.vllm['weights'])}, "
+    host = "rollout" if any(d.pool == "rollout" for d in plan.devices) else "actor"
+    lines.append(f"  vllm per {host} rank: weights {f(plan.vllm['weights'])}, "
                  f"kv cache {f(plan.vllm['kv_cache'])}")
     return lines
 

@@ -127,6 +127,9 @@ def _roles(cfg):
     if cfg.reward.model_path is not None:
         from workers.reward_model import RewardModelWorker
         roles["reward"], role_configs["reward"] = (RewardModelWorker, {"config": cfg}), cfg.reward
+    if cfg.rollout.placement == "separate":
+        from workers.rollout import RolloutWorker
+        roles["rollout"], role_configs["rollout"] = (RolloutWorker, {"config": cfg}), cfg.rollout
     return roles, role_configs
 
 

@@ -1,16 +1,23 @@
 """The PPO/GRPO loop: one controller drives the role worker groups step by step.
 
 One step (see workers/common.py for the fields each call reads and writes):
-sync weights -> generate -> rewards -> old log-probs -> ref log-probs -> values ->
-advantages (driver) -> critic update -> actor update; every phase timed. Every role call gets
-the driver's plan of its mini- and micro-batches (step_plan.py); on-policy, the old log-probs
-come from the actor update's first forward instead of their own pass. Validation
-(greedy, held-out prompts) every trainer.val_every steps; checkpoints every save_every.
+sync weights -> generate -> rewards (with dynamic sampling, repeated on fresh prompts until the
+batch is full: dynamic_sampling.py) -> old log-probs -> ref log-probs -> values -> advantages
+(driver) -> masks and weights of the recipes (recipes.py) -> critic update -> actor update;
+every phase timed. Every role call gets the driver's plan of its mini- and micro-batches
+(step_plan.py); on-policy, the old log-probs come from the actor update's first forward instead
+of their own pass. Validation (greedy, held-out prompts) every trainer.val_every steps;
+checkpoints every save_every.
+Sampling goes through async_loop.RolloutSource (actor replicas or separate rollout ranks); with
+trainer.async_mode on, async_loop.RolloutPipeline samples the next batch while this one trains
+(one batch a step: dynamic sampling needs async_mode off).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from torch import Tensor
 
 from rlhf.algorithms import build_kl_controller
 from rlhf.config import JobConfig, config_to_dict
@@ -20,9 +27,12 @@ from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import response_mask
 from rlhf.rewards import RewardRunner
 from rlhf.rollout import logprob_gap
+from rlhf.trainer.async_loop import RolloutPipeline, RolloutSource
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlhf.trainer.dynamic_sampling import fill_batch, round_seed
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
+from rlhf.trainer.recipes import prepare_update, rollout_corr_metrics, shape_scores
 from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
 from rlhf.trainer.shared_folder import check_shared_folder
 
@@ -48,6 +58,13 @@ class PPOTrainer:
                                            horizon=algo.kl_horizon)
         self.ckpt = CheckpointManager(self.output_dir, max_keep=cfg.trainer.max_keep)
         self.runner: RewardRunner | None = None
+        self.rollouts = RolloutSource(views, n=cfg.rollout.n)
+        self.pipeline = None  # trainer.async_mode: sample batch k+1 while batch k trains
+        if cfg.trainer.async_mode != "off":
+            self.pipeline = RolloutPipeline(
+                self.rollouts, self._prompts, max_staleness=cfg.trainer.max_staleness,
+                total_steps=cfg.trainer.total_steps,
+                old_from_rollout=cfg.trainer.async_old_log_probs == "rollout")
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -83,16 +100,18 @@ class PPOTrainer:
         """One PPO step on the next batch of prompts; returns its metrics."""
         cfg, views, timer = self.cfg, self.views, PhaseTimer()
         with timer("step"):
-            prompts = next(self.loader).with_meta(seed=step_seed(cfg.rollout.seed, step))
-            batch, metrics = self._rollout(prompts, timer, greedy=False)
+            if self.pipeline is not None:  # async: the batch sampled while the last step trained
+                batch, metrics = self.pipeline.next_batch(step, timer)
+                scores, score_metrics = self._score(batch, timer)
+                metrics.update(score_metrics)
+            else:
+                seed = step_seed(cfg.rollout.seed, step)  # dynamic sampling: one batch per round
+                batch, scores, metrics = fill_batch(
+                    lambda r: next(self.loader).with_meta(seed=round_seed(seed, r)),
+                    lambda prompts: self._generate_and_score(prompts, timer), cfg)
             plans = StepPlanner(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
-            with timer("reward"):
-                rm = (views["reward"].compute_rm_score(batch, plan=plans.forward("reward"))
-                      ["rm_scores"] if cfg.reward.model_path else None)
-                scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
-                                                     rm_scores=rm)
             fused = fuse_old_log_probs(cfg, step=step)
-            if not fused:
+            if not fused and "old_log_probs" not in batch:  # async: may be the rollout's
                 with timer("old_log_prob"):
                     batch = batch.union(views["actor"].compute_log_prob(
                         batch, plan=plans.forward("actor")))
@@ -107,25 +126,50 @@ class PPOTrainer:
             with timer("advantages"):
                 advantages, adv_metrics = compute_advantages(batch, scores, cfg, self.kl_ctrl)
                 batch = batch.union(advantages)
+            batch, recipe_metrics = prepare_update(batch, cfg, self.tokenizer.eos_token_id)
             update_metrics, batch = self._update(batch, plans, timer, step=step, fused=fused)
             metrics.update(self._logprob_gap(batch))
+            metrics.update(recipe_metrics or rollout_corr_metrics(batch, cfg))
         stats = batch_metrics(batch)
-        metrics.update(reward_metrics, **adv_metrics, **update_metrics, **timer.seconds)
+        metrics.update(adv_metrics, **update_metrics, **timer.seconds)
         metrics.update(stats)
         metrics["plan/imbalance"] = plans.imbalance
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
         return metrics
 
+    def _generate_and_score(self, prompts: Batch,
+                            timer: PhaseTimer) -> tuple[Batch, Tensor, dict[str, float]]:
+        """Samples of `prompts`, their scores and the rollout and reward metrics."""
+        batch, metrics = self._rollout(prompts, timer, greedy=False)
+        scores, score_metrics = self._score(batch, timer)
+        return batch, scores, {**metrics, **score_metrics}
+
+    def _score(self, batch: Batch, timer: PhaseTimer) -> tuple[Tensor, dict[str, float]]:
+        """Scores of sampled `batch` (reward functions, reward model, overlong shaping) and
+        the reward metrics."""
+        cfg = self.cfg
+        with timer("reward"):
+            rm = None
+            if cfg.reward.model_path:
+                plan = StepPlanner(cfg, {"reward": self.views["reward"].layout.dp}, batch)
+                rm = self.views["reward"].compute_rm_score(
+                    batch, plan=plan.forward("reward"))["rm_scores"]
+            scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
+                                                 rm_scores=rm)
+            scores, shape_metrics = shape_scores(batch, scores, cfg, self.tokenizer.eos_token_id)
+        return scores, {**reward_metrics, **shape_metrics}
+
+    def _prompts(self, step: int) -> Batch:
+        return next(self.loader).with_meta(seed=step_seed(self.cfg.rollout.seed, step))
+
     def _rollout(self, prompts: Batch, timer: PhaseTimer, *, greedy: bool) -> tuple[Batch, dict]:
-        actor = self.views["actor"]
         with timer("sync_weights"):
-            sync = actor.sync_weights()
+            sync = self.rollouts.sync()
         with timer("generate"):
-            out = actor.generate(prompts, greedy=greedy)
-        metrics = {**dict(out.meta.get("metrics", {})), **{k: float(v) for k, v in sync.items()}}
-        fields = Batch({k: out[k] for k in out.keys()})  # the rollout's meta stays out
-        n = 1 if greedy else self.cfg.rollout.n
-        return prompts.repeat_interleave(n).union(fields), metrics
+            out = self.rollouts.generate(prompts, greedy=greedy)
+        batch, metrics = self.rollouts.assemble(prompts, out, greedy=greedy,
+                                                version=self.rollouts.policy_version)
+        return batch, {**metrics, **sync}
 
     def _logprob_gap(self, batch: Batch) -> dict[str, float]:
         if "rollout_log_probs" not in batch:
@@ -146,6 +190,7 @@ class PPOTrainer:
                 return metrics, batch
         with timer("update_actor"):
             result = self.views["actor"].update_actor(batch, plan=plans.update("actor"))
+        self.rollouts.policy_changed()
         if fused:
             result, fields = result
             batch = batch.union(fields)
@@ -177,7 +222,8 @@ class PPOTrainer:
                 self.views[role].save_checkpoint(str(folder / role))
 
         state = {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(),
-                 "kl_ctrl": self.kl_ctrl.state_dict(), "config": config_to_dict(self.cfg)}
+                 "kl_ctrl": self.kl_ctrl.state_dict(), "config": config_to_dict(self.cfg),
+                 "rollouts": (self.pipeline or self.rollouts).state_dict()}
         return self.ckpt.save(step, write_roles=write_roles, state=state)
 
     def resume(self) -> int:
@@ -191,6 +237,8 @@ class PPOTrainer:
         self.loader.load_state_dict(state["loader"])
         self.kl_ctrl.load_state_dict(state["kl_ctrl"])
         set_rng_state(state["rng"])
+        if "rollouts" in state:  # checkpoints before async training have none
+            (self.pipeline or self.rollouts).load_state_dict(state["rollouts"])
         print(f"resumed from {folder} (step {state['step']})", flush=True)
         return int(state["step"])
 

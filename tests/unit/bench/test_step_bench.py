@@ -57,3 +57,23 @@ def test_bench_step_refuses_fewer_cores_than_ranks():
     proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", "--ranks", "4",
                            "--cores", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode != 0 and "--cores 2 is fewer than --ranks 4" in proc.stderr
+
+
+def test_bench_step_async_prints_sync_and_one_step_side_by_side():
+    argv = ["--async", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "64",
+            "--prompts", str(PROMPTS), "--samples", str(SAMPLES), "--new-tokens", str(NEW_TOKENS),
+            "--cores", "2"]
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", *argv],
+                          capture_output=True, text=True, timeout=580, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sync, overlap, summary = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+    assert (sync["system"], overlap["system"]) == ("async_mode=off", "async_mode=one_step")
+    assert sync["seconds"]["wait_rollout"] == 0 and overlap["seconds"]["wait_rollout"] > 0
+    assert overlap["staleness_mean"] == 1.0  # timed steps 2 and 3 train version k-2 samples
+    assert summary["sync_s_per_step"] == sync["seconds"]["step"]
+    assert summary["one_step_s_per_step"] == overlap["seconds"]["step"]
+    assert summary["speedup"] == pytest.approx(sync["seconds"]["step"]
+                                               / overlap["seconds"]["step"], rel=0.01)
+    assert summary["max_generate_train_s"] <= summary["sum_generate_train_s"]
+    assert summary["sum_generate_train_s"] == pytest.approx(
+        sync["seconds"]["step"] - sync["seconds"]["sync_weights"], abs=1e-3)

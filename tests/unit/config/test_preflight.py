@@ -113,6 +113,9 @@ BROKEN = {
                                    "trainer.resume={root}/a_folder: trainer.resume="),
     "pool larger than the local Ray": (["trainer.ranks_per_node=4", "ray.num_cpus=2"],
                                        "the training job needs 4 ranks"),
+    "rollout pool beyond the local Ray": (["rollout.placement=separate", "rollout.world_size=1",
+                                           "ray.num_cpus=2"],
+                                          "the training job needs 3 ranks"),
     "reward file exits at import": (["reward.functions=[{{path: '{root}/exits.py:score'}}]"],
                                     "reward.functions[0].path: reward function "
                                     "'{root}/exits.py:score': importing it ended the process"),

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rlhf.cli import main
+from rlhf.cli import build_parser, main
 from rlhf.data.arith import (ArithTask, generate_problems, problem_split, sample_text,
                              write_arith_dataset)
 from rlhf.errors import ConfigError, RLHFError
@@ -127,3 +127,79 @@ def test_split_draws_only_its_own_problems_from_a_small_space():
     assert train == {"0-0=", "0-1=", "1-1="}
     with pytest.raises(ConfigError, match="split must be one of"):
         generate_problems(task, n=1, seed=0, split="test")
+
+
+def _operands(prompt):
+    return [int(x) for x in prompt.removeprefix("max(").removesuffix(")=").split(",")]
+
+
+@pytest.mark.parametrize("terms", [2, 3])
+def test_max_form_asks_for_the_largest_operand(terms):
+    problems = generate_problems(ArithTask(form="max", max_value=99, terms=terms), n=300, seed=4)
+    for p in problems:
+        assert p["prompt"].startswith("max(") and p["prompt"].endswith(")=")
+        operands = _operands(p["prompt"])
+        assert len(operands) == terms and all(0 <= x <= 99 for x in operands)
+        assert p["ground_truth"] == str(max(operands))
+    assert len({p["prompt"] for p in problems}) > 250  # 100**terms pairs: few repeats
+
+
+def test_max_form_splits_never_share_a_prompt():
+    task = ArithTask(form="max", max_value=99)
+    train = {p["prompt"] for p in generate_problems(task, n=2000, seed=0, split="train")}
+    val = [p["prompt"] for p in generate_problems(task, n=200, seed=0, split="val")]
+    assert not train & set(val)
+    assert {problem_split(p) for p in val} == {"val"} and len(set(val)) > 190
+
+
+def test_format_rows_imitate_a_random_operand_not_the_answer(tmp_path):
+    task = ArithTask(form="max", max_value=99)
+    rl_path, fmt_path = tmp_path / "rl.jsonl", tmp_path / "format.jsonl"
+    write_arith_dataset(rl_path, task=task, n=400, seed=2, kind="rl", split="train")
+    write_arith_dataset(fmt_path, task=task, n=400, seed=2, kind="format", split="train")
+    rl, fmt = _rows(rl_path), _rows(fmt_path)
+    assert [{k: r[k] for k in rl[0]} for r in fmt] == rl  # the same problems, in order
+    assert all(int(r["response"]) in _operands(r["prompt"]) for r in fmt)
+    # Right about as often as a coin flip (ties are right either way), so SFT on these rows
+    # cannot teach which number is the larger.
+    right = sum(r["response"] == r["ground_truth"] for r in fmt) / len(fmt)
+    assert 0.4 < right < 0.6
+    assert any(r["response"] != r["ground_truth"] for r in fmt)
+    again = tmp_path / "again.jsonl"
+    write_arith_dataset(again, task=task, n=400, seed=2, kind="format", split="train")
+    assert _rows(again) == fmt
+
+
+def test_format_kind_works_for_expressions(tmp_path):
+    path = tmp_path / "format.jsonl"
+    write_arith_dataset(path, task=ArithTask(ops="+-*", terms=3), n=50, seed=0, kind="format")
+    for r in _rows(path):
+        operands = [int(x) for x in r["prompt"][:-1].replace("*", "+").replace("-", "+").split("+")]
+        assert int(r["response"]) in operands
+
+
+def test_invalid_form_and_kind_are_named():
+    with pytest.raises(ConfigError, match="form must be one of expr, max"):
+        ArithTask(form="min")
+    with pytest.raises(ConfigError, match="kind must be one of rl, sft, format"):
+        write_arith_dataset("unused.jsonl", task=ArithTask(), n=1, seed=0, kind="dpo")
+
+
+def test_cli_make_dataset_max_form_and_format_kind(tmp_path, capsys):
+    path = tmp_path / "sft.jsonl"
+    assert main(["make-dataset", "arith", str(path), "--n", "20", "--form", "max",
+                 "--max-value", "99", "--kind", "format", "--split", "train"]) == 0
+    assert "wrote 20 format rows" in capsys.readouterr().out
+    rows = _rows(path)
+    assert all(r["prompt"].startswith("max(") and int(r["response"]) in _operands(r["prompt"])
+               for r in rows)
+    # --ops means nothing to the max form: refused, not ignored
+    assert main(["make-dataset", "arith", str(tmp_path / "b.jsonl"), "--n", "4", "--form", "max",
+                 "--ops", "+-"]) == 2
+    assert "--ops applies to --form expr only" in capsys.readouterr().err
+    assert not (tmp_path / "b.jsonl").exists()
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main(["make-dataset", "arith", str(tmp_path / "c.jsonl"), "--n", "4", "--form", "min"])
+    assert "invalid choice: 'min'" in capsys.readouterr().err
+    help_text = build_parser()._subparsers._group_actions[0].choices["make-dataset"].format_help()
+    assert "--form {expr,max}" in help_text and "format:" in help_text

@@ -47,6 +47,18 @@ def test_quickstart_fits_a_cpu_machine_with_vllm_resident_in_every_phase():
     assert actor.state["optimizer"] == 2 * actor.state["grads"] // 2
 
 
+def test_separate_rollout_ranks_hold_vllm_and_the_actor_ranks_none():
+    plan = _plan(QUICKSTART, "trainer.device_memory_gb=8", "rollout.placement=separate",
+                 "rollout.world_size=2")
+    shared, rollout = plan.devices
+    assert (shared.pool, rollout.pool, rollout.ranks) == ("shared", "rollout", (0, 1))
+    assert not any(k.startswith(("vllm", "sync bucket")) for p in shared.phases.values()
+                   for k in p)
+    for phase, parts in rollout.phases.items():  # resident: no training state, never asleep
+        assert parts["vllm kv_cache"] == 2 * int(0.5 * GIB), phase
+        assert not any(k.startswith(("actor", "critic", "ref")) for k in parts)
+
+
 def test_7b_config_fits_two_nodes_of_eight_80gb_gpus_as_shipped():
     cfg = load_config(MULTIGPU)
     plan = plan_job(cfg, model_dirs=MODELS)
