@@ -132,6 +132,17 @@ def truncated_is_weights(old_log_probs_T: Tensor, rollout_log_probs_T: Tensor,
     return torch.exp(log_ratio_T)
 
 
+def policy_inputs(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
+                  mask_T: Tensor | None, is_weights_T: Tensor | None):
+    """The valid-token mask and the policy-loss inputs with masked tokens zeroed, after checking
+    that every per-token input has one entry per token (shared by every policy loss)."""
+    num_tokens = logp_T.shape[0]
+    check_tokens(num_tokens, old_logp_T=old_logp_T, advantages_T=advantages_T,
+                 is_weights_T=is_weights_T)
+    valid_T = valid_mask(mask_T, num_tokens, logp_T.device)
+    return (valid_T, *_zero_masked(valid_T, logp_T, old_logp_T, advantages_T, is_weights_T))
+
+
 def ppo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
                     mask_T: Tensor | None, cu_seqlens: Tensor, *, clip_low: float = 0.2,
                     clip_high: float = 0.2, clip_c: float | None = None,
@@ -144,12 +155,8 @@ def ppo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
     Metrics (detached 0-d, over valid tokens): clipfrac, clipfrac_lower (dual clip active) and
     approx_kl, the k3 estimate of KL(pi_old || pi) (non-negative, unlike the mean of k1).
     """
-    num_tokens = logp_T.shape[0]
-    check_tokens(num_tokens, old_logp_T=old_logp_T, advantages_T=advantages_T,
-                 is_weights_T=is_weights_T)
-    valid_T = valid_mask(mask_T, num_tokens, logp_T.device)
-    logp_T, old_logp_T, advantages_T, is_weights_T = _zero_masked(
-        valid_T, logp_T, old_logp_T, advantages_T, is_weights_T)
+    valid_T, logp_T, old_logp_T, advantages_T, is_weights_T = policy_inputs(
+        logp_T, old_logp_T, advantages_T, mask_T, is_weights_T)
     log_ratio_T = (logp_T - old_logp_T).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio_T = torch.exp(log_ratio_T)
     surr_T = -advantages_T * ratio_T

@@ -15,11 +15,10 @@ import torch
 from torch import Tensor
 
 from rlhf.algorithms.kl import kl
-from rlhf.algorithms.losses import (LOG_RATIO_BOUND, _masked_mean, _zero_masked, aggregate,
+from rlhf.algorithms.losses import (LOG_RATIO_BOUND, _masked_mean, aggregate, policy_inputs,
                                     ppo_policy_loss)
 from rlhf.algorithms.registry import lookup, register
-from rlhf.algorithms.segments import (check_tokens, count_per_sample, segment_sum, segments,
-                                      to_tokens, valid_mask)
+from rlhf.algorithms.segments import count_per_sample, segment_sum, segments, to_tokens
 
 _POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
 
@@ -62,12 +61,8 @@ def gspo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
 
     Metrics: clipfrac (fraction of valid tokens in clipped sequences), approx_kl (token k3)."""
     del clip_c
-    num_tokens = logp_T.shape[0]
-    check_tokens(num_tokens, old_logp_T=old_logp_T, advantages_T=advantages_T,
-                 is_weights_T=is_weights_T)
-    valid_T = valid_mask(mask_T, num_tokens, logp_T.device)
-    logp_T, old_logp_T, advantages_T, is_weights_T = _zero_masked(
-        valid_T, logp_T, old_logp_T, advantages_T, is_weights_T)
+    valid_T, logp_T, old_logp_T, advantages_T, is_weights_T = policy_inputs(
+        logp_T, old_logp_T, advantages_T, mask_T, is_weights_T)
     ratio_T = sequence_ratio(logp_T, old_logp_T, valid_T, cu_seqlens)
     surr_T = -advantages_T * ratio_T
     surr_clip_T = -advantages_T * ratio_T.clamp(1.0 - clip_low, 1.0 + clip_high)
@@ -94,12 +89,8 @@ def cispo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
 
     Metrics: clipfrac (fraction of valid tokens whose weight was capped), approx_kl (k3)."""
     del clip_low, clip_c
-    num_tokens = logp_T.shape[0]
-    check_tokens(num_tokens, old_logp_T=old_logp_T, advantages_T=advantages_T,
-                 is_weights_T=is_weights_T)
-    valid_T = valid_mask(mask_T, num_tokens, logp_T.device)
-    logp_T, old_logp_T, advantages_T, is_weights_T = _zero_masked(
-        valid_T, logp_T, old_logp_T, advantages_T, is_weights_T)
+    valid_T, logp_T, old_logp_T, advantages_T, is_weights_T = policy_inputs(
+        logp_T, old_logp_T, advantages_T, mask_T, is_weights_T)
     log_ratio_T = (logp_T.detach() - old_logp_T).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio_T = torch.exp(log_ratio_T)
     weight_T = ratio_T.clamp(max=1.0 + clip_high)
