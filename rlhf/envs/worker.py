@@ -7,8 +7,7 @@ per call as soon as it returns, so the runner can time every call (see rlhf.envs
 
 from __future__ import annotations
 
-from multiprocessing.connection import Connection
-from typing import Any
+from collections.abc import Callable
 
 from rlhf.envs.base import BadStep, Env, check_step_result
 from rlhf.errors import RLHFError
@@ -48,27 +47,18 @@ def call_env(cls: type[Env], kwargs: dict, envs: dict[int, Env], episode: int, m
         return ("error", f"{method} raised:\n{user_traceback(e)}")
 
 
-def serve(conn: Connection) -> None:
-    """Load the class the runner names, then serve calls until told to stop."""
-    spec, kwargs = conn.recv()
-    try:
-        cls = load_env_class(spec)
-    except Exception as e:
-        conn.send(("load_error", str(e) if isinstance(e, RLHFError) else user_traceback(e)))
-        return
-    conn.send(("ready",))
-    envs: dict[int, Any] = {}
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
-        if task is None:
-            return
-        for episode, method, payload in task:
-            conn.send((episode, call_env(cls, kwargs, envs, episode, method, payload)))
+def _load(first: tuple) -> tuple:
+    spec, kwargs = first
+    return load_env_class(spec), kwargs, {}
+
+
+def _answer(loaded: tuple, task: list, send: Callable) -> None:
+    cls, kwargs, envs = loaded
+    for episode, method, payload in task:
+        send((episode, call_env(cls, kwargs, envs, episode, method, payload)))
 
 
 def main() -> None:
-    """Entry point of an environment worker, started by rlhf.envs.runner."""
-    child_main(serve)
+    """Entry point of an environment worker, started by rlhf.envs.runner: load the class the
+    runner names, then serve calls on the episodes pinned here until told to stop."""
+    child_main(_load, _answer)

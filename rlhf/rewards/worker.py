@@ -42,11 +42,12 @@ def _exit_with_parent(parent_pid: int) -> None:
             os._exit(1)
 
 
-def serve(conn: Connection) -> None:
-    """Load the functions the driver names first, then serve chunks until told to stop."""
-    specs = conn.recv()
+def serve_loop(conn: Connection, load: Callable, handle: Callable) -> None:
+    """A worker's life on its pipe: load(first message) -> ("ready",) or ("load_error", text),
+    then handle(loaded, task, conn.send) for each task until None or a closed pipe."""
+    first = conn.recv()
     try:
-        functions = [load_reward_function(spec) for spec in specs]
+        loaded = load(first)
     except Exception as e:
         conn.send(("load_error", str(e) if isinstance(e, RLHFError) else user_traceback(e)))
         return
@@ -58,22 +59,31 @@ def serve(conn: Connection) -> None:
             return
         if task is None:
             return
-        items, first_function = task
-        for position, (index, sample) in enumerate(items):
-            # A chunk resumed after a timeout starts part-way through its first sample.
-            start = first_function if position == 0 else 0
-            for f in range(start, len(functions)):
-                conn.send((index, f, call_reward(functions[f], sample)))
+        handle(loaded, task, conn.send)
 
 
-def child_main(serve_fn: Callable[[Connection], None]) -> None:
+def _load_functions(specs: list[str]) -> list[Callable]:
+    return [load_reward_function(spec) for spec in specs]
+
+
+def _score_chunk(functions: list[Callable], task: tuple, send: Callable) -> None:
+    items, first_function = task
+    for position, (index, sample) in enumerate(items):
+        # A chunk resumed after a timeout starts part-way through its first sample.
+        start = first_function if position == 0 else 0
+        for f in range(start, len(functions)):
+            send((index, f, call_reward(functions[f], sample)))
+
+
+def child_main(load: Callable, handle: Callable) -> None:
     """The body of a spawned worker (`python -c "...main()" FD PARENT_PID`, see
-    rlhf.rewards.pool.spawn_child): serve_fn on the pipe, ending with the parent."""
+    rlhf.rewards.pool.spawn_child): serve_loop on the pipe, ending with the parent."""
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
-    serve_fn(Connection(fd))
+    serve_loop(Connection(fd), load, handle)
 
 
 def main() -> None:
-    """Entry point of a reward worker, started by rlhf.rewards.pool."""
-    child_main(serve)
+    """Entry point of a reward worker, started by rlhf.rewards.pool: load the functions the
+    driver names, then score chunks until told to stop."""
+    child_main(_load_functions, _score_chunk)
