@@ -17,6 +17,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -87,8 +88,10 @@ def _summary(result: dict, steps: int) -> dict:
 # ---- our trainer --------------------------------------------------------------------------------
 
 
-def _run_ours(cfg, *, warmup: int) -> dict:
-    """cfg.trainer.total_steps steps of the PPOTrainer that `rlhf train` runs."""
+def fit_job(cfg, *, warmup: int, views: Callable | None = None) -> list[dict]:
+    """Run cfg's PPOTrainer (the one `rlhf train` runs) on the local Ray, started here unless
+    one runs, and return the records of the steps after `warmup`. views(groups), if given,
+    returns the worker views the trainer calls (to wrap them)."""
     import ray
 
     from rlhf.trainer.cli import _roles
@@ -103,17 +106,29 @@ def _run_ours(cfg, *, warmup: int) -> dict:
         groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
                             role_configs=role_configs)
         try:
-            cores = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size for g in groups.groups)
-            meter = RankCpuMeter(_rank_pids(), cores=cores, skip_steps=warmup)
-            views = {name: MeteredView(view, meter) for name, view in groups.views.items()}
-            trainer = PPOTrainer(cfg, views, tokenizer=load_tokenizer(cfg.model.path),
+            trainer = PPOTrainer(cfg, groups.views if views is None else views(groups),
+                                 tokenizer=load_tokenizer(cfg.model.path),
                                  job_name=cfg.trainer.experiment_name, progress=False)
-            records = trainer.fit()[warmup:]
+            return trainer.fit()[warmup:]
         finally:
             groups.shutdown()
     finally:
         if started:
             ray.shutdown()
+
+
+def _run_ours(cfg, *, warmup: int) -> dict:
+    """cfg.trainer.total_steps steps of our trainer, with the ranks' CPU use metered."""
+    metered = {}
+
+    def views(groups):
+        metered["cores"] = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size
+                               for g in groups.groups)
+        metered["meter"] = RankCpuMeter(_rank_pids(), cores=metered["cores"], skip_steps=warmup)
+        return {name: MeteredView(view, metered["meter"]) for name, view in groups.views.items()}
+
+    records = fit_job(cfg, warmup=warmup, views=views)
+    cores, meter = metered["cores"], metered["meter"]
     samples = cfg.data.train_batch_size * cfg.rollout.n
     seconds = {}
     for record in records:

@@ -62,28 +62,9 @@ def _separate(cfg, mode: str, out: Path):
 
 def _run(cfg, *, warmup: int) -> dict:
     """The job's PPOTrainer steps; mean seconds per timed step of each phase."""
-    import ray
+    from rlhf.bench.step import fit_job
 
-    from rlhf.trainer.cli import _roles
-    from rlhf.trainer.ppo import PPOTrainer
-    from rlhf.trainer.session import RoleGroups, init_ray
-    from rlhf.trainer.setup import load_tokenizer
-
-    started = not ray.is_initialized()
-    init_ray(cfg, env_address=None)
-    try:
-        roles, role_configs = _roles(cfg)
-        groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
-                            role_configs=role_configs)
-        try:
-            trainer = PPOTrainer(cfg, groups.views, tokenizer=load_tokenizer(cfg.model.path),
-                                 job_name=cfg.trainer.experiment_name, progress=False)
-            records = trainer.fit()[warmup:]
-        finally:
-            groups.shutdown()
-    finally:
-        if started:
-            ray.shutdown()
+    records = fit_job(cfg, warmup=warmup)
 
     def mean(key: str) -> float:
         return round(sum(r.get(key, 0.0) for r in records) / len(records), 4)
