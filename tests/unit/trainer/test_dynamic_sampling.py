@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rlhf.config.schema import AlgorithmConfig, DataConfig, RolloutConfig
+from rlhf.config import AlgorithmConfig, DataConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader
 from rlhf.trainer.dynamic_sampling import fill_batch, round_seed

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rlhf.config.schema import AlgorithmConfig, RolloutConfig
+from rlhf.config import AlgorithmConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
 from rlhf.data.ragged import Ragged
