@@ -100,6 +100,34 @@ def test_one_step_trains_on_the_previous_version_and_resumes_exactly(ray_cluster
     shutil.rmtree(tmp_path / "whole", ignore_errors=True)
 
 
+def test_bounded_staleness_syncs_only_past_the_bound_and_recompute_ratios_start_at_one(
+        ray_cluster, tmp_path):
+    """max_staleness 2: the rollout pool keeps its weights until a batch would be trained more
+    than two versions after them (one sync in five steps); with async_old_log_probs recompute
+    the ratio's denominator is the trainer's weights, so the single mini-batch update starts
+    on-policy (no KL) while the rollout log-probs drift from them as samples grow stale."""
+    assets = make_assets(tmp_path)
+    cfg = _job(assets, tmp_path / "bounded", rollout=SEPARATE,
+               trainer={"async_mode": "bounded", "max_staleness": 2,
+                        "async_old_log_probs": "recompute", "total_steps": 5})
+    run_train(cfg, progress=False)
+    records = read_metrics(cfg.trainer.output_dir)
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    # versions sampled: 0 0 0 2 2 (the sync at step 3 sends version 2), trained at 0 1 2 3 4
+    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 2.0, 1.0, 2.0]
+    assert [r["async/policy_version"] for r in records] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    # (the last step submits nothing, so it reports no sync)
+    assert [r.get("sync/skipped") for r in records] == [1.0, 1.0, 0.0, 1.0, None]
+    assert records[2]["sync/bytes"] > 0
+    assert all(r["async/dropped_samples"] == 0 for r in records)
+    for r in records:
+        assert abs(r["actor/approx_kl"]) < 1e-6, r  # old = current weights: ratio 1
+    gap = [r["rollout/logprob_gap_mean"] for r in records]
+    assert records[0]["rollout/logprob_gap_max"] < 2e-4  # version 0 sampled and trained
+    # measured 1e-7, 0.079, 0.126, 0.039, 0.060: two versions apart drift more than one
+    assert gap[1] > 1e-3 and gap[2] > gap[1] and gap[4] > gap[3] > 1e-3
+
+
 def test_a_tp2_actor_feeds_two_rollout_ranks_within_the_log_prob_tolerance(ray_cluster, tmp_path):
     """Both actor ranks export (TP all-gathers), rank 0 sends, both rollout ranks receive every
     tensor: after the transfer vLLM scores the samples as the trainer does."""
