@@ -88,6 +88,10 @@ class RolloutEngine:
             self.asleep.discard(tag)
 
 
+# Tokens of prompts prefilled in one engine step on the CPU (vLLM's default budget there).
+CPU_PREFILL_TOKENS = 4096
+
+
 def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
                 max_model_len: int) -> dict:
     """vLLM `LLM` keyword arguments for one replica from the rollout config."""
@@ -107,12 +111,14 @@ def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
             args.update(distributed_executor_backend="external_launcher",
                         disable_custom_all_reduce=True)
     else:
+        # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request's
+        # prefill is split over steps, as soon as one step's prompts pass the token budget
+        # (one rollout rank sampling the whole batch, long multi-turn prompts): prefill whole
+        # prompts only, with the budget vLLM uses by default (CPU_PREFILL_TOKENS).
         args.update(kv_cache_memory_bytes=int(config.cpu_kv_cache_gb * 2**30),
-                    enforce_eager=True)  # no graphs to capture on the CPU
-        if config.env.path is not None:
-            # Seeded sampling crashed in vLLM-CPU's chunked prefill once multi-turn prompts
-            # grew long; whole-prompt prefill avoids it.
-            args.update(enable_chunked_prefill=False)
+                    enforce_eager=True,  # no graphs to capture on the CPU
+                    enable_chunked_prefill=False,
+                    max_num_batched_tokens=max(max_model_len, CPU_PREFILL_TOKENS))
     return args
 
 

