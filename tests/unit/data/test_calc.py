@@ -3,6 +3,7 @@ and `rlhf make-dataset calc`; and configs/calculator.yaml through `rlhf config s
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,13 @@ def test_shipped_calculator_config_shows_once_its_data_exists(tmp_path, monkeypa
         write_calc_dataset(data / f"{name}.jsonl", task=CalcTask(), n=4, seed=0, kind="direct")
     assert main(["config", "show", str(CALCULATOR)]) == 0
     assert "CalculatorEnv" in capsys.readouterr().out
+
+
+def test_example_script_is_valid_bash_and_documented():
+    repo = CALCULATOR.parents[1]
+    result = subprocess.run(["bash", "-n", str(repo / "examples/calculator.sh")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    readme = (repo / "README.md").read_text()
+    assert "## A multi-turn example: the calculator tool" in readme
+    assert "bash examples/calculator.sh" in readme and "`rlhf make-dataset calc" in readme
