@@ -46,16 +46,49 @@ def _make_tiny_model(args) -> int:
 
 
 def _make_dataset(args) -> int:
-    from rlhf.data.arith import ArithTask, write_arith_dataset
-
-    if args.form != "expr" and args.ops is not None:
-        raise RLHFError(f"--ops applies to --form expr only; drop it for --form {args.form}")
-    ops = {} if args.ops is None else {"ops": args.ops}  # ArithTask holds the default
-    task = ArithTask(form=args.form, max_value=args.max_value, terms=args.terms, **ops)
-    n = write_arith_dataset(Path(args.out), task=task, n=args.n, seed=args.seed, kind=args.kind,
-                            split=args.split, overwrite=args.overwrite)
+    n = _make_calc(args) if args.task == "calc" else _make_arith(args)
     print(f"wrote {n} {args.kind} rows to {args.out}")
     return 0
+
+
+def _make_arith(args) -> int:
+    from rlhf.data.arith import ArithTask, write_arith_dataset
+
+    _reject(args, "arith", digits=args.digits, model=args.model)
+    if args.kind == "direct":
+        raise RLHFError("--kind direct is for calc; arith's answer-only rows are --kind sft")
+    form = args.form or "expr"
+    if form != "expr" and args.ops is not None:
+        raise RLHFError(f"--ops applies to --form expr only; drop it for --form {form}")
+    given = {"ops": args.ops, "max_value": args.max_value, "terms": args.terms}
+    task = ArithTask(form=form, **{k: v for k, v in given.items() if v is not None})
+    return write_arith_dataset(Path(args.out), task=task, n=args.n, seed=args.seed,
+                               kind=args.kind, split=args.split, overwrite=args.overwrite)
+
+
+def _make_calc(args) -> int:
+    from rlhf.data.calc import TRACE_KINDS, CalcTask, write_calc_dataset
+    from rlhf.trainer.setup import load_tokenizer
+
+    _reject(args, "calc", form=args.form, max_value=args.max_value, terms=args.terms)
+    given = {"ops": args.ops}
+    if args.digits is not None:
+        try:
+            given["digits"] = tuple(int(d) for d in args.digits.split(","))
+        except ValueError:
+            raise RLHFError(f"--digits is two numbers like 3,2; got {args.digits!r}") from None
+    task = CalcTask(**{k: v for k, v in given.items() if v is not None})
+    tokenizer = load_tokenizer(args.model) if args.model and args.kind in TRACE_KINDS else None
+    return write_calc_dataset(Path(args.out), task=task, n=args.n, seed=args.seed,
+                              kind=args.kind, split=args.split, tokenizer=tokenizer,
+                              overwrite=args.overwrite)
+
+
+def _reject(args, task: str, **flags) -> None:
+    """Stop on flags that belong to the other task."""
+    given = [f"--{k.replace('_', '-')}" for k, v in flags.items() if v is not None]
+    if given:
+        raise RLHFError(f"make-dataset {task} does not use {', '.join(given)}; drop it")
 
 
 def _verify_model(args) -> int:
@@ -113,25 +146,37 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(run=_make_tiny_model)
 
     data = commands.add_parser("make-dataset", help="write a synthetic JSONL dataset")
-    data.add_argument("task", choices=["arith"], help="arith: integer arithmetic with exact answers")
+    data.add_argument("task", choices=["arith", "calc"],
+                      help="arith: integer arithmetic with exact answers; calc: multi-digit "
+                           "arithmetic ('372*48=') for the calculator tool, with tool-use traces")
     data.add_argument("out", help="JSONL file to write")
     data.add_argument("--n", type=int, required=True, help="number of rows")
     data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--kind", choices=["rl", "sft", "format"], default="rl",
-                      help="rl: prompt + ground_truth; sft: also the answer text to imitate; "
-                           "format: also a well-formed but unchecked answer to imitate (one of "
-                           "the prompt's operands at random), so SFT teaches the answer's shape "
-                           "and leaves the skill to RL")
+    data.add_argument("--kind", choices=["rl", "sft", "format", "direct"], default="rl",
+                      help="rl: prompt + ground_truth; sft: also the response to imitate (arith: "
+                           "the answer; calc: a whole tool-use episode, right call, tool result, "
+                           "answer); format: a well-formed but unchecked response (arith: one of "
+                           "the prompt's operands at random; calc: the call's operator drawn at "
+                           "random), so SFT teaches the shape and leaves the skill to RL; direct "
+                           "(calc): the answer without the tool")
     data.add_argument("--split", choices=["all", "train", "val"], default="all",
                       help="train/val: only problems of that split (a fixed hash of the prompt "
                            "puts one in five in val), so train and val files never overlap")
-    data.add_argument("--form", choices=["expr", "max"], default="expr",
-                      help="expr: an expression, '12+7-3='; max: the largest operand, "
-                           "'max(12,7)='")
+    data.add_argument("--form", choices=["expr", "max"], default=None,
+                      help="arith: expr (default), an expression, '12+7-3='; max: the largest "
+                           "operand, 'max(12,7)='")
     data.add_argument("--ops", default=None,
-                      help="operators to draw from, e.g. '+-*' (--form expr only; default '+-')")
-    data.add_argument("--max-value", type=int, default=20, help="largest operand")
-    data.add_argument("--terms", type=int, default=2, help="operands per problem")
+                      help="operators to draw from, e.g. '+-*' (arith --form expr: default '+-'; "
+                           "calc: default '+-*')")
+    data.add_argument("--max-value", type=int, default=None,
+                      help="arith: largest operand (default 20)")
+    data.add_argument("--terms", type=int, default=None,
+                      help="arith: operands per problem (default 2)")
+    data.add_argument("--digits", default=None,
+                      help="calc: digits of the first and second operand (default 3,2)")
+    data.add_argument("--model", default=None,
+                      help="calc --kind sft|format: the model folder whose chat template renders "
+                           "the traces (the tool's result turn), as the rollout will")
     data.add_argument("--overwrite", action="store_true", help="replace an existing file")
     data.set_defaults(run=_make_dataset)
 
