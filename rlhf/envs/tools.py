@@ -132,7 +132,7 @@ def calculator(expression: str) -> str:
 
     if len(expression) > 200:
         raise ValueError("expression longer than 200 characters")
-    with warnings.catch_warnings():  # "12a" warns (invalid decimal literal) before it fails
+    with warnings.catch_warnings():  # "3or 4" warns (invalid decimal literal) before it fails
         warnings.simplefilter("ignore", SyntaxWarning)
         tree = ast.parse(expression.strip(), mode="eval")
     return str(ev(tree.body))

@@ -95,3 +95,15 @@ def test_prompt_tokens_are_those_of_the_rl_rows(tmp_path, tok):
     rl = PromptDataset(read_rows([tmp_path / "r.jsonl"]), tok, max_prompt_length=64)
     assert [p.tolist() for p in sft.prompt_ids.to_list()] == \
         [p.tolist() for p in rl.prompt_ids.to_list()]
+
+
+def test_a_malformed_expression_fails_without_a_syntax_warning():
+    """A sampled call such as "3or 4" reaches ast.parse, which warns "invalid decimal literal"
+    (on the console of every env worker) before the calculator rejects it; it must not."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ValueError, match="unsupported expression"):
+            calculator("3or 4")
+    assert not [w for w in caught if issubclass(w.category, SyntaxWarning)]
