@@ -10,13 +10,12 @@ from rlhf.config import RolloutConfig
 from rlhf.config.envs import EnvConfig
 from rlhf.data.calc import CalcTask, tool_call_text, write_calc_dataset
 from rlhf.data.dataset import PromptDataset, read_rows
-from rlhf.envs.render import TurnRenderer
-from rlhf.envs.runner import EnvRunner
 from rlhf.envs.tools import calculator
 from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.rollout.engine import Completion
-from rlhf.rollout.multiturn import Episode, run_episodes
+from rlhf.rollout.multiturn import Episode
 from rlhf.trainer.sft import response_ids
+from tests.unit.envs.play import play_episodes
 
 pytestmark = pytest.mark.timeout(120)
 SPEC = "rlhf.envs.tools:CalculatorEnv"
@@ -64,14 +63,8 @@ def test_sft_trace_is_the_rollouts_episode(tmp_path, tok, kind):
                              "extra": {}})
                 for i, r in enumerate(records)]
     cfg = RolloutConfig(max_new_tokens=72, max_turns=2, max_episode_tokens=128,
-                        env=EnvConfig(path=SPEC, num_workers=0))
-    runner = EnvRunner(SPEC, num_workers=0, timeout_s=10.0)
-    try:
-        sums = run_episodes(engine, episodes, runner=runner, renderer=TurnRenderer(tok),
-                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                            config=cfg, greedy=True)
-    finally:
-        runner.close()
+                        env=EnvConfig(path=SPEC, num_workers=0, timeout_s=10.0))
+    sums = play_episodes(engine, episodes, tok, cfg)
     assert len(engine.calls) == 2 and sums["m/tool_calls"] == len(records)
     assert sums["m/tool_errors"] == 0
     for e, trace, (call, answer), record in zip(episodes, traces, turns, records):

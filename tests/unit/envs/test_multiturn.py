@@ -7,11 +7,11 @@ from rlhf.config import RolloutConfig
 from rlhf.config.envs import EnvConfig
 from rlhf.data.fields import response_mask
 from rlhf.envs.render import TurnRenderer
-from rlhf.envs.runner import EnvRunner
 from rlhf.errors import RLHFError
 from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.rollout.engine import Completion
-from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch, run_episodes
+from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch
+from tests.unit.envs.play import play_episodes
 from tests.unit.envs.scripted_env import SPEC
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,17 +43,11 @@ def play(tok, scripts, *, on_error="raise", max_turns=3, max_episode_tokens=200,
     cfg = RolloutConfig(max_new_tokens=4, max_turns=max_turns, max_episode_tokens=max_episode_tokens,
                         env=EnvConfig(path=SPEC, on_error=on_error, fallback_reward=-1.0,
                                       num_workers=num_workers, timeout_s=timeout_s))
-    runner = EnvRunner(SPEC, num_workers=num_workers, timeout_s=timeout_s)
     engine = ScriptedEngine(tok.eos_token_id)
     episodes = [Episode([1, 2, 3], seed=i, name=f"row {i}, sample 0",
                         row={"prompt": "q", "ground_truth": 0, "extra": {"script": s}})
                 for i, s in enumerate(scripts)]
-    try:
-        sums = run_episodes(engine, episodes, runner=runner, renderer=TurnRenderer(tok),
-                            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                            config=cfg, greedy=True)
-    finally:
-        runner.close()
+    sums = play_episodes(engine, episodes, tok, cfg)
     return episodes, engine, sums
 
 
