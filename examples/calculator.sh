@@ -9,18 +9,12 @@
 #
 #   bash examples/calculator.sh [section.key=value ...]    # overrides go to the job config
 set -euo pipefail
-repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$repo"
-bash examples/install.sh
-rlhf=.venv/bin/rlhf
+name=calculator
 config=configs/calculator.yaml
 out=outputs/calculator
-step() { printf '\n[calculator %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-
-if [ ! -f "$out/model/config.json" ]; then
-  step "building the tiny model in $out/model"
-  "$rlhf" make-tiny-model "$out/model"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/job.sh"
+job_setup
+ensure_tiny_model
 dataset() {  # FILE KIND SPLIT N
   if [ ! -f "$1" ]; then
     step "writing $4 $3 rows ($2) to $1"
@@ -32,18 +26,8 @@ dataset "$out/data/train.jsonl" rl train 2000
 dataset "$out/data/val.jsonl" rl val 200
 dataset "$out/data/sft_train.jsonl" format train 2000
 
-# `config show` checks everything the job reads (so it runs once the data exists): it stops
-# here, naming the key or file, before any worker starts.
-step "checked and resolved job config"
-"$rlhf" config show "$config" "$@"
-
-sft_model=$("$rlhf" config show "$config" "$@" | awk '/^sft:/{s=1} s && /^  output_path:/{print $2; exit}')
-if [ ! -f "$sft_model/config.json" ]; then
-  step "supervised warm start (rlhf sft) -> $sft_model"
-  "$rlhf" sft "$config" "$@"
-else
-  step "reusing the warm-started model in $sft_model (delete it to redo SFT)"
-fi
+check_config "$@"
+warm_start "$@"
 
 step "GRPO with the calculator tool (rlhf train)"
 "$rlhf" train "$config" "$@"
