@@ -12,16 +12,11 @@ set -euo pipefail
 name=calculator
 config=configs/calculator.yaml
 out=outputs/calculator
+# --model: the traces' tool-result turns are rendered by this model's chat template.
+data_args=(calc --model "$out/model")
 source "$(dirname "${BASH_SOURCE[0]}")/job.sh"
 job_setup
 ensure_tiny_model
-dataset() {  # FILE KIND SPLIT N
-  if [ ! -f "$1" ]; then
-    step "writing $4 $3 rows ($2) to $1"
-    # --model: the traces' tool-result turns are rendered by this model's chat template.
-    "$rlhf" make-dataset calc "$1" --kind "$2" --split "$3" --n "$4" --seed 0 --model "$out/model"
-  fi
-}
 dataset "$out/data/train.jsonl" rl train 2000
 dataset "$out/data/val.jsonl" rl val 200
 dataset "$out/data/sft_train.jsonl" format train 2000

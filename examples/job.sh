@@ -1,8 +1,10 @@
 # Shared steps of the example jobs (examples/quickstart.sh, examples/calculator.sh), sourced by
-# them after they set `name` (the log prefix), `config` and `out`:
+# them after they set `name` (the log prefix), `config`, `out` and `data_args` (the task and
+# flags of `rlhf make-dataset`):
 #   job_setup                 cd to the repo, install into ./.venv on first use (examples/install.sh)
 #   step MESSAGE              a timestamped progress line
 #   ensure_tiny_model         build the tiny model in $out/model if missing
+#   dataset FILE KIND SPLIT N `rlhf make-dataset ${data_args[@]}` into FILE if missing (seed 0)
 #   check_config [k=v ...]    `rlhf config show`: stops naming the key or file before any worker starts
 #   warm_start [k=v ...]      `rlhf sft` unless the config's sft.output_path already holds a model
 rlhf=.venv/bin/rlhf
@@ -18,6 +20,14 @@ ensure_tiny_model() {
   if [ ! -f "$out/model/config.json" ]; then
     step "building the tiny model in $out/model"
     "$rlhf" make-tiny-model "$out/model"
+  fi
+}
+
+dataset() {
+  if [ ! -f "$1" ]; then
+    step "writing $4 $3 rows ($2) to $1"
+    "$rlhf" make-dataset "${data_args[0]}" "$1" "${data_args[@]:1}" --kind "$2" --split "$3" \
+      --n "$4" --seed 0
   fi
 }
 

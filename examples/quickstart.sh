@@ -10,16 +10,10 @@ set -euo pipefail
 name=quickstart
 config=configs/quickstart.yaml
 out=outputs/quickstart
+data_args=(arith --form max --max-value 99)
 source "$(dirname "${BASH_SOURCE[0]}")/job.sh"
 job_setup
 ensure_tiny_model
-dataset() {  # FILE KIND SPLIT N
-  if [ ! -f "$1" ]; then
-    step "writing $4 $3 rows ($2) to $1"
-    "$rlhf" make-dataset arith "$1" --form max --max-value 99 --kind "$2" --split "$3" \
-      --n "$4" --seed 0
-  fi
-}
 dataset "$out/data/train.jsonl" rl train 2000
 dataset "$out/data/val.jsonl" rl val 200
 dataset "$out/data/sft_train.jsonl" format train 2000
