@@ -1,5 +1,6 @@
 """Worker roles without Ray: role objects built in a one-process gloo world (and a two-process
-one for data parallelism), checked against transformers and against hand-computed losses."""
+one for data parallelism, in test_worker_data_parallel.py), checked against transformers and
+against hand-computed losses."""
 
 import sys
 from pathlib import Path
@@ -24,11 +25,9 @@ from rlhf.models.config import ModelArgs  # noqa: E402
 from rlhf.models.hf_io import load_hf_weights  # noqa: E402
 from rlhf.models.tiny import make_tiny_model  # noqa: E402
 from rlhf.models.transformer import ValueModel  # noqa: E402
-from rlhf.parallel.launch import run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from rlhf.algorithms import truncated_is_weights  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
-from rlhf.trainer.step_plan import update_plan  # noqa: E402
 from workers.common import forward_micro_batches  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 from workers.reference import ReferenceWorker  # noqa: E402
@@ -361,47 +360,3 @@ def test_batch_problems_name_the_fix(folders, world):
     with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size \* rollout.n"):
         actor.update_actor(batch[:6])  # mini-batches of 8 samples
     assert actor.engine.step_count == 0
-
-
-# ---- data parallelism ------------------------------------------------------------------------
-
-
-def planned_call(method, batch, plan, rank):
-    """What the dispatcher does for DP group `rank`: its rows of the plan, with its GroupPlan."""
-    return method(batch.select(list(plan.rows[rank])), plan=plan.groups[rank])
-
-
-def _train_both(rank, world_size, policy, batch):
-    """Actor and critic colocated over `world_size` DP ranks: update on this rank's rows of the
-    driver's plan (two mini-batches), then the new log-probs and values of the whole batch."""
-    cache = ProcessGroupCache()
-    cfg = make_config(policy, ranks=world_size, actor={"ppo_mini_batch_size": 4},
-                      algorithm={"ppo_epochs": 2, "loss_agg_mode": "seq-mean-token-mean"})
-    actor = ActorWorker(context(cache, "actor", rank, world_size), config=cfg)
-    critic = CriticWorker(context(cache, "critic", rank, world_size), config=cfg)
-    plans = {key: update_plan(cfg, key, batch, dp=world_size) for key in ("actor", "critic")}
-    if world_size > 1:  # no rank guesses what the others will do
-        with pytest.raises(ValueError, match="needs the driver's plan"):
-            actor.update_actor(batch.chunk(world_size)[rank])
-    metrics = {**planned_call(actor.update_actor, batch, plans["actor"], rank),
-               **planned_call(critic.update_critic, batch, plans["critic"], rank)}
-    return (metrics, actor.compute_log_prob(batch)["old_log_probs"],
-            critic.compute_values(batch)["values"])
-
-
-def test_data_parallel_update_equals_single_rank(folders, world):
-    """Two DP ranks with half the samples each take the same steps as one rank with all: the
-    losses are normalised by global counts and the gradients summed over DP."""
-    policy, _ = folders
-    cfg = make_config(policy)
-    actor = ActorWorker(context(world, "actor"), config=cfg)
-    batch, _ = rl_batch(actor, seed=7, mask_every=4)
-    values = CriticWorker(context(world, "critic"), config=cfg).compute_values(batch)["values"]
-    batch = batch.union(Batch({"values": values}))
-    single = _train_both(0, 1, policy, batch)
-    two = run_distributed(_train_both, 2, policy, batch, timeout_s=150)
-    for rank_result in two:
-        assert rank_result[0] == pytest.approx(single[0], abs=1e-5, rel=1e-4)
-        torch.testing.assert_close(rank_result[1].values, single[1].values, atol=TOL, rtol=0)
-        torch.testing.assert_close(rank_result[2].values, single[2].values, atol=TOL, rtol=0)
-    assert not torch.allclose(single[1].values, batch["old_log_probs"].values, atol=1e-4)
