@@ -61,7 +61,7 @@ from rlhf.config import ForwardRoleConfig, JobConfig, TrainRoleConfig
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan, plan_role_batch
 from rlhf.data.fields import MASK, response_mask, sample_lengths
-from rlhf.data.packing import pack_prompt_response
+from rlhf.data.packing import pack_prompt_response, shared_prompt_lens
 from rlhf.data.ragged import Ragged
 from rlhf.engine import (MicroBatch, TrainEngine, collect_response_values, predicting_positions,
                          scatter_response_values)
@@ -135,21 +135,24 @@ def group_plan(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
                          "pass plan=rlhf.trainer.step_plan.update_plan(...) (or a BatchPlan "
                          "from rlhf.data.batch_plan)")
     what = f"{key}.ppo_mini_batch_size * rollout.n"
-    return plan_role_batch(sample_lengths(batch), role, dp=1, mini_size=mini_size,
-                           what=what).groups[0]
+    return plan_role_batch(sample_lengths(batch), role, dp=1, mini_size=mini_size, what=what,
+                           shared=shared_prompt_lens(batch["prompt_ids"])).groups[0]
 
 
 def build_micro_batches(batch: Batch, micro: Sequence[Sequence[int]],
-                        per_token: Sequence[str] = ()) -> list[MicroBatch]:
+                        per_token: Sequence[str] = (), *,
+                        share_prompts: bool = False) -> list[MicroBatch]:
     """The micro-batches `micro` lists (rows of `batch`, one list per micro-batch), with the
     per-response-token fields `per_token` at their predicting positions; `sample_ids` index
-    `batch`. Every worker builds its micro-batches here."""
+    `batch`. `share_prompts`: consecutive rows of one prompt hold it once (the role's
+    `share_prompts`; rlhf.data.packing). Every worker builds its micro-batches here."""
     fields = {k: _per_token(batch, k) for k in per_token}
     prompts, responses = batch["prompt_ids"], batch["response_ids"]
     out = []
     for rows in micro:
         ids = torch.tensor(rows, dtype=torch.int64)
-        packed = pack_prompt_response(prompts.select(ids), responses.select(ids))
+        packed = pack_prompt_response(prompts.select(ids), responses.select(ids),
+                                      share_prompts=share_prompts)
         predicting_positions(packed)  # ValueError for a response without a prompt
         tensors = {k: scatter_response_values(v.select(ids), packed) for k, v in fields.items()}
         out.append(MicroBatch(packed, tensors, ids))
@@ -164,7 +167,8 @@ def forward_micro_batches(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan
     if len(plan.mini_batches) != 1:
         raise ValueError(f"{key}: this call runs one mini-batch but the plan has "
                          f"{len(plan.mini_batches)}; plan it with mini_size=None")
-    return build_micro_batches(batch, plan.mini_batches[0], per_token)
+    return build_micro_batches(batch, plan.mini_batches[0], per_token,
+                               share_prompts=role.share_prompts)
 
 
 def _per_token(batch: Batch, key: str) -> Ragged:
@@ -224,7 +228,9 @@ def ppo_updates(engine: TrainEngine, batch: Batch, plan: GroupPlan | None, confi
         raise ValueError(f"{key}: the batch has no old_log_probs, which the update can take from "
                          f"its first forward only when it is one step; this one is {steps} "
                          f"(algorithm.ppo_epochs x mini-batches): call compute_log_prob first")
-    minis = [build_micro_batches(batch, micro, (*per_token, MASK)) for micro in plan.mini_batches]
+    minis = [build_micro_batches(batch, micro, (*per_token, MASK),
+                                 share_prompts=role.share_prompts)
+             for micro in plan.mini_batches]
     history = [train_mini_batch(engine, mbs, make_loss, outputs=outputs, temperature=temperature)
                for _ in range(config.algorithm.ppo_epochs) for mbs in minis]
     return mean_metrics(history, f"{key}/")

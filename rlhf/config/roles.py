@@ -107,6 +107,9 @@ class ForwardRoleConfig:
     """Parameter and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget of one packed micro-batch; one whole sequence must fit."""
+    share_prompts: bool = True
+    """Samples of one prompt in the same micro-batch hold its tokens once (same outputs; fewer
+    tokens to compute when rollout.n > 1)."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: share the trainer's pool of ranks; separate: a pool of world_size ranks."""
     world_size: int | None = None

@@ -6,6 +6,10 @@ The driver sees every sample, so it plans (workers only execute):
     every optimizer step sees the same samples at dp 1, 2, 4;
     within it, samples are balanced over DP groups by cost (Karmarkar-Karp, `planner.py`) and
     packed into micro-batches under the token budget, every group getting the same count.
+    With shared prompts (`shared`, rlhf.data.packing.shared_prompt_lens) the units balanced and
+    packed are runs of one prompt's samples, counted at the tokens they pack to (the prompt
+    once), so they land in one micro-batch and hold the prompt once; a run that would pass the
+    budget is cut into pieces that fit.
 A `BatchPlan` is small and picklable (index lists and token counts). The dispatcher hands
 DP group g the rows `plan.rows[g]` in that order with `plan.groups[g]`, whose index lists
 point into those rows, and maps results back to the driver's order.
@@ -16,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlhf.data.planner import plan_micro_batches
+from rlhf.data.planner import check_lengths, plan_micro_batches
 
 
 @dataclass(frozen=True)
@@ -73,12 +77,15 @@ class BatchPlan:
 
 def plan_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: int | None = None,
                max_seqs: int | None = None, cost: Callable[[int], float] | None = None,
-               what: str = "mini_size") -> BatchPlan:
+               what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchPlan:
     """Plan samples of packed `lengths` over `dp` groups: consecutive mini-batches of
     `mini_size` samples (None: one mini-batch of all), each balanced over the groups and
     packed under `max_tokens` (and `max_seqs`) per micro-batch. `what` names `mini_size` in
-    errors (say, "actor.ppo_mini_batch_size * rollout.n")."""
+    errors (say, "actor.ppo_mini_batch_size * rollout.n"). `shared[i]`: prompt tokens sample
+    i reads from the first sample of its run (packing's shared prompts); not with `max_seqs`,
+    which counts samples, so a sample cap plans sample by sample (packing still shares)."""
     n = len(lengths)
+    check_lengths(lengths, max_tokens)
     size = n if mini_size is None else mini_size
     if mini_size is not None and (size < 1 or n % size or n == 0):
         raise ValueError(f"{n} samples do not split into mini-batches of {what} = {size}; "
@@ -88,21 +95,42 @@ def plan_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: i
     tokens: list[list[list[int]]] = [[] for _ in range(dp)]
     costs = []
     for start in range(0, n, size) if n else [0]:
-        sub = plan_micro_batches(lengths[start:start + size], dp=dp, max_tokens=max_tokens,
+        units = share_units(lengths[start:start + size],
+                            shared[start:start + size] if shared and max_seqs is None else None,
+                            max_tokens)
+        sub = plan_micro_batches([tokens for _, tokens in units], dp=dp, max_tokens=max_tokens,
                                  max_seqs=max_seqs, cost=cost)
         costs.append(sub.rank_costs)
         for g in range(dp):
             mbs, counts = [], []
             for mb, count in zip(sub.rank(g), sub.token_counts[g]):
                 if mb:  # empty only when a group has fewer samples than micro-batches
-                    mbs.append(tuple(range(len(rows[g]), len(rows[g]) + len(mb))))
-                    rows[g].extend(start + i for i in mb)
+                    samples = sorted(i for u in mb for i in units[u][0])
+                    mbs.append(tuple(range(len(rows[g]), len(rows[g]) + len(samples))))
+                    rows[g].extend(start + i for i in samples)
                     counts.append(count)
             minis[g].append(mbs)
             tokens[g].append(counts)
     groups = tuple(GroupPlan(tuple(tuple(m) for m in minis[g]), tuple(tuple(c) for c in tokens[g]))
                    for g in range(dp))
     return BatchPlan(tuple(tuple(r) for r in rows), groups, tuple(costs))
+
+
+def share_units(lengths: Sequence[int], shared: Sequence[int] | None,
+                max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+    """(samples, packed tokens) of each planning unit: a run of samples that share a prompt
+    (`shared[i]` > 0: sample i continues the run before it), cut where the next sample would
+    pass `max_tokens` (it then starts a unit of its own, holding the whole prompt); one unit
+    per sample without `shared`."""
+    units: list[tuple[tuple[int, ...], int]] = []
+    for i, n in enumerate(lengths):
+        saved = shared[i] if shared is not None else 0
+        if saved and units and units[-1][1] + n - saved <= max_tokens:
+            samples, tokens = units[-1]
+            units[-1] = (samples + (i,), tokens + n - saved)
+        else:
+            units.append(((i,), n))
+    return units
 
 
 def role_budget(role) -> tuple[int, int | None]:
@@ -112,8 +140,10 @@ def role_budget(role) -> tuple[int, int | None]:
 
 
 def plan_role_batch(lengths: Sequence[int], role, *, dp: int, mini_size: int | None = None,
-                    what: str = "mini_size") -> BatchPlan:
-    """`plan_batch` under a role config's budget (`role_budget`)."""
+                    what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchPlan:
+    """`plan_batch` under a role config's budget (`role_budget`); `shared` (the batch's
+    shared_prompt_lens) is used when the role shares prompts (`share_prompts`)."""
     max_tokens, max_seqs = role_budget(role)
     return plan_batch(lengths, dp=dp, max_tokens=max_tokens, max_seqs=max_seqs,
-                      mini_size=mini_size, what=what)
+                      mini_size=mini_size, what=what,
+                      shared=shared if role.share_prompts else None)

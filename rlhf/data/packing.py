@@ -3,12 +3,20 @@
 Sequences are concatenated without padding; `cu_seqlens` (int32, n+1) bounds them as
 flash-attn's varlen API expects, and `position_ids` restart at 0 for every sequence.
 Empty sequences keep their slot (a repeated `cu_seqlens` entry) so row i stays sample i.
+
+Shared prompts (`pack_prompt_response(..., share_prompts=True)`): the samples of one prompt
+(rollout.n of them, consecutive rows with equal prompt ids) hold that prompt once. The first
+sample of such a run keeps its whole prompt; each later one keeps only the prompt's LAST token
+(its sequence is that token then its response, positions continuing from the prompt) and
+attends to the first sample's other prompt tokens through `Packed.prefix`. Every sequence still
+starts with a prompt token that predicts its first response token, so everything that maps
+response tokens to positions is unchanged, and the outputs equal the unshared packing's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -19,13 +27,32 @@ _INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
+class SharedPrefix:
+    """Earlier stream tokens each sequence also attends to: sequence i's queries see stream
+    positions starts[i] .. starts[i] + lens[i] - 1 (all of them), then its own tokens causally.
+    lens[i] == 0 for a sequence that sees only itself."""
+
+    starts: Tensor  # (n,) int64
+    lens: Tensor  # (n,) int64
+
+    def to(self, device: torch.device | str) -> SharedPrefix:
+        return SharedPrefix(self.starts.to(device), self.lens.to(device))
+
+    def padded(self, extra: int) -> SharedPrefix:
+        """The same with `extra` sequences appended that share nothing (SP's dummy)."""
+        zeros = self.lens.new_zeros(extra)
+        return SharedPrefix(torch.cat([self.starts, zeros]), torch.cat([self.lens, zeros]))
+
+
+@dataclass(frozen=True)
 class Packed:
     """Sequences concatenated into one stream, bounded by `cu_seqlens`."""
 
     tokens: Tensor  # (T,) usually token ids; (T, *feature_dims) is allowed
     cu_seqlens: Tensor  # (n+1,) int32, cu_seqlens[0] == 0, cu_seqlens[-1] == T
-    position_ids: Tensor  # (T,) int64, 0..len_i-1 inside sequence i
+    position_ids: Tensor  # (T,) int64, 0..len_i-1 inside sequence i (after its prefix)
     max_seqlen: int  # longest sequence, 0 when there are none
+    prefix: SharedPrefix | None = field(default=None, kw_only=True)  # None: nothing shared
 
     @property
     def num_seqs(self) -> int:
@@ -99,9 +126,14 @@ def unpack(values_T: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
 
 
 def pack_prompt_response(
-    prompts: Ragged | Sequence[Tensor], responses: Ragged | Sequence[Tensor]
+    prompts: Ragged | Sequence[Tensor], responses: Ragged | Sequence[Tensor], *,
+    share_prompts: bool = False,
 ) -> PackedSequences:
-    """Pack sequence i as prompts[i] followed by responses[i]; either part may be empty."""
+    """Pack sequence i as prompts[i] followed by responses[i]; either part may be empty.
+
+    `share_prompts`: consecutive rows with equal prompts (of 2+ tokens) hold the prompt once
+    (see the module docstring); `prompt_lens` are then the prompt tokens each row holds.
+    """
     p, r = _as_ragged(prompts, "prompts"), _as_ragged(responses, "responses")
     if len(p) != len(r):
         raise ValueError(f"{len(p)} prompts but {len(r)} responses; pass one response per prompt")
@@ -111,6 +143,11 @@ def pack_prompt_response(
             f"prompts are {pv.dtype} {tuple(pv.shape[1:])} on {pv.device} but responses are "
             f"{rv.dtype} {tuple(rv.shape[1:])} on {rv.device}; cast both to one dtype and device"
         )
+    shared = shared_prompt_lens(p) if share_prompts else []
+    prefix_lens = torch.tensor(shared, dtype=torch.int64, device=pv.device) if any(shared) else None
+    if prefix_lens is not None:  # rows that share keep only their prompt's last token
+        p = _drop_prefixes(p, prefix_lens)
+        pv = p.values
     prompt_lens, response_lens = p.lengths, r.lengths
     seq_lens = prompt_lens + response_lens
     offsets = offsets_from_lengths(seq_lens)
@@ -122,6 +159,10 @@ def pack_prompt_response(
     tokens = pv.new_empty((total, *pv.shape[1:]))
     tokens[~response_mask] = pv  # boolean-mask assignment fills positions in stream order
     tokens[response_mask] = rv
+    prefix = None
+    if prefix_lens is not None:
+        position_ids += torch.repeat_interleave(prefix_lens, seq_lens, output_size=total)
+        prefix = SharedPrefix(_leader_starts(offsets[:-1], prefix_lens), prefix_lens)
     return PackedSequences(
         tokens=tokens,
         cu_seqlens=_cu_seqlens(offsets),
@@ -130,7 +171,40 @@ def pack_prompt_response(
         response_mask=response_mask,
         prompt_lens=prompt_lens,
         response_lens=response_lens,
+        prefix=prefix,
     )
+
+
+def shared_prompt_lens(prompts: Ragged | Sequence[Tensor]) -> list[int]:
+    """How many leading prompt tokens row i can read from the first row of its run of equal
+    consecutive prompts: its prompt length - 1 for a later row of a run (prompts of 2+ tokens),
+    0 otherwise. The one rule of who shares, for packing and for planning micro-batches."""
+    rows = _as_ragged(prompts, "prompts").to_list()
+    lens, leader = [0] * len(rows), None
+    for i, row in enumerate(rows):
+        if (leader is not None and row.shape == rows[leader].shape and row.shape[0] > 1
+                and torch.equal(row, rows[leader])):
+            lens[i] = row.shape[0] - 1
+        else:
+            leader = i
+    return lens
+
+
+def _drop_prefixes(prompts: Ragged, prefix_lens: Tensor) -> Ragged:
+    """Each row without its first prefix_lens[i] tokens."""
+    lengths = prompts.lengths
+    keep_T = _position_ids(prompts.offsets) >= torch.repeat_interleave(
+        prefix_lens, lengths, output_size=prompts.values.shape[0])
+    return Ragged(prompts.values[keep_T], offsets_from_lengths(lengths - prefix_lens))
+
+
+def _leader_starts(starts: Tensor, prefix_lens: Tensor) -> Tensor:
+    """(n,) stream start of the row each sharing row reads its prefix from (the last row
+    before it that shares nothing); 0 for rows that share nothing."""
+    leads = prefix_lens == 0
+    index = torch.arange(len(starts), device=starts.device)
+    leader = torch.cummax(torch.where(leads, index, torch.zeros_like(index)), dim=0).values
+    return torch.where(leads, torch.zeros_like(starts), starts[leader])
 
 
 def shifted_targets(packed: Packed) -> tuple[Tensor, Tensor]:

@@ -97,15 +97,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
     lengths = [int(n) for n in lengths]
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    for i, n in enumerate(lengths):
-        if n < 0:
-            raise ValueError(f"sample {i} has negative length {n}")
-        if n > max_tokens:
-            raise ValueError(f"sample {i} has {n} tokens but a micro-batch holds at most "
-                             f"max_tokens={max_tokens}; raise the budget to at least {n} or "
-                             "shorten the sequence")
+    check_lengths(lengths, max_tokens)
     cost = cost or default_cost
     costs = [float(cost(n)) for n in lengths]
     parts = balanced_partition(costs, dp)
@@ -119,6 +111,19 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
         rank_costs=tuple(sum(costs[i] for i in p) for p in parts),
         max_tokens=max_tokens,
         has_empty_micro_batches=any(not mb for mbs in ordered for mb in mbs))
+
+
+def check_lengths(lengths: Sequence[int], max_tokens: int) -> None:
+    """ValueError unless every sample fits a micro-batch of `max_tokens` tokens."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    for i, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"sample {i} has negative length {n}")
+        if n > max_tokens:
+            raise ValueError(f"sample {i} has {n} tokens but a micro-batch holds at most "
+                             f"max_tokens={max_tokens}; raise the budget to at least {n} or "
+                             "shorten the sequence")
 
 
 def balanced_partition(costs: Sequence[float], parts: int) -> list[list[int]]:

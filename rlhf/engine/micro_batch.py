@@ -49,7 +49,8 @@ class MicroBatch:
             tokens=p.tokens.to(device), cu_seqlens=p.cu_seqlens.to(device),
             position_ids=p.position_ids.to(device), max_seqlen=p.max_seqlen,
             response_mask=p.response_mask.to(device), prompt_lens=p.prompt_lens,
-            response_lens=p.response_lens)
+            response_lens=p.response_lens,
+            prefix=None if p.prefix is None else p.prefix.to(device))
         tensors = {k: v.to(device) for k, v in self.tensors.items()}
         return MicroBatch(packed, tensors, self.sample_ids)
 
@@ -82,9 +83,11 @@ def scatter_response_values(values: Ragged, packed: PackedSequences) -> Tensor:
 
 def make_micro_batches(prompts: Ragged | Sequence[Tensor], responses: Ragged | Sequence[Tensor],
                        per_token: Mapping[str, Ragged] | None = None, *,
-                       max_tokens: int, max_seqs: int | None = None) -> list[MicroBatch]:
+                       max_tokens: int, max_seqs: int | None = None,
+                       share_prompts: bool = False) -> list[MicroBatch]:
     """Fill micro-batches in sample order up to `max_tokens` tokens (and `max_seqs` samples,
-    when given) each.
+    when given) each, counting whole prompts; `share_prompts`: pack each micro-batch with
+    shared prompts (rlhf.data.packing).
 
     `per_token[key]` has one row per sample with one entry per response token; it lands in
     `MicroBatch.tensors[key]` at the predicting positions (see the module docstring).
@@ -106,7 +109,7 @@ def make_micro_batches(prompts: Ragged | Sequence[Tensor], responses: Ragged | S
     out = []
     for start, stop in bounds:
         rows = range(start, stop)
-        packed = pack_prompt_response(p.select(rows), r.select(rows))
+        packed = pack_prompt_response(p.select(rows), r.select(rows), share_prompts=share_prompts)
         tensors = {k: scatter_response_values(v.select(rows), packed) for k, v in per_token.items()}
         out.append(MicroBatch(packed, tensors, torch.arange(start, stop)))
     return out

@@ -174,7 +174,7 @@ class _Run:
             torch.is_grad_enabled())
         hidden = s.model.model.run(x, run.position_ids, run.cu_seqlens, run.max_seqlen,
                                    layers=chunk.layer_names, embed=chunk.has_embedding,
-                                   norm=chunk.has_head)
+                                   norm=chunk.has_head, prefix=run.prefix)
         if not chunk.has_head:
             self._send(hidden, i, v + 1, ACTIVATION)
             if self.loss_fn is not None:

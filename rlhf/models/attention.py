@@ -6,6 +6,12 @@ else `sdpa_split` runs PyTorch's fused SDPA kernel (flash attention for CPU, or 
 sequence on views of the packed tensors: nothing crosses sequence boundaries, no padding is
 computed. `sdpa_varlen` is the plain per-sequence reference the kernels are tested against.
 
+Shared prompts (`prefix`, rlhf.data.packing.SharedPrefix): a sequence may also attend to a run
+of earlier stream tokens (its prompt, held once by the first sample of its group). Its keys and
+values are then that run followed by its own, gathered once per call, and the causal mask is
+aligned to the bottom right (query i sees every prefix key and its own keys up to i), which is
+flash-attn's convention for unequal query and key lengths.
+
 Why not padding, FlexAttention or nested tensors (measured on torch 2.13, CPU, fp32): the fused
 CPU kernel costs the same per sequence whether sequences come one per call or batched, so
 length buckets only add padding and a gather whose backward is slower than the split's;
@@ -24,24 +30,30 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlhf.data.packing import SharedPrefix
+
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
 
 
 def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
-                     max_seqlen: int, causal: bool = True, scale: float) -> Tensor:
-    """Attention of every packed sequence with itself; returns out_THD (heads of q).
+                     max_seqlen: int, causal: bool = True, scale: float,
+                     prefix: SharedPrefix | None = None) -> Tensor:
+    """Attention of every packed sequence with itself (and its shared `prefix`, if any);
+    returns out_THD (heads of q).
 
     k/v may have fewer heads than q (grouped-query attention: each k/v head serves
     num_heads / num_kv_heads consecutive query heads). `cu_seqlens` is (n+1,) int32.
     """
+    if prefix is not None and not causal:
+        raise ValueError("a shared prefix needs causal attention")
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"
     device_type, flash_available = q_THD.device.type, _flash_fn() is not None
     if missing_flash_message(device_type, q_THD.dtype, flash_available=flash_available):
         _warn_missing_flash_once(device_type, q_THD.dtype)
     kernel = pick_kernel(device_type, q_THD.dtype, flash_available=flash_available)
     return kernel(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                  causal=causal, scale=scale)
+                  causal=causal, scale=scale, prefix=prefix)
 
 
 def pick_kernel(device_type: str, dtype: torch.dtype, *, flash_available: bool) -> Callable:
@@ -68,26 +80,35 @@ def _warn_missing_flash_once(device_type: str, dtype: torch.dtype) -> None:
 
 
 def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
-               max_seqlen: int, causal: bool, scale: float) -> Tensor:
+               max_seqlen: int, causal: bool, scale: float,
+               prefix: SharedPrefix | None = None) -> Tensor:
     """One fused SDPA call per sequence on split views (max_seqlen is unused).
 
     4-D inputs, because SDPA's fused kernels refuse 3-D ones; `split`, whose backward is one
     concatenation, because slicing would zero-fill a whole-stream gradient per sequence; GQA
-    inside the kernel (enable_gqa) instead of materialised repeated k/v.
+    inside the kernel (enable_gqa) instead of materialised repeated k/v. With a prefix, k/v
+    are gathered once (prefix then own tokens per sequence) and split the same way.
     """
     lengths = _lengths(cu_seqlens)
     if sum(lengths) != q_THD.shape[0]:
         raise ValueError(f"cu_seqlens covers {sum(lengths)} tokens but the packed tensors hold "
                          f"{q_THD.shape[0]}; build cu_seqlens from the same packed batch")
     gqa = q_THD.shape[1] != k_THD.shape[1]
+    prefix_lens = [0] * len(lengths)
+    kv_lengths = lengths
+    if prefix is not None:
+        k_THD, v_THD, kv_cu = with_prefix_kv(k_THD, v_THD, cu_seqlens, prefix)
+        prefix_lens, kv_lengths = prefix.lens.tolist(), _lengths(kv_cu)
     outs = []
-    for q_SHD, k_SHD, v_SHD in zip(q_THD.split(lengths), k_THD.split(lengths),
-                                   v_THD.split(lengths)):
+    for q_SHD, k_SHD, v_SHD, shared in zip(q_THD.split(lengths), k_THD.split(kv_lengths),
+                                           v_THD.split(kv_lengths), prefix_lens):
         if q_SHD.shape[0] == 0:  # an empty sequence keeps its slot in cu_seqlens, no tokens
             continue
         q_1HSD, k_1HSD, v_1HSD = (x.transpose(0, 1).unsqueeze(0) for x in (q_SHD, k_SHD, v_SHD))
-        out_1HSD = F.scaled_dot_product_attention(q_1HSD, k_1HSD, v_1HSD, is_causal=causal,
-                                                  scale=scale, enable_gqa=gqa)
+        mask = _bottom_right_causal(q_SHD.shape[0], shared, q_SHD.device) if shared else None
+        out_1HSD = F.scaled_dot_product_attention(q_1HSD, k_1HSD, v_1HSD, attn_mask=mask,
+                                                  is_causal=causal and not shared, scale=scale,
+                                                  enable_gqa=gqa)
         outs.append(out_1HSD[0].transpose(0, 1))
     if not outs:
         return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
@@ -95,19 +116,28 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
 
 
 def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
-                max_seqlen: int, causal: bool, scale: float) -> Tensor:
-    """Reference only: plain per-sequence SDPA on 3-D slices (the unfused math path)."""
+                max_seqlen: int, causal: bool, scale: float,
+                prefix: SharedPrefix | None = None) -> Tensor:
+    """Reference only: plain per-sequence SDPA on 3-D slices (the unfused math path); a
+    sequence with a prefix attends to k/v of its prefix's slice then its own, through an
+    explicit mask."""
     n_rep = q_THD.shape[1] // k_THD.shape[1]
     if n_rep > 1:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1, as in HF's repeat_kv
         k_THD = k_THD.repeat_interleave(n_rep, dim=1)
         v_THD = v_THD.repeat_interleave(n_rep, dim=1)
     bounds = cu_seqlens.tolist()
+    n = len(bounds) - 1
+    starts = prefix.starts.tolist() if prefix is not None else [0] * n
+    shared = prefix.lens.tolist() if prefix is not None else [0] * n
     outs = []
-    for start, stop in zip(bounds[:-1], bounds[1:]):
+    for start, stop, p_start, p_len in zip(bounds[:-1], bounds[1:], starts, shared):
         if stop == start:
             continue
-        q_HSD, k_HSD, v_HSD = (x[start:stop].transpose(0, 1) for x in (q_THD, k_THD, v_THD))
-        out_HSD = F.scaled_dot_product_attention(q_HSD, k_HSD, v_HSD, is_causal=causal, scale=scale)
+        q_HSD = q_THD[start:stop].transpose(0, 1)
+        k_HSD, v_HSD = (torch.cat([x[p_start:p_start + p_len], x[start:stop]]).transpose(0, 1)
+                        for x in (k_THD, v_THD))
+        mask = _bottom_right_causal(stop - start, p_len, q_THD.device) if causal else None
+        out_HSD = F.scaled_dot_product_attention(q_HSD, k_HSD, v_HSD, attn_mask=mask, scale=scale)
         outs.append(out_HSD.transpose(0, 1))
     if not outs:
         return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
@@ -115,12 +145,48 @@ def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tens
 
 
 def flash_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
-                 max_seqlen: int, causal: bool, scale: float) -> Tensor:  # GPU only
-    """flash-attn's varlen kernel over the packed stream (handles GQA itself)."""
+                 max_seqlen: int, causal: bool, scale: float,
+                 prefix: SharedPrefix | None = None) -> Tensor:  # GPU only
+    """flash-attn's varlen kernel over the packed stream (handles GQA itself); with a prefix,
+    over gathered k/v with their own cu_seqlens (its causal mask is bottom-right aligned)."""
     flash_attn_varlen_func = _flash_fn()
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
-    return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu, max_seqlen, max_seqlen,
+    cu_k, max_k = cu, max_seqlen
+    if prefix is not None:
+        k_THD, v_THD, cu_k = with_prefix_kv(k_THD, v_THD, cu, prefix)
+        cu_k = cu_k.to(torch.int32)
+        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+    return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu_k, max_seqlen, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal)
+
+
+def with_prefix_kv(k_THD: Tensor, v_THD: Tensor, cu_seqlens: Tensor,
+                   prefix: SharedPrefix) -> tuple[Tensor, Tensor, Tensor]:
+    """k/v with every sequence's prefix tokens put before its own, one gather each, and the
+    (n+1,) int64 bounds of those key runs."""
+    cu = cu_seqlens.to(device=k_THD.device, dtype=torch.int64)
+    lens, shared = cu[1:] - cu[:-1], prefix.lens.to(k_THD.device)
+    kv_lens = lens + shared
+    kv_cu = torch.cat([cu.new_zeros(1), kv_lens.cumsum(0)])
+    total = int(kv_cu[-1])
+    seq_K = torch.repeat_interleave(torch.arange(len(lens), device=k_THD.device), kv_lens,
+                                    output_size=total)
+    local_K = torch.arange(total, device=k_THD.device) - kv_cu[:-1][seq_K]
+    from_prefix = local_K < shared[seq_K]
+    source_K = torch.where(from_prefix, prefix.starts.to(k_THD.device)[seq_K] + local_K,
+                           cu[:-1][seq_K] + local_K - shared[seq_K])
+    return k_THD.index_select(0, source_K), v_THD.index_select(0, source_K), kv_cu
+
+
+@functools.lru_cache(maxsize=256)
+def _bottom_right_causal_cached(q_len: int, prefix_len: int, device: str) -> Tensor:
+    return torch.ones(q_len, prefix_len + q_len, dtype=torch.bool,
+                      device=device).tril(diagonal=prefix_len)
+
+
+def _bottom_right_causal(q_len: int, prefix_len: int, device: torch.device) -> Tensor:
+    """(q_len, prefix_len + q_len) bool: query i sees every prefix key and own keys <= i."""
+    return _bottom_right_causal_cached(q_len, prefix_len, str(device))
 
 
 def _lengths(cu_seqlens: Tensor) -> list[int]:

@@ -44,6 +44,7 @@ def sp_pad(packed: Packed, multiple: int) -> Packed:
         position_ids=torch.cat([packed.position_ids,
                                 torch.arange(pad, device=packed.position_ids.device)]),
         max_seqlen=max(packed.max_seqlen, pad),
+        prefix=None if packed.prefix is None else packed.prefix.padded(1),
     )
 
 
@@ -61,7 +62,7 @@ def forward_packed(model: nn.Module, packed: Packed, *, mesh: ParallelMesh) -> T
     if num_tokens == 0:
         raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
     run = sp_pad(packed, state.tp) if state.sequence_parallel else packed
-    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen)
+    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen, prefix=run.prefix)
     return out[:num_tokens]
 
 

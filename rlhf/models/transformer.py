@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
 from rlhf.models.config import ModelArgs
 
@@ -99,7 +100,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
+                max_seqlen: int, prefix: SharedPrefix | None = None) -> Tensor:
         # -1 on the token axis: with sequence parallelism q_proj's output has more tokens
         # (all-gathered) than hidden_TH.
         q_THD = self.q_proj(hidden_TH).view(-1, self.num_heads, self.head_dim)
@@ -109,7 +110,8 @@ class Attention(nn.Module):
             q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
         q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
         out_THD = varlen_attention(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
-                                   max_seqlen=max_seqlen, causal=True, scale=self.scale)
+                                   max_seqlen=max_seqlen, causal=True, scale=self.scale,
+                                   prefix=prefix)
         return self.o_proj(out_THD.reshape(out_THD.shape[0], -1))
 
 
@@ -137,9 +139,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
+                max_seqlen: int, prefix: SharedPrefix | None = None) -> Tensor:
         hidden_TH = hidden_TH + self.self_attn(self.input_layernorm(hidden_TH), cos_TD, sin_TD,
-                                               cu_seqlens, max_seqlen)
+                                               cu_seqlens, max_seqlen, prefix)
         return hidden_TH + self.mlp(self.post_attention_layernorm(hidden_TH))
 
 
@@ -174,22 +176,26 @@ class Transformer(nn.Module):
         self.rotary_emb = RotaryEmbedding(args)
 
     def forward(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
+                max_seqlen: int, *, prefix: SharedPrefix | None = None) -> Tensor:
         """tokens_T (with the embedding) or hidden_TH (a later stage) -> hidden_TH.
 
-        The output is after the final norm when this part has it.
+        The output is after the final norm when this part has it. `prefix`: the packing's
+        shared prompts (rlhf.data.packing.SharedPrefix), None when nothing is shared.
         """
         return self.run(inputs, position_ids_T, cu_seqlens, max_seqlen, layers=self.layers.keys(),
-                        embed=self.embed_tokens is not None, norm=self.norm is not None)
+                        embed=self.embed_tokens is not None, norm=self.norm is not None,
+                        prefix=prefix)
 
     def run(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-            *, layers: Iterable[str], embed: bool, norm: bool) -> Tensor:
+            *, layers: Iterable[str], embed: bool, norm: bool,
+            prefix: SharedPrefix | None = None) -> Tensor:
         """The embedding (if `embed`), the named `layers` in order, the norm (if `norm`):
         one pipeline chunk of this part."""
         hidden_TH = self.embed_tokens(inputs) if embed else inputs
         cos_TD, sin_TD = self.rotary_emb(position_ids_T, hidden_TH.dtype)
         for name in layers:
-            hidden_TH = self.layers[name](hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen)
+            hidden_TH = self.layers[name](hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen,
+                                          prefix)
         return self.norm(hidden_TH) if norm else hidden_TH
 
 
@@ -244,8 +250,8 @@ class CausalLM(_WithBody):
         return self.lm_head(hidden_TH)
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
-        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen)
+                max_seqlen: int, *, prefix: SharedPrefix | None = None) -> Tensor:
+        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix)
         return self.head(hidden_TH) if self.lm_head is not None else hidden_TH
 
 
@@ -267,6 +273,6 @@ class ValueModel(_WithBody):
         return self.score(hidden_TH).squeeze(-1)
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
-        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen)
+                max_seqlen: int, *, prefix: SharedPrefix | None = None) -> Tensor:
+        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix)
         return self.head(hidden_TH) if self.score is not None else hidden_TH

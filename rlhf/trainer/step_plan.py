@@ -14,6 +14,7 @@ from rlhf.config import JobConfig
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import BatchPlan, plan_role_batch, role_budget
 from rlhf.data.fields import sample_lengths
+from rlhf.data.packing import shared_prompt_lens
 
 
 def fuse_old_log_probs(cfg: JobConfig, *, step: int) -> bool:
@@ -44,6 +45,7 @@ class StepPlanner:
     def __init__(self, cfg: JobConfig, dp: Mapping[str, int], batch: Batch):
         self.cfg, self.dp = cfg, dict(dp)
         self.lengths = sample_lengths(batch)
+        self.shared = shared_prompt_lens(batch["prompt_ids"])
         self._plans: dict[tuple, BatchPlan] = {}
 
     def forward(self, key: str) -> BatchPlan:
@@ -67,8 +69,9 @@ class StepPlanner:
 
     def _plan(self, key: str, *, mini_size: int | None, what: str) -> BatchPlan:
         role = getattr(self.cfg, key)
-        spec = (self.dp[key], mini_size, *role_budget(role))
+        spec = (self.dp[key], mini_size, *role_budget(role), role.share_prompts)
         if spec not in self._plans:
             self._plans[spec] = plan_role_batch(self.lengths, role, dp=self.dp[key],
-                                                mini_size=mini_size, what=what)
+                                                mini_size=mini_size, what=what,
+                                                shared=self.shared)
         return self._plans[spec]

@@ -1,5 +1,8 @@
 """TrainEngine over dp / tp / tp x dp meshes against the single-process hand-written reference.
 
+The "-shared" cases pack a batch of grouped samples (3 per prompt) with shared prompts
+(rlhf.data.packing) against the reference on the same batch computed without.
+
 The reference step (whole mini-batch, unsharded model, torch AdamW, clip_grad_norm_) is
 computed here in the pytest process. Each spawned launch builds every case's engine over its
 ranks, gives each DP rank its share of the micro-batches, takes one step, and returns the max
@@ -19,18 +22,22 @@ from tests.unit.engine.reference import (OPTIM, actor_loss_fn, critic_loss_fn, e
 
 TOL = 1e-6
 BATCH_SEED, N_SAMPLES, MAX_TOKENS = 11, 10, 24
-# case -> (model, tp, sequence_parallel, head, how micro-batches go to DP ranks)
+SHARED_SAMPLES, GROUP = 12, 3  # the shared cases' batch: 4 prompts x 3 samples
+# case -> (model, tp, sequence_parallel, head, how micro-batches go to DP ranks, shared prompts)
 CASES_2 = {
-    "dp2": ("llama", 1, False, "lm", "alternate"),
-    "dp2-one-rank-idle": ("llama", 1, False, "lm", "first-rank-only"),
-    "tp2": ("llama", 2, False, "lm", "alternate"),
-    "tp2-sp": ("llama", 2, True, "lm", "alternate"),
-    "tp2-critic": ("llama", 2, False, "value", "alternate"),
-    "tp2-qwen3-tied": ("qwen3", 2, False, "lm", "alternate"),
+    "dp2": ("llama", 1, False, "lm", "alternate", False),
+    "dp2-one-rank-idle": ("llama", 1, False, "lm", "first-rank-only", False),
+    "tp2": ("llama", 2, False, "lm", "alternate", False),
+    "tp2-sp": ("llama", 2, True, "lm", "alternate", False),
+    "tp2-critic": ("llama", 2, False, "value", "alternate", False),
+    "tp2-qwen3-tied": ("qwen3", 2, False, "lm", "alternate", False),
+    "tp2-sp-shared": ("llama", 2, True, "lm", "alternate", True),
+    "dp2-critic-shared": ("llama", 1, False, "value", "alternate", True),
 }
 CASES_4 = {
-    "tp2-dp2-sp": ("qwen2", 2, True, "lm", "alternate"),
-    "tp2-dp2-sp-critic": ("qwen2", 2, True, "value", "alternate"),
+    "tp2-dp2-sp": ("qwen2", 2, True, "lm", "alternate", False),
+    "tp2-dp2-sp-critic": ("qwen2", 2, True, "value", "alternate", False),
+    "tp2-dp2-sp-shared": ("qwen2", 2, True, "lm", "alternate", True),
 }
 MODELS = {"llama": ("llama", False), "qwen3": ("qwen3", True), "qwen2": ("qwen2", True)}
 
@@ -41,13 +48,22 @@ def _local(micro_batches, mesh, split):
     return micro_batches[mesh.dp_rank::mesh.dp_size]
 
 
+def _batch(shared: bool):
+    return (make_batch(BATCH_SEED, n=SHARED_SAMPLES, group=GROUP) if shared
+            else make_batch(BATCH_SEED, n=N_SAMPLES))
+
+
+def _micro_batches(shared: bool):
+    batch = _batch(shared)
+    return make_micro_batches(batch.prompts, batch.responses, batch.per_token,
+                              max_tokens=MAX_TOKENS, share_prompts=shared)
+
+
 def _run_cases(rank, world_size, cases, folders):
     cache = ProcessGroupCache()
-    batch = make_batch(BATCH_SEED, n=N_SAMPLES)
-    mbs = make_micro_batches(batch.prompts, batch.responses, batch.per_token,
-                             max_tokens=MAX_TOKENS)
     results = {}
-    for name, (model, tp, sp, head, split) in cases.items():
+    for name, (model, tp, sp, head, split, shared) in cases.items():
+        mbs = _micro_batches(shared)
         mesh = ParallelMesh(list(range(world_size)), tp=tp, cache=cache)
         engine = TrainEngine.from_pretrained(
             folders[model], mesh=mesh, plan=ParallelConfig(tp=tp, sequence_parallel=sp),
@@ -68,11 +84,9 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-dist")
     folders = {name: str(tiny_folder(root, arch=arch, tied=tied))
                for name, (arch, tied) in MODELS.items()}
-    batch = make_batch(BATCH_SEED, n=N_SAMPLES)
-    refs = {(model, head): reference_step(folders[model], batch, head=head)
-            for model in MODELS for head in ("lm", "value")}
-    num_mbs = len(make_micro_batches(batch.prompts, batch.responses, batch.per_token,
-                                     max_tokens=MAX_TOKENS))
+    refs = {(model, head, shared): reference_step(folders[model], _batch(shared), head=head)
+            for model in MODELS for head in ("lm", "value") for shared in (False, True)}
+    num_mbs = len(_micro_batches(False))
     return folders, refs, num_mbs
 
 
@@ -90,8 +104,13 @@ def four_ranks(setup):
 
 def _check(results, setup, cases, name):
     _, refs, num_mbs = setup
-    model, _, _, head, _ = cases[name]
-    ref = refs[(model, head)]
+    model, _, _, head, _, shared = cases[name]
+    ref = refs[(model, head, shared)]
+    if shared:  # the packing did share: fewer tokens than the same samples packed whole
+        batch, mbs = _batch(True), _micro_batches(True)
+        whole = make_micro_batches(batch.prompts, batch.responses, max_tokens=MAX_TOKENS)
+        assert any(mb.packed.prefix is not None for mb in mbs)
+        assert sum(mb.num_tokens for mb in mbs) < sum(mb.num_tokens for mb in whole)
     assert ref["grad_norm"] > OPTIM.grad_clip  # the step is clipped
     assert sum(r[name]["num_micro_batches"] for r in results) > 0
     for rank, result in enumerate(results):

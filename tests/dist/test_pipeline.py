@@ -5,7 +5,8 @@ reference.py on the unsharded model: its loss, every gradient by HF name and the
 every response token. Each spawned launch (one per world size) builds every case's engine,
 runs forward (log-probs / values), forward_backward, gathers the full grads and the export,
 steps, and for some cases saves and resumes a checkpoint. Every launch has a timeout, so a
-deadlock fails the test instead of hanging it.
+deadlock fails the test instead of hanging it. The "-shared" cases give 3 samples to each
+prompt and pack them with shared prompts (rlhf.data.packing); the reference packs nothing.
 """
 
 import functools
@@ -30,6 +31,7 @@ SEED = 5
 LAYERS = 4
 MODELS = {"llama": ("llama", False), "qwen3-tied": ("qwen3", True), "qwen2-tied": ("qwen2", True)}
 # case -> model, head, ParallelConfig kwargs, samples, max_seqs per micro-batch (sets m)
+# [, samples per prompt: > 1 packs them with shared prompts]
 CASES_2 = {
     "pp2-m1": ("llama", "lm", dict(pp=2), 6, 6),
     "pp2-m2-tied": ("qwen3-tied", "lm", dict(pp=2), 6, 3),
@@ -37,6 +39,7 @@ CASES_2 = {
     "pp2-uneven-m3": ("llama", "lm", dict(pp=2, layers_per_stage=(1, 3)), 6, 2),
     "pp2-vpp2-m4": ("llama", "lm", dict(pp=2, vpp=2), 8, 2),  # paired exchanges (Megatron)
     "pp2-vpp2-m3-tied": ("qwen3-tied", "lm", dict(pp=2, vpp=2), 6, 2),  # longer warmup
+    "pp2-m2-shared": ("llama", "lm", dict(pp=2), 6, 3, 3),
 }
 CASES_4 = {
     "pp4-m2": ("llama", "lm", dict(pp=4), 6, 3),
@@ -45,6 +48,7 @@ CASES_4 = {
     "tp2-pp2-sp-tied": ("qwen2-tied", "lm", dict(tp=2, pp=2, sequence_parallel=True), 6, 2),
     "tp2-pp2-critic": ("llama", "value", dict(tp=2, pp=2, sequence_parallel=True), 6, 1),
     "pp2-dp2": ("llama", "lm", dict(pp=2), 8, 2),
+    "tp2-pp2-sp-shared": ("qwen2-tied", "lm", dict(tp=2, pp=2, sequence_parallel=True), 6, 3, 3),
 }
 # Also run untagged: the messages matched in posting order, as NCCL (which ignores tags) does.
 UNTAGGED = "-untagged"
@@ -59,10 +63,15 @@ def _folder(root, name):
     return make_tiny_model(cfg, root / name)
 
 
-def _mbs(n, max_seqs):
-    batch = make_batch(SEED, n=n)
+def _spec(case):
+    """(model, head, plan kwargs, samples, max_seqs, samples per prompt) of a case."""
+    return (*case, 1)[:6]
+
+
+def _mbs(n, max_seqs, group=1):
+    batch = make_batch(SEED, n=n, group=group)
     return make_micro_batches(batch.prompts, batch.responses, batch.per_token,
-                              max_tokens=1000, max_seqs=max_seqs)
+                              max_tokens=1000, max_seqs=max_seqs, share_prompts=group > 1)
 
 
 def _engine(mesh, folder, head, plan):
@@ -87,10 +96,10 @@ def _resumed(engine, mesh, folder, head, plan, local, ckpt):
     return exported(engine), exported(restored), restored.step_count
 
 
-def _run_case(mesh, folder, head, plan, n, max_seqs, ckpt=None, *, tagged=True):
+def _run_case(mesh, folder, head, plan, n, max_seqs, group, ckpt=None, *, tagged=True):
     engine = _engine(mesh, folder, head, plan)
     engine.schedule.tagged = tagged
-    mbs = _mbs(n, max_seqs)
+    mbs = _mbs(n, max_seqs, group)
     local = mbs[mesh.dp_rank::mesh.dp_size]
     name = "log_probs" if head == "lm" else "values"
     outs = engine.forward(local, outputs=(name,))
@@ -116,11 +125,12 @@ def _run_case(mesh, folder, head, plan, n, max_seqs, ckpt=None, *, tagged=True):
 def _run_cases(rank, world_size, cases, folders, ckpt_root):
     cache = ProcessGroupCache()
     results = {}
-    for name, (model, head, plan_kw, n, max_seqs) in cases.items():
+    for name, case in cases.items():
+        model, head, plan_kw, n, max_seqs, group = _spec(case)
         plan = ParallelConfig(**plan_kw)
         mesh = ParallelMesh(list(range(world_size)), tp=plan.tp, pp=plan.pp, cache=cache)
         ckpt = f"{ckpt_root}/{name}" if name in CHECKPOINTED else None
-        results[name] = _run_case(mesh, folders[model], head, plan, n, max_seqs, ckpt,
+        results[name] = _run_case(mesh, folders[model], head, plan, n, max_seqs, group, ckpt,
                                   tagged=not name.endswith(UNTAGGED))
     return results
 
@@ -137,9 +147,9 @@ def ckpt_root(tmp_path_factory):
 
 
 @functools.cache
-def _reference(folder, head, n):
+def _reference(folder, head, n, group=1):
     model = load_plain(folder, head)
-    batch = make_batch(SEED, n=n)
+    batch = make_batch(SEED, n=n, group=group)
     loss = reference_loss(model, batch, head)
     loss.backward()
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters()}
@@ -165,10 +175,12 @@ def _max_err(got, want):
 
 
 def _check(results, setup, cases, name):
-    model, head, plan_kw, n, max_seqs = cases[name]
-    ref = _reference(setup[model], head, n)
+    model, head, plan_kw, n, max_seqs, group = _spec(cases[name])
+    ref = _reference(setup[model], head, n, group)
     plan = ParallelConfig(**plan_kw)
-    m = len(_mbs(n, max_seqs))
+    mbs = _mbs(n, max_seqs, group)
+    m = len(mbs)
+    assert (group > 1) == any(mb.packed.prefix is not None for mb in mbs)
     for rank, result in enumerate(results):
         got = result[name]
         assert got["loss"] == pytest.approx(ref["loss"], abs=TOL), (name, rank)
@@ -180,7 +192,7 @@ def _check(results, setup, cases, name):
         if got["stage"] == plan.pp - 1:
             _check_forward(got, ref, head, rank_slice=slice(got["dp"], None, len(results) //
                                                             (plan.pp * plan.tp)), n=n,
-                           max_seqs=max_seqs)
+                           max_seqs=max_seqs, group=group)
         else:
             assert got["forward"] is None
     # One step later every rank of every stage agrees on the weights (tied copies included).
@@ -188,9 +200,9 @@ def _check(results, setup, cases, name):
     assert all(_max_err(a, afters[0]) == 0.0 for a in afters)
 
 
-def _check_forward(got, ref, head, *, rank_slice, n, max_seqs):
+def _check_forward(got, ref, head, *, rank_slice, n, max_seqs, group):
     """The last stage's forward rows equal the reference's per-sequence outputs."""
-    mbs = _mbs(n, max_seqs)[rank_slice]
+    mbs = _mbs(n, max_seqs, group)[rank_slice]
     ids = torch.cat([mb.sample_ids for mb in mbs]).sort().values.tolist()
     key = "log_probs" if head == "lm" else "values"
     batch = ref["batch"]

@@ -43,12 +43,15 @@ class RLBatch:
     per_token: dict[str, Ragged]  # one entry per response token
 
 
-def make_batch(seed: int, *, n: int = 6, vocab: int = SMALL["vocab_size"]) -> RLBatch:
-    """Random prompts (2-6 tokens), responses (1-8) and per-response-token RL fields."""
+def make_batch(seed: int, *, n: int = 6, vocab: int = SMALL["vocab_size"],
+               group: int = 1) -> RLBatch:
+    """Random prompts (2-6 tokens), responses (1-8) and per-response-token RL fields; with
+    `group` > 1, n / group prompts, each repeated on `group` consecutive samples (rollout.n)."""
     gen = torch.Generator().manual_seed(seed)
-    plens = torch.randint(2, 7, (n,), generator=gen).tolist()
+    plens = torch.randint(2, 7, (n // group,), generator=gen).tolist()
     rlens = torch.randint(1, 9, (n,), generator=gen).tolist()
-    prompts = Ragged.from_list([torch.randint(0, vocab, (k,), generator=gen) for k in plens])
+    distinct = [torch.randint(0, vocab, (k,), generator=gen) for k in plens]
+    prompts = Ragged.from_list([p for p in distinct for _ in range(group)])
     responses = Ragged.from_list([torch.randint(0, vocab, (k,), generator=gen) for k in rlens])
     total = sum(rlens)
 
