@@ -82,37 +82,73 @@ def _warn_missing_flash_once(device_type: str, dtype: torch.dtype) -> None:
 def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                max_seqlen: int, causal: bool, scale: float,
                prefix: SharedPrefix | None = None) -> Tensor:
-    """One fused SDPA call per sequence on split views (max_seqlen is unused).
+    """PyTorch's fused SDPA kernel over the packed sequences, no padding (max_seqlen unused).
 
-    4-D inputs, because SDPA's fused kernels refuse 3-D ones; `split`, whose backward is one
-    concatenation, because slicing would zero-fill a whole-stream gradient per sequence; GQA
-    inside the kernel (enable_gqa) instead of materialised repeated k/v. With a prefix, k/v
-    are gathered once (prefix then own tokens per sequence) and split the same way.
+    Sequences of one length (and one shared-prefix length) go through one batched call: their
+    q and k/v rows (prefix then own) are gathered once per call, and the output is put back in
+    stream order with one gather. When every sequence differs and nothing is shared, each goes
+    alone on `split` views instead, whose backward is one concatenation (slicing would zero-fill
+    a whole-stream gradient per sequence). 4-D inputs, because SDPA's fused kernels refuse 3-D
+    ones; GQA inside the kernel (enable_gqa) instead of materialised repeated k/v.
     """
     lengths = _lengths(cu_seqlens)
     if sum(lengths) != q_THD.shape[0]:
         raise ValueError(f"cu_seqlens covers {sum(lengths)} tokens but the packed tensors hold "
                          f"{q_THD.shape[0]}; build cu_seqlens from the same packed batch")
-    gqa = q_THD.shape[1] != k_THD.shape[1]
-    prefix_lens = [0] * len(lengths)
-    kv_lengths = lengths
-    if prefix is not None:
-        k_THD, v_THD, kv_cu = with_prefix_kv(k_THD, v_THD, cu_seqlens, prefix)
-        prefix_lens, kv_lengths = prefix.lens.tolist(), _lengths(kv_cu)
-    outs = []
-    for q_SHD, k_SHD, v_SHD, shared in zip(q_THD.split(lengths), k_THD.split(kv_lengths),
-                                           v_THD.split(kv_lengths), prefix_lens):
-        if q_SHD.shape[0] == 0:  # an empty sequence keeps its slot in cu_seqlens, no tokens
-            continue
-        q_1HSD, k_1HSD, v_1HSD = (x.transpose(0, 1).unsqueeze(0) for x in (q_SHD, k_SHD, v_SHD))
-        mask = _bottom_right_causal(q_SHD.shape[0], shared, q_SHD.device) if shared else None
-        out_1HSD = F.scaled_dot_product_attention(q_1HSD, k_1HSD, v_1HSD, attn_mask=mask,
-                                                  is_causal=causal and not shared, scale=scale,
-                                                  enable_gqa=gqa)
-        outs.append(out_1HSD[0].transpose(0, 1))
-    if not outs:
+    shared = prefix.lens.tolist() if prefix is not None else [0] * len(lengths)
+    runs: dict[tuple[int, int], list[int]] = {}
+    for i, (length, prefix_len) in enumerate(zip(lengths, shared)):
+        if length:  # an empty sequence keeps its slot in cu_seqlens, no tokens
+            runs.setdefault((length, prefix_len), []).append(i)
+    if not runs:
         return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
-    return torch.cat(outs, dim=0)
+    attend = functools.partial(_sdpa_batch, causal=causal, scale=scale,
+                               gqa=q_THD.shape[1] != k_THD.shape[1])
+    if prefix is None and all(len(seqs) == 1 for seqs in runs.values()):
+        outs = [attend(q_SHD[None], k_SHD[None], v_SHD[None], 0)[0]
+                for q_SHD, k_SHD, v_SHD in zip(q_THD.split(lengths), k_THD.split(lengths),
+                                               v_THD.split(lengths)) if q_SHD.shape[0]]
+        return torch.cat(outs, dim=0)
+    device = q_THD.device
+    starts = cu_seqlens.to(device=device, dtype=torch.int64)[:-1]
+    prefix_starts = prefix.starts.to(device) if prefix is not None else starts
+    q_rows, kv_rows, shapes = [], [], []
+    for (length, prefix_len), seqs in runs.items():
+        ids = torch.tensor(seqs, device=device)
+        own = starts[ids][:, None] + torch.arange(length, device=device)
+        q_rows.append(own.reshape(-1))
+        if prefix_len:
+            own = torch.cat([prefix_starts[ids][:, None]
+                             + torch.arange(prefix_len, device=device), own], dim=1)
+        kv_rows.append(own.reshape(-1))
+        shapes.append((len(seqs), length, prefix_len))
+    q_index, kv_index = torch.cat(q_rows), torch.cat(kv_rows)
+    q_all = q_THD.index_select(0, q_index)
+    k_all, v_all = k_THD.index_select(0, kv_index), v_THD.index_select(0, kv_index)
+    outs = []
+    for q_mSHD, k_mSHD, v_mSHD, (m, length, prefix_len) in zip(
+            q_all.split([m * n for m, n, _ in shapes]),
+            k_all.split([m * (n + p) for m, n, p in shapes]),
+            v_all.split([m * (n + p) for m, n, p in shapes]), shapes):
+        out = attend(q_mSHD.view(m, length, *q_mSHD.shape[1:]),
+                     k_mSHD.view(m, length + prefix_len, *k_mSHD.shape[1:]),
+                     v_mSHD.view(m, length + prefix_len, *v_mSHD.shape[1:]), prefix_len)
+        outs.append(out.reshape(m * length, *out.shape[2:]))
+    inverse = torch.empty_like(q_index)
+    inverse[q_index] = torch.arange(q_index.numel(), device=device)
+    return torch.cat(outs, dim=0).index_select(0, inverse)
+
+
+def _sdpa_batch(q_BSHD: Tensor, k_BSHD: Tensor, v_BSHD: Tensor, prefix_len: int, *,
+                causal: bool, scale: float, gqa: bool) -> Tensor:
+    """Fused SDPA on B sequences of one length whose keys start with `prefix_len` shared
+    ones (a bottom-right causal mask); out_BSHD."""
+    q, k, v = (x.transpose(1, 2) for x in (q_BSHD, k_BSHD, v_BSHD))
+    mask = _bottom_right_causal(q.shape[2], prefix_len, q.device) if prefix_len else None
+    out_BHSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              is_causal=causal and not prefix_len, scale=scale,
+                                              enable_gqa=gqa)
+    return out_BHSD.transpose(1, 2)
 
 
 def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
