@@ -194,7 +194,12 @@ def test_critic_values_come_from_the_predicting_position(folders, world):
 
 def rl_batch(actor, n=8, seed=0, *, mask_every=0):
     """A batch scored by `actor`, advantages +1 on samples 0..n/2-1 and -1 on the rest."""
-    batch = make_batch(n=n, seed=seed)
+    return rl_batch_of(actor, make_batch(n=n, seed=seed), mask_every=mask_every)
+
+
+def rl_batch_of(actor, batch, *, mask_every=0):
+    """`batch` scored by `actor`, advantages +1 on its first half of samples, -1 on the rest."""
+    n = len(batch)
     batch = batch.union(actor.compute_log_prob(batch))
     sign = torch.tensor([1.0] * (n // 2) + [-1.0] * (n - n // 2))
     lengths = batch["response_ids"].lengths
@@ -360,3 +365,28 @@ def test_batch_problems_name_the_fix(folders, world):
     with pytest.raises(ValueError, match=r"actor.ppo_mini_batch_size \* rollout.n"):
         actor.update_actor(batch[:6])  # mini-batches of 8 samples
     assert actor.engine.step_count == 0
+
+
+def test_shared_prompts_change_no_log_prob_and_no_update(folders, world):
+    """Four prompts with four samples each: the actor with `share_prompts` (the default) packs
+    each prompt once and gives the log-probs, metrics and updated weights of packing whole."""
+    policy, _ = folders
+    prompts = make_batch(n=4, seed=6)["prompt_ids"].to_list()
+    batch = Batch({"prompt_ids": Ragged.from_list([p for p in prompts for _ in range(4)]),
+                   "response_ids": make_batch(n=16, seed=7)["response_ids"]})
+    results = {}
+    for share in (False, True):
+        cfg = make_config(policy, actor={"share_prompts": share}, algorithm={"ppo_epochs": 1})
+        actor = ActorWorker(context(world, "actor"), config=cfg)
+        mbs = forward_micro_batches(batch, cfg.actor, None, key="actor")
+        assert any(mb.packed.prefix is not None for mb in mbs) == share
+        scored, _ = rl_batch_of(actor, batch)
+        metrics = actor.update_actor(scored)
+        assert actor.engine.step_count == 2  # 16 samples in mini-batches of 8
+        results[share] = scored["old_log_probs"], metrics, _weights(actor)
+    (lp, metrics, weights), (lp_shared, metrics_shared, weights_shared) = results.values()
+    torch.testing.assert_close(lp_shared.values, lp.values, atol=TOL, rtol=0)
+    for key, value in metrics.items():
+        assert metrics_shared[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name, value in weights.items():
+        torch.testing.assert_close(weights_shared[name], value, atol=1e-6, rtol=0, msg=name)
