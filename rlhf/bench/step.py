@@ -27,6 +27,7 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY24M = TinyModelConfig(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
                           intermediate_size=1408, vocab_size=512, max_position_embeddings=512)
 # The view methods that run on the ranks, and the trainer's timing/* phase each one is.
+FEW_SHOT_MAX, FEW_SHOT_TOKENS = 32, 12  # examples per prompt; tokens budgeted for each
 RANK_PHASES = {"sync_weights": "sync_weights", "generate": "generate",
                "compute_log_prob": "old_log_prob", "compute_ref_log_prob": "ref",
                "compute_values": "values", "update_critic": "update_critic",
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, help="prompts per step (default: per model)")
     parser.add_argument("--samples", type=int, help="samples per prompt (default: per model)")
     parser.add_argument("--new-tokens", type=int, help="max new tokens (default: per model)")
+    parser.add_argument("--few-shot", type=int, default=0,
+                        help="put K solved problems before every prompt: longer prompts, as RL "
+                             "prompts with instructions or examples are (default 0)")
     parser.add_argument("--ranks", type=int, default=2, help="colocated ranks of our run")
     parser.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)),
                         help="cores both systems use (Ray's CPUs; the baseline's threads)")
@@ -56,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
         return run_async(args)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("error: --steps must be at least 1 and --warmup at least 0")
+    if not 0 <= args.few_shot <= FEW_SHOT_MAX:
+        raise SystemExit(f"error: --few-shot must be between 0 and {FEW_SHOT_MAX}")
     if args.cores < args.ranks:
         raise SystemExit(f"error: --cores {args.cores} is fewer than --ranks {args.ranks}; "
                          "every rank needs a core")
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     ratio = lines[0]["generated_tokens_per_s"] / max(lines[1]["generated_tokens_per_s"], 1e-9)
     lines.append({"summary": args.model, "ours_over_transformers": round(ratio, 3),
                   "timed_steps": args.steps, "warmup_steps": args.warmup,
-                  "cores": ours["cores"]})
+                  "cores": ours["cores"], "few_shot": args.few_shot})
     for line in lines:
         print(json.dumps(line), flush=True)
     return 0
@@ -260,6 +266,8 @@ def _job_config(args, root: Path):
     model = make_tiny_model(spec, root / f"{args.model}-model")
     train = root / "train.jsonl"
     write_arith_dataset(train, task=ArithTask(), n=prompts * total, seed=0, split="train")
+    if args.few_shot:
+        _prepend_examples(train, args.few_shot)
     tree = {
         "model": {"path": str(model)},
         "actor": {"ppo_mini_batch_size": prompts, "max_tokens_per_micro_batch": budget,
@@ -270,7 +278,8 @@ def _job_config(args, root: Path):
                     "cpu_kv_cache_gb": 0.25, "max_num_seqs": prompts * samples},
         "algorithm": {"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
                       "kl_loss_type": "k3", "kl_loss_coef": 0.01, "ppo_epochs": 1},
-        "data": {"train_files": [str(train)], "max_prompt_length": 64,
+        "data": {"train_files": [str(train)],
+                 "max_prompt_length": 64 + FEW_SHOT_TOKENS * args.few_shot,
                  "train_batch_size": prompts, "shuffle": False},
         "trainer": {"output_dir": str(root / "run"), "total_steps": total, "val_every": 0,
                     "save_every": 0, "device": "cpu", "ranks_per_node": args.ranks,
@@ -278,3 +287,13 @@ def _job_config(args, root: Path):
         "ray": {"num_cpus": args.cores},
     }
     return config_from_dict(tree)
+
+
+def _prepend_examples(path: Path, k: int) -> None:
+    """Rewrite the prompts of a JSONL file with k solved problems (other rows') before each."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    solved = [f"{row['prompt']}{row['ground_truth']}" for row in rows]
+    for i, row in enumerate(rows):
+        examples = [solved[(i + 1 + j) % len(rows)] for j in range(k)]
+        row["prompt"] = " ".join([*examples, row["prompt"]])
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))

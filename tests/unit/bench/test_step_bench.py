@@ -57,6 +57,19 @@ def test_baseline_response_mask_keeps_tokens_up_to_the_first_eos():
                                                       [1, 0, 0, 0, 0]]
 
 
+def test_few_shot_prompts_carry_other_rows_solved(tmp_path):
+    from rlhf.bench.step import _prepend_examples
+    rows = [{"prompt": f"{i}+1=", "ground_truth": str(i + 1), "data_source": "arith"}
+            for i in range(4)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    _prepend_examples(path, 2)
+    got = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [row["prompt"] for row in got] == ["1+1=2 2+1=3 0+1=", "2+1=3 3+1=4 1+1=",
+                                              "3+1=4 0+1=1 2+1=", "0+1=1 1+1=2 3+1="]
+    assert [row["ground_truth"] for row in got] == ["1", "2", "3", "4"]
+
+
 def test_bench_step_refuses_fewer_cores_than_ranks():
     proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", "--ranks", "4",
                            "--cores", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
