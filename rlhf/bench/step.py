@@ -26,8 +26,8 @@ from rlhf.config import TinyModelConfig
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY24M = TinyModelConfig(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
                           intermediate_size=1408, vocab_size=512, max_position_embeddings=512)
+FEW_SHOT_MAX, FEW_SHOT_TOKENS = 32, 12  # --few-shot: examples per prompt; tokens budgeted for each
 # The view methods that run on the ranks, and the trainer's timing/* phase each one is.
-FEW_SHOT_MAX, FEW_SHOT_TOKENS = 32, 12  # examples per prompt; tokens budgeted for each
 RANK_PHASES = {"sync_weights": "sync_weights", "generate": "generate",
                "compute_log_prob": "old_log_prob", "compute_ref_log_prob": "ref",
                "compute_values": "values", "update_critic": "update_critic",

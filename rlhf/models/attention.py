@@ -85,10 +85,10 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
     """PyTorch's fused SDPA kernel over the packed sequences, no padding (max_seqlen unused).
 
     Sequences of one length (and one shared-prefix length) go through one batched call: their
-    q and k/v rows (prefix then own) are gathered once per call, and the output is put back in
-    stream order with one gather. When every sequence differs and nothing is shared, each goes
-    alone on `split` views instead, whose backward is one concatenation (slicing would zero-fill
-    a whole-stream gradient per sequence). 4-D inputs, because SDPA's fused kernels refuse 3-D
+    q and k/v rows (prefix then own, `prefix_kv_rows`) are gathered once per call, and the
+    output is put back in stream order with one gather. When every sequence differs and
+    nothing is shared, each goes alone on `split` views instead, whose backward is one
+    concatenation (slicing would zero-fill a whole-stream gradient per sequence). 4-D inputs, because SDPA's fused kernels refuse 3-D
     ones; GQA inside the kernel (enable_gqa) instead of materialised repeated k/v.
     """
     lengths = _lengths(cu_seqlens)
@@ -111,16 +111,15 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
         return torch.cat(outs, dim=0)
     device = q_THD.device
     starts = cu_seqlens.to(device=device, dtype=torch.int64)[:-1]
-    prefix_starts = prefix.starts.to(device) if prefix is not None else starts
+    source_K, kv_cu = (prefix_kv_rows(cu_seqlens, prefix, device) if prefix is not None
+                       else (None, None))
     q_rows, kv_rows, shapes = [], [], []
     for (length, prefix_len), seqs in runs.items():
         ids = torch.tensor(seqs, device=device)
-        own = starts[ids][:, None] + torch.arange(length, device=device)
-        q_rows.append(own.reshape(-1))
-        if prefix_len:
-            own = torch.cat([prefix_starts[ids][:, None]
-                             + torch.arange(prefix_len, device=device), own], dim=1)
-        kv_rows.append(own.reshape(-1))
+        own = (starts[ids][:, None] + torch.arange(length, device=device)).reshape(-1)
+        q_rows.append(own)
+        kv_rows.append(own if source_K is None else source_K[
+            (kv_cu[ids][:, None] + torch.arange(prefix_len + length, device=device)).reshape(-1)])
         shapes.append((len(seqs), length, prefix_len))
     q_index, kv_index = torch.cat(q_rows), torch.cat(kv_rows)
     q_all = q_THD.index_select(0, q_index)
@@ -189,29 +188,31 @@ def flash_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Ten
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
     cu_k, max_k = cu, max_seqlen
     if prefix is not None:
-        k_THD, v_THD, cu_k = with_prefix_kv(k_THD, v_THD, cu, prefix)
+        source_K, cu_k = prefix_kv_rows(cu, prefix, q_THD.device)
+        k_THD, v_THD = k_THD.index_select(0, source_K), v_THD.index_select(0, source_K)
         cu_k = cu_k.to(torch.int32)
         max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
     return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu_k, max_seqlen, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal)
 
 
-def with_prefix_kv(k_THD: Tensor, v_THD: Tensor, cu_seqlens: Tensor,
-                   prefix: SharedPrefix) -> tuple[Tensor, Tensor, Tensor]:
-    """k/v with every sequence's prefix tokens put before its own, one gather each, and the
-    (n+1,) int64 bounds of those key runs."""
-    cu = cu_seqlens.to(device=k_THD.device, dtype=torch.int64)
-    lens, shared = cu[1:] - cu[:-1], prefix.lens.to(k_THD.device)
+def prefix_kv_rows(cu_seqlens: Tensor, prefix: SharedPrefix,
+                   device: torch.device) -> tuple[Tensor, Tensor]:
+    """(source_K, kv_cu): the stream row of every key when each sequence's keys are its
+    prefix's tokens then its own, sequence after sequence, and the (n+1,) int64 bounds of
+    each sequence's keys in that order. The one rule of what a sequence attends to."""
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lens, shared = cu[1:] - cu[:-1], prefix.lens.to(device)
     kv_lens = lens + shared
     kv_cu = torch.cat([cu.new_zeros(1), kv_lens.cumsum(0)])
     total = int(kv_cu[-1])
-    seq_K = torch.repeat_interleave(torch.arange(len(lens), device=k_THD.device), kv_lens,
+    seq_K = torch.repeat_interleave(torch.arange(len(lens), device=device), kv_lens,
                                     output_size=total)
-    local_K = torch.arange(total, device=k_THD.device) - kv_cu[:-1][seq_K]
+    local_K = torch.arange(total, device=device) - kv_cu[:-1][seq_K]
     from_prefix = local_K < shared[seq_K]
-    source_K = torch.where(from_prefix, prefix.starts.to(k_THD.device)[seq_K] + local_K,
+    source_K = torch.where(from_prefix, prefix.starts.to(device)[seq_K] + local_K,
                            cu[:-1][seq_K] + local_K - shared[seq_K])
-    return k_THD.index_select(0, source_K), v_THD.index_select(0, source_K), kv_cu
+    return source_K, kv_cu
 
 
 @functools.lru_cache(maxsize=256)
