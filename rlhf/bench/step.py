@@ -1,9 +1,10 @@
 """Whole PPO/GRPO steps: our trainer against a single-process transformers baseline.
 
 Runs `--warmup + --steps` steps of the real PPOTrainer (local Ray, the worker groups `rlhf
-train` builds), then the same number of steps of a plain transformers GRPO loop
-(rlhf.bench.step_baseline) on the same model, prompts, sizes and total threads. Prints JSON
-lines: one per system (generated tokens/s, seconds per phase, CPU utilisation per phase: the
+train` builds) and, after each of them, one step of a plain transformers GRPO loop
+(rlhf.bench.step_baseline) on the same model, prompts, sizes and total threads, in the driver
+process while our ranks wait. The two systems take turns step by step, so a change in the
+machine's load during the run slows both alike. Prints JSON lines: one per system (generated tokens/s, seconds per phase, CPU utilisation per phase: the
 ranks' CPU seconds over wall seconds and the cores they hold) and a summary with the ratio.
 Warm-up steps are excluded. Models: `tiny24m` (8 layers, width 512, 8 heads / 4 kv heads,
 vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `quickstart`
@@ -67,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
                          "every rank needs a core")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _job_config(args, Path(tmp))
-        ours = _run_ours(cfg, warmup=args.warmup)
-        # Same total threads as the cores our ranks held (Ray is shut down by now).
-        baseline = _run_baseline(cfg, threads=ours["cores"], warmup=args.warmup)
+        ours, baseline = _run_both(cfg, warmup=args.warmup)
     lines = [{"system": "ours", **_summary(ours, args.steps)},
              {"system": "transformers", **_summary(baseline, args.steps)}]
     ratio = lines[0]["generated_tokens_per_s"] / max(lines[1]["generated_tokens_per_s"], 1e-9)
@@ -94,10 +93,11 @@ def _summary(result: dict, steps: int) -> dict:
 # ---- our trainer --------------------------------------------------------------------------------
 
 
-def fit_job(cfg, *, warmup: int, views: Callable | None = None) -> list[dict]:
+def fit_job(cfg, *, warmup: int, views: Callable | None = None,
+            after_step: Callable[[int], None] | None = None) -> list[dict]:
     """Run cfg's PPOTrainer (the one `rlhf train` runs) on the local Ray, started here unless
     one runs, and return the records of the steps after `warmup`. views(groups), if given,
-    returns the worker views the trainer calls (to wrap them)."""
+    returns the worker views the trainer calls (to wrap them); after_step goes to `fit`."""
     import ray
 
     from rlhf.trainer.cli import _roles
@@ -115,7 +115,7 @@ def fit_job(cfg, *, warmup: int, views: Callable | None = None) -> list[dict]:
             trainer = PPOTrainer(cfg, groups.views if views is None else views(groups),
                                  tokenizer=load_tokenizer(cfg.model.path),
                                  job_name=cfg.trainer.experiment_name, progress=False)
-            return trainer.fit()[warmup:]
+            return trainer.fit(after_step)[warmup:]
         finally:
             groups.shutdown()
     finally:
@@ -123,17 +123,31 @@ def fit_job(cfg, *, warmup: int, views: Callable | None = None) -> list[dict]:
             ray.shutdown()
 
 
-def _run_ours(cfg, *, warmup: int) -> dict:
-    """cfg.trainer.total_steps steps of our trainer, with the ranks' CPU use metered."""
-    metered = {}
+def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
+    """cfg.trainer.total_steps steps of our trainer, with the ranks' CPU use metered, and after
+    each one a step of the baseline on the same prompts, with as many threads as our ranks
+    hold cores. Returns both systems' totals over the steps after `warmup`."""
+    from rlhf.bench.step_baseline import BaselineTrainer, summarise
+
+    prompts, answers = _step_prompts(cfg)
+    metered, baseline_steps = {}, []
 
     def views(groups):
         metered["cores"] = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size
                                for g in groups.groups)
         metered["meter"] = RankCpuMeter(_rank_pids(), cores=metered["cores"], skip_steps=warmup)
+        metered["baseline"] = BaselineTrainer(
+            model_path=cfg.model.path, samples=cfg.rollout.n,
+            new_tokens=cfg.rollout.max_new_tokens, kl_coef=cfg.algorithm.kl_loss_coef,
+            lr=cfg.actor.optim.lr, threads=metered["cores"])
         return {name: MeteredView(view, metered["meter"]) for name, view in groups.views.items()}
 
-    records = fit_job(cfg, warmup=warmup, views=views)
+    def after_step(step: int) -> None:  # fit's steps count from 1
+        result = metered["baseline"].step(prompts[step - 1], answers[step - 1])
+        if step > warmup:
+            baseline_steps.append(result)
+
+    records = fit_job(cfg, warmup=warmup, views=views, after_step=after_step)
     cores, meter = metered["cores"], metered["meter"]
     samples = cfg.data.train_batch_size * cfg.rollout.n
     seconds = {}
@@ -143,8 +157,9 @@ def _run_ours(cfg, *, warmup: int) -> dict:
                 seconds[key.removeprefix("timing/")] = seconds.get(key.removeprefix("timing/"),
                                                                    0.0) + value
     generated = sum(round(r["response_length/mean"] * samples) for r in records)
-    return {"cores": cores, "generated_tokens": generated, "seconds": seconds,
+    ours = {"cores": cores, "generated_tokens": generated, "seconds": seconds,
             "cpu_util": meter.utilisation()}
+    return ours, {"cores": cores, **summarise(baseline_steps, cores)}
 
 
 class RankCpuMeter:
@@ -224,8 +239,8 @@ def _rank_pids() -> list[int]:
 # ---- the baseline -------------------------------------------------------------------------------
 
 
-def _run_baseline(cfg, *, threads: int, warmup: int) -> dict:
-    from rlhf.bench.step_baseline import run_baseline
+def _step_prompts(cfg) -> tuple[list[list[list[int]]], list[list]]:
+    """Per step, the prompt ids and answers our trainer's loader gives it (in order, unshuffled)."""
     from rlhf.data.dataset import build_prompt_dataset
     from rlhf.trainer.setup import load_tokenizer
 
@@ -234,11 +249,7 @@ def _run_baseline(cfg, *, threads: int, warmup: int) -> dict:
     ids = [row.tolist() for row in data.prompt_ids.to_list()]
     prompts = [ids[i * size:(i + 1) * size] for i in range(steps)]
     answers = [data.ground_truth[i * size:(i + 1) * size] for i in range(steps)]
-    result = run_baseline(model_path=cfg.model.path, prompts=prompts, answers=answers,
-                          samples=cfg.rollout.n, new_tokens=cfg.rollout.max_new_tokens,
-                          kl_coef=cfg.algorithm.kl_loss_coef, lr=cfg.actor.optim.lr,
-                          threads=threads, warmup=warmup)
-    return {"cores": threads, **result}
+    return prompts, answers
 
 
 # ---- the job ------------------------------------------------------------------------------------

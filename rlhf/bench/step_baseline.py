@@ -30,36 +30,46 @@ class PhaseClock:
             self.cpu[phase] = self.cpu.get(phase, 0.0) + time.process_time() - cpu0
 
 
-def run_baseline(*, model_path: str, prompts: list[list[list[int]]], answers: list[list],
-                 samples: int, new_tokens: int, kl_coef: float, lr: float, threads: int,
-                 warmup: int) -> dict:
-    """Train `len(prompts)` steps (prompts[i]: step i's prompt ids); time those after `warmup`.
+class BaselineTrainer:
+    """The baseline's models, optimizer and settings; `step` trains on one batch of prompts.
 
-    Returns generated tokens, wall seconds per phase and CPU utilisation per phase (process
-    CPU seconds over wall seconds and `threads`) summed over the timed steps.
+    `rlhf bench step` calls `step` between our trainer's steps, so that both systems see the
+    same state of the machine.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    torch.set_num_threads(threads)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    ref.requires_grad_(False)
-    optim = torch.optim.AdamW(policy.parameters(), lr=lr)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    generated, steps = 0, []
-    for step, (step_prompts, step_answers) in enumerate(zip(prompts, answers)):
+    def __init__(self, *, model_path: str, samples: int, new_tokens: int, kl_coef: float,
+                 lr: float, threads: int):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(threads)
+        self.threads, self.samples, self.new_tokens, self.kl_coef = (threads, samples,
+                                                                     new_tokens, kl_coef)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.ref.requires_grad_(False)
+        self.optim = torch.optim.AdamW(self.policy.parameters(), lr=lr)
+        eos = self.tokenizer.eos_token_id
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+
+    def step(self, prompts: list[list[int]], answers: list) -> tuple[int, PhaseClock]:
+        """One GRPO step on `prompts` (ids); returns its generated tokens and phase times."""
+        torch.set_num_threads(self.threads)  # the process may have run other work since
         clock = PhaseClock()
         with clock("step"):
-            tokens = _grpo_step(policy, ref, optim, tokenizer, step_prompts, step_answers,
-                                samples=samples, new_tokens=new_tokens, kl_coef=kl_coef, pad=pad,
-                                clock=clock)
-        if step >= warmup:
-            generated += tokens
-            steps.append(clock)
-    wall = {k: sum(c.wall[k] for c in steps) for k in steps[0].wall}
-    cpu = {k: sum(c.cpu[k] for c in steps) for k in steps[0].cpu}
-    return {"generated_tokens": generated, "seconds": wall,
+            tokens = _grpo_step(self.policy, self.ref, self.optim, self.tokenizer, prompts,
+                                answers, samples=self.samples, new_tokens=self.new_tokens,
+                                kl_coef=self.kl_coef, pad=self.pad, clock=clock)
+        return tokens, clock
+
+
+def summarise(steps: list[tuple[int, PhaseClock]], threads: int) -> dict:
+    """Generated tokens, wall seconds per phase and CPU utilisation per phase (process CPU
+    seconds over wall seconds and `threads`) summed over `steps` (BaselineTrainer.step's)."""
+    clocks = [clock for _, clock in steps]
+    wall = {k: sum(c.wall[k] for c in clocks) for k in clocks[0].wall}
+    cpu = {k: sum(c.cpu[k] for c in clocks) for k in clocks[0].cpu}
+    return {"generated_tokens": sum(tokens for tokens, _ in steps), "seconds": wall,
             "cpu_util": {k: cpu[k] / (wall[k] * threads) for k in wall if wall[k] > 0}}
 
 

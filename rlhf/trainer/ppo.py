@@ -15,6 +15,7 @@ trainer.async_mode on, async_loop.RolloutPipeline samples the next batch while t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import Tensor
@@ -68,8 +69,10 @@ class PPOTrainer:
 
     # ---- the loop ----------------------------------------------------------------------------
 
-    def fit(self) -> list[dict]:
-        """Train to trainer.total_steps (resuming per trainer.resume); returns the new records."""
+    def fit(self, after_step: Callable[[int], None] | None = None) -> list[dict]:
+        """Train to trainer.total_steps (resuming per trainer.resume); returns the new records.
+        `after_step(step)`, if given, runs after each step is logged and saved, outside its
+        timing (`rlhf bench step` runs its baseline's steps there)."""
         t = self.cfg.trainer
         self.ckpt.remove_stale()
         check_shared_folder(self.output_dir,  # every node writes checkpoint shards there
@@ -91,6 +94,8 @@ class PPOTrainer:
                 records.append(logger.log(step, metrics))
                 if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:
                     self.save(step)
+                if after_step is not None:
+                    after_step(step)
         finally:
             self.runner.close()
             logger.close()

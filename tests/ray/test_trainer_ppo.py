@@ -90,9 +90,14 @@ def test_resume_from_a_checkpoint_reproduces_the_next_steps(job):
     resumed_cfg = dataclasses.replace(
         cfg, trainer=dataclasses.replace(cfg.trainer, output_dir=str(out)))
     # The workers hold step-3 weights now: the resume must restore step 1's exactly.
+    # after_step runs once per new step, after that step is logged and saved.
+    seen = []
     resumed = PPOTrainer(resumed_cfg, groups.views, tokenizer=tokenizer, job_name="ppo-test",
-                         progress=False).fit()
+                         progress=False).fit(lambda step: seen.append(
+                             (step, (out / "checkpoints" / f"step_{step}").is_dir(),
+                              len(read_metrics(out)))))
     assert [r["step"] for r in resumed] == [2, 3]
+    assert seen == [(2, True, 1), (3, True, 2)]
     for got, want in zip(resumed, records[2:]):
         got, want = comparable(got), comparable(want)
         assert got.keys() == want.keys()
