@@ -37,7 +37,9 @@ RANK_PHASES = {"sync_weights": "sync_weights", "generate": "generate",
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", choices=("tiny24m", "quickstart"), default="tiny24m")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per system")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="timed steps per system (default 10: one step of either system "
+                             "can be slowed by the machine)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--prompts", type=int, help="prompts per step (default: per model)")
     parser.add_argument("--samples", type=int, help="samples per prompt (default: per model)")
