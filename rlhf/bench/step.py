@@ -4,8 +4,9 @@ Runs `--warmup + --steps` steps of the real PPOTrainer (local Ray, the worker gr
 train` builds) and, after each of them, one step of a plain transformers GRPO loop
 (rlhf.bench.step_baseline) on the same model, prompts, sizes and total threads, in the driver
 process while our ranks wait. The two systems take turns step by step, so a change in the
-machine's load during the run slows both alike. Prints JSON lines: one per system (generated tokens/s, seconds per phase, CPU utilisation per phase: the
-ranks' CPU seconds over wall seconds and the cores they hold) and a summary with the ratio.
+machine's load during the run slows both alike. Prints JSON lines: one per system (generated
+tokens/s, seconds per phase, CPU utilisation per phase: the ranks' CPU seconds over wall
+seconds and the cores they hold) and a summary with the ratio.
 Warm-up steps are excluded. Models: `tiny24m` (8 layers, width 512, 8 heads / 4 kv heads,
 vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `quickstart`
 (the quickstart's model and batch sizes, with the same GRPO k3 loss in both systems).
@@ -132,25 +133,25 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
     from rlhf.bench.step_baseline import BaselineTrainer, summarise
 
     prompts, answers = _step_prompts(cfg)
-    metered, baseline_steps = {}, []
+    built, baseline_steps = {}, []  # made once the ranks exist
 
     def views(groups):
-        metered["cores"] = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size
+        built["cores"] = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size
                                for g in groups.groups)
-        metered["meter"] = RankCpuMeter(_rank_pids(), cores=metered["cores"], skip_steps=warmup)
-        metered["baseline"] = BaselineTrainer(
+        built["meter"] = RankCpuMeter(_rank_pids(), cores=built["cores"], skip_steps=warmup)
+        built["baseline"] = BaselineTrainer(
             model_path=cfg.model.path, samples=cfg.rollout.n,
             new_tokens=cfg.rollout.max_new_tokens, kl_coef=cfg.algorithm.kl_loss_coef,
-            lr=cfg.actor.optim.lr, threads=metered["cores"])
-        return {name: MeteredView(view, metered["meter"]) for name, view in groups.views.items()}
+            lr=cfg.actor.optim.lr, threads=built["cores"])
+        return {name: MeteredView(view, built["meter"]) for name, view in groups.views.items()}
 
     def after_step(step: int) -> None:  # fit's steps count from 1
-        result = metered["baseline"].step(prompts[step - 1], answers[step - 1])
+        result = built["baseline"].step(prompts[step - 1], answers[step - 1])
         if step > warmup:
             baseline_steps.append(result)
 
     records = fit_job(cfg, warmup=warmup, views=views, after_step=after_step)
-    cores, meter = metered["cores"], metered["meter"]
+    cores, meter = built["cores"], built["meter"]
     samples = cfg.data.train_batch_size * cfg.rollout.n
     seconds = {}
     for record in records:

@@ -41,9 +41,8 @@ class BaselineTrainer:
                  lr: float, threads: int):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        torch.set_num_threads(threads)
-        self.threads, self.samples, self.new_tokens, self.kl_coef = (threads, samples,
-                                                                     new_tokens, kl_coef)
+        self.threads, self.samples = threads, samples
+        self.new_tokens, self.kl_coef = new_tokens, kl_coef
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.ref = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
@@ -54,7 +53,7 @@ class BaselineTrainer:
 
     def step(self, prompts: list[list[int]], answers: list) -> tuple[int, PhaseClock]:
         """One GRPO step on `prompts` (ids); returns its generated tokens and phase times."""
-        torch.set_num_threads(self.threads)  # the process may have run other work since
+        torch.set_num_threads(self.threads)  # set per step: the driver runs other work between
         clock = PhaseClock()
         with clock("step"):
             tokens = _grpo_step(self.policy, self.ref, self.optim, self.tokenizer, prompts,

@@ -2,8 +2,9 @@
 
 On CUDA with flash-attn installed and a half-precision input, flash-attn's varlen kernel runs
 over the whole packed stream (a missing flash-attn on CUDA is warned about once). Everywhere
-else `sdpa_split` runs PyTorch's fused SDPA kernel (flash attention for CPU, or CUDA's) once per
-sequence on views of the packed tensors: nothing crosses sequence boundaries, no padding is
+else `sdpa_split` runs PyTorch's fused SDPA kernel (flash attention for CPU, or CUDA's): one
+batched call per set of sequences of one length, or one call per sequence on views of the
+packed tensors when all lengths differ. Nothing crosses sequence boundaries and no padding is
 computed. `sdpa_varlen` is the plain per-sequence reference the kernels are tested against.
 
 Shared prompts (`prefix`, rlhf.data.packing.SharedPrefix): a sequence may also attend to a run
@@ -12,9 +13,10 @@ values are then that run followed by its own, gathered once per call, and the ca
 aligned to the bottom right (query i sees every prefix key and its own keys up to i), which is
 flash-attn's convention for unequal query and key lengths.
 
-Why not padding, FlexAttention or nested tensors (measured on torch 2.13, CPU, fp32): the fused
-CPU kernel costs the same per sequence whether sequences come one per call or batched, so
-length buckets only add padding and a gather whose backward is slower than the split's;
+Why not padding, FlexAttention or nested tensors (measured on torch 2.13, CPU, fp32): padded
+length buckets add padding and a gather whose backward is slower than the split's, while
+batching sequences of exactly one length pads nothing and saves the per-call cost (one layer's
+forward and backward on 128 sequences of 36 tokens: 0.040 s one call each, 0.023 s batched);
 FlexAttention has no backward on CPU; nested-tensor SDPA has no CPU backend. The old loop was
 slow because SDPA on 3-D inputs silently takes the unfused math path, and slicing (not
 splitting) made each sequence's backward write a zero-filled gradient of the whole stream.
@@ -88,8 +90,9 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
     q and k/v rows (prefix then own, `prefix_kv_rows`) are gathered once per call, and the
     output is put back in stream order with one gather. When every sequence differs and
     nothing is shared, each goes alone on `split` views instead, whose backward is one
-    concatenation (slicing would zero-fill a whole-stream gradient per sequence). 4-D inputs, because SDPA's fused kernels refuse 3-D
-    ones; GQA inside the kernel (enable_gqa) instead of materialised repeated k/v.
+    concatenation (slicing would zero-fill a whole-stream gradient per sequence). 4-D inputs,
+    because SDPA's fused kernels refuse 3-D ones; GQA inside the kernel (enable_gqa) instead of
+    materialised repeated k/v.
     """
     lengths = _lengths(cu_seqlens)
     if sum(lengths) != q_THD.shape[0]:
