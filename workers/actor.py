@@ -159,7 +159,10 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, Worker):
             pg, pg_metrics = policy_loss(
                 out["log_probs"], old_T, t["advantages"], mask_T, cu, clip_low=clip_low,
                 clip_high=clip_high, clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)
-            loss = pg - algo.entropy_coeff * entropy_bonus(out["entropy"], mask_T, cu, **norm)
+            loss = pg
+            if algo.entropy_coeff:  # at 0 the entropy is a metric: no backward through it
+                loss = loss - algo.entropy_coeff * entropy_bonus(out["entropy"], mask_T, cu,
+                                                                 **norm)
             share = token_share(mask_T, global_tokens)
             metrics = {
                 "pg_loss": pg.detach(),

@@ -4,6 +4,7 @@ against hand-computed losses."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from rlhf.config import (AlgorithmConfig, ConfigError, CriticConfig,  # noqa: E4
                          TinyModelConfig, TrainerConfig, TrainRoleConfig)
 from rlhf.controller import WorkerContext  # noqa: E402
 from rlhf.data.batch import Batch  # noqa: E402
+from rlhf.data.fields import MASK  # noqa: E402
 from rlhf.data.ragged import Ragged  # noqa: E402
 from rlhf.models.config import ModelArgs  # noqa: E402
 from rlhf.models.hf_io import load_hf_weights  # noqa: E402
@@ -260,6 +262,29 @@ def test_truncated_importance_sampling(folders, world):
     metrics = actor.update_actor(batch.union(Batch({"rollout_log_probs": batch["old_log_probs"]})))
     adv = batch["advantages"].values
     assert metrics["actor/pg_loss"] == pytest.approx(-adv.mean().item(), abs=1e-5)
+
+
+@pytest.mark.parametrize("coeff", [0.0, 0.5])
+def test_entropy_enters_the_loss_only_with_a_coefficient(folders, world, coeff):
+    """The actor loss subtracts entropy_coeff x the token-mean entropy; at 0 the entropy is
+    only a metric and the backward never reaches it (no grad is computed for it)."""
+    policy, _ = folders
+    cfg = make_config(policy, algorithm={"entropy_coeff": coeff, "use_kl_loss": False})
+    actor = ActorWorker(context(world, "actor"), config=cfg)
+    tokens = 5
+    mb = SimpleNamespace(packed=SimpleNamespace(cu_seqlens=torch.tensor([0, 2, 5])),
+                         tensors={MASK: torch.ones(tokens), "advantages": torch.ones(tokens),
+                                  "old_log_probs": torch.full((tokens,), -1.0)})
+    out = {"log_probs": torch.full((tokens,), -1.0, requires_grad=True),
+           "entropy": torch.full((tokens,), 2.0, requires_grad=True)}
+    loss, metrics = actor._loss_fn(tokens, 2)(out, mb)
+    loss.backward()
+    assert out["log_probs"].grad is not None
+    assert metrics["entropy"] == pytest.approx(2.0)
+    if coeff:
+        torch.testing.assert_close(out["entropy"].grad, torch.full((tokens,), -coeff / tokens))
+    else:
+        assert out["entropy"].grad is None
 
 
 def _weights(worker):
