@@ -6,7 +6,9 @@ train` builds) and, after each of them, one step of a plain transformers GRPO lo
 process while our ranks wait. The two systems take turns step by step, so a change in the
 machine's load during the run slows both alike. Prints JSON lines: one per system (generated
 tokens/s, seconds per phase, CPU utilisation per phase: the ranks' CPU seconds over wall
-seconds and the cores they hold) and a summary with the ratio.
+seconds and the cores they hold, and MFU per phase against one core's matmul rate measured
+between the steps: rlhf.bench.flops) and a summary with the ratio and the MFU our step would
+need for twice the baseline's tokens/s.
 Warm-up steps are excluded. Models: `tiny24m` (8 layers, width 512, 8 heads / 4 kv heads,
 vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `quickstart`
 (the quickstart's model and batch sizes, with the same GRPO k3 loss in both systems).
@@ -77,7 +79,10 @@ def run(args: argparse.Namespace) -> int:
     ratio = lines[0]["generated_tokens_per_s"] / max(lines[1]["generated_tokens_per_s"], 1e-9)
     lines.append({"summary": args.model, "ours_over_transformers": round(ratio, 3),
                   "timed_steps": args.steps, "warmup_steps": args.warmup,
-                  "cores": ours["cores"], "few_shot": args.few_shot})
+                  "cores": ours["cores"], "few_shot": args.few_shot,
+                  "matmul_gflops_per_core": round(ours["matmul_gflops_per_core"], 1),
+                  # the same samples take the same model FLOPs in both (rlhf.bench.flops)
+                  "mfu_needed_for_2x": round(2 * baseline["mfu"]["step"], 3)})
     for line in lines:
         print(json.dumps(line), flush=True)
     return 0
@@ -90,7 +95,8 @@ def _summary(result: dict, steps: int) -> dict:
             "generated_tokens": result["generated_tokens"],
             "seconds_per_step": round(step_s / steps, 4),
             "seconds": {k: round(v, 4) for k, v in result["seconds"].items()},
-            "cpu_util": {k: round(v, 3) for k, v in result["cpu_util"].items()}}
+            "cpu_util": {k: round(v, 3) for k, v in result["cpu_util"].items()},
+            "mfu": {k: round(v, 3) for k, v in result["mfu"].items()}}
 
 
 # ---- our trainer --------------------------------------------------------------------------------
@@ -130,10 +136,12 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
     """cfg.trainer.total_steps steps of our trainer, with the ranks' CPU use metered, and after
     each one a step of the baseline on the same prompts, with as many threads as our ranks
     hold cores. Returns both systems' totals over the steps after `warmup`."""
+    from rlhf.bench.flops import MatmulRate, linear_flops_per_token, step_mfu
     from rlhf.bench.step_baseline import BaselineTrainer, summarise
 
     prompts, answers = _step_prompts(cfg)
     built, baseline_steps = {}, []  # made once the ranks exist
+    rate = MatmulRate()  # measured after each step, while the ranks wait
 
     def views(groups):
         built["cores"] = sum(int(g.pool.bundle["CPU"]) * g.pool.world_size
@@ -149,6 +157,7 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
         result = built["baseline"].step(prompts[step - 1], answers[step - 1])
         if step > warmup:
             baseline_steps.append(result)
+        rate.measure()
 
     records = fit_job(cfg, warmup=warmup, views=views, after_step=after_step)
     cores, meter = built["cores"], built["meter"]
@@ -162,7 +171,17 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
     generated = sum(round(r["response_length/mean"] * samples) for r in records)
     ours = {"cores": cores, "generated_tokens": generated, "seconds": seconds,
             "cpu_util": meter.utilisation()}
-    return ours, {"cores": cores, **summarise(baseline_steps, cores)}
+    baseline = {"cores": cores, **summarise(baseline_steps, cores)}
+    # MFU: both systems' forward tokens are the timed steps' prompts once plus their responses
+    prompt_tokens = sum(len(p) for step in prompts[warmup:warmup + len(records)] for p in step)
+    per_token = linear_flops_per_token(built["baseline"].policy)
+    for result in (ours, baseline):
+        result["mfu"] = step_mfu(flops_per_token=per_token,
+                                 tokens=prompt_tokens + result["generated_tokens"],
+                                 seconds=result["seconds"], cores=cores,
+                                 gflops_per_core=rate.best)
+    ours["matmul_gflops_per_core"] = rate.best
+    return ours, baseline
 
 
 class RankCpuMeter:

@@ -47,6 +47,12 @@ def test_bench_step_prints_both_systems_and_their_ratio():
     assert sum(v for k, v in ours["seconds"].items() if k != "step") <= ours["seconds"]["step"]
     assert summary["ours_over_transformers"] == pytest.approx(
         ours["generated_tokens_per_s"] / base["generated_tokens_per_s"], rel=0.01)
+    # MFU against one core's matmul rate measured in the run; no phase can pass 1
+    assert summary["matmul_gflops_per_core"] > 0
+    for line in (ours, base):
+        assert set(line["mfu"]) == {"step", "generate", "ref", "update_actor"}
+        assert all(0 < v < 1 for v in line["mfu"].values()), line["mfu"]
+    assert summary["mfu_needed_for_2x"] == pytest.approx(2 * base["mfu"]["step"], abs=2e-3)
     assert (summary["timed_steps"], summary["warmup_steps"], summary["cores"]) == (STEPS, 1, 2)
 
 
