@@ -4,10 +4,10 @@ One process, no Ray or vLLM: a TrainEngine (tp = pp = dp = 1) over a one-rank gl
 takes `--steps` timed AdamW steps over `--micro-batches` packed micro-batches of `--tokens`
 tokens (sequences of `--seq-len`). JSON lines:
 
-- "step": tokens/s and model FLOPs utilisation, 6 * (matmul params) + 6 * layers * seq_len *
-  q_dim (causal attention) FLOPs per token, against the device's peak: a table of dense bf16
-  peaks by GPU name on CUDA; on the CPU the peak is measured in this run with a large fp32
-  matmul (so the CPU figure is relative to what torch reaches on this machine).
+- "step": tokens/s and model FLOPs utilisation (3x `rlhf.bench.flops.forward_flops_per_token`:
+  the matmul weights and causal attention), against the device's peak: a table of dense bf16
+  peaks by GPU name on CUDA; on the CPU one thread's fp32 matmul rate measured in this run
+  times the threads (so the CPU figure is relative to what torch reaches on this machine).
 - "memory": the memory planner's prediction (rlhf.plan.memory, update phase of this one rank)
   against a measurement. CUDA: torch.cuda.max_memory_allocated over a step. CPU: the bytes of
   `TrainEngine.state_tensors()` (exact) and the bytes saved for backward by one micro-batch
@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_per_token
 from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
 from rlhf.models.config import ModelArgs
@@ -180,7 +181,8 @@ def _time_steps(engine, mbs, args, model_args: ModelArgs, device) -> dict:
         walls.append(time.perf_counter() - start)
     wall = statistics.median(walls)
     tokens = sum(mb.num_tokens for mb in mbs)
-    flops = step_flops(model_args, tokens=tokens, seq_len=args.seq_len)
+    flops = PASSES["update_actor"] * tokens * forward_flops_per_token(model_args,
+                                                                        seq_len=args.seq_len)
     peak, source = device_peak_flops(device)
     return {"bench": "engine", "kind": "step", "step_s": round(wall, 4),
             "tokens_per_s": round(tokens / wall, 1),
@@ -193,15 +195,6 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def step_flops(args: ModelArgs, *, tokens: int, seq_len: int) -> float:
-    """Model FLOPs of forward + backward over `tokens` tokens in sequences of `seq_len`."""
-    h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * args.intermediate_size
-    matmul_params = args.num_layers * per_layer + h * args.vocab_size  # the LM head, tied or not
-    attention = args.num_layers * seq_len * q  # causal: QK^T and AV, each ~ seq_len/2 * q MACs
-    return 6.0 * tokens * (matmul_params + attention)
-
-
 def device_peak_flops(device: torch.device) -> tuple[float | None, str]:
     """(peak FLOP/s, where it comes from): the bf16 table on CUDA, a measured matmul on CPU."""
     if device.type == "cuda":
@@ -210,15 +203,10 @@ def device_peak_flops(device: torch.device) -> tuple[float | None, str]:
             if key in name:
                 return peak, f"dense bf16 peak of {key} (datasheet)"
         return None, f"no peak known for {name!r}; MFU not computed"
-    n = 2048
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b  # warm-up
-    walls = []
-    for _ in range(5):
-        start = time.perf_counter()
-        a @ b
-        walls.append(time.perf_counter() - start)
-    return 2 * n**3 / min(walls), f"measured: fp32 {n}x{n} matmul in this run"
+    threads = torch.get_num_threads()
+    return (cpu_peak_flops(threads),
+            f"measured: one thread's fp32 {RATE_SHAPE}x{RATE_SHAPE} matmul in this run x {threads} "
+            "threads")
 
 
 # ---- memory ------------------------------------------------------------------------------------

@@ -1,17 +1,17 @@
-"""Model FLOPs utilisation (MFU) of a whole PPO/GRPO step on the CPU.
+"""Model FLOPs and the CPU's matmul rate: the one definition of MFU of `rlhf bench`.
 
-MFU is the FLOPs a step must do over its wall seconds times the cores times one core's fp32
-matmul rate. The rate is measured in the same run (`MatmulRate`: the best of several one-thread
-matmuls of `RATE_SHAPE`), so a slower or faster machine moves MFU only as far as the trainer
-itself gets slower or faster.
+`forward_flops_per_token` is one token's forward: 2 FLOPs per weight of every matmul (the
+attention projections, the MLP and the LM head, tied or not; embeddings excluded) plus causal
+attention's QK^T and AV. A training step's forward and backward is 3x that (`PASSES`). On the
+CPU the peak is `MatmulRate` (one core's best fp32 matmul rate, measured in the same run, so a
+slower or faster machine moves MFU only as far as the trainer itself gets slower or faster)
+times the cores. `rlhf bench engine` and `rlhf bench step` both use these.
 
-The FLOPs a step must do are the same for any trainer of the same model and samples: 2 per
-weight of every linear layer (the LM head included, embeddings excluded) per token, for every
-token of one forward of the rollout, one of the reference and one forward and backward (3x) of
-the policy update (`PASSES`), with each distinct prompt counted once and each response once.
-Padding, prompts computed once per sample and separate old-log-prob passes are work a trainer
-chooses to do, so they lower its MFU. Attention scores are left out: under 2 % of the linear
-FLOPs at the bench's sequence lengths.
+`rlhf bench step` counts the FLOPs a step must do, the same for any trainer of the same model
+and samples: one forward of the rollout, one of the reference and a forward and backward of
+the policy update, over each distinct prompt once and each response once. Padding, prompts
+computed once per sample and separate old-log-prob passes are work a trainer chooses to do, so
+they lower its MFU.
 """
 
 from __future__ import annotations
@@ -19,16 +19,22 @@ from __future__ import annotations
 import time
 
 import torch
-from torch import nn
+
+from rlhf.models.config import ModelArgs
 
 PASSES = {"generate": 1, "ref": 1, "update_actor": 3}  # forward passes' worth per phase
 RATE_SHAPE = 1024  # the rate's matmul: (n x n) @ (n x n) in fp32
 RATE_REPEATS = 3
 
 
-def linear_flops_per_token(model: nn.Module) -> int:
-    """One token's forward FLOPs in the linear layers: 2 x the weights of every nn.Linear."""
-    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+def forward_flops_per_token(args: ModelArgs, *, seq_len: float) -> float:
+    """One token's forward FLOPs (module docstring), in sequences of `seq_len` tokens."""
+    hidden, q = args.hidden_size, args.num_heads * args.head_dim
+    kv = args.num_kv_heads * args.head_dim
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * args.intermediate_size
+    matmul_weights = args.num_layers * per_layer + hidden * args.vocab_size  # with the LM head
+    attention = args.num_layers * seq_len * q  # causal: QK^T and AV, ~ seq_len / 2 * q MACs each
+    return 2.0 * (matmul_weights + attention)
 
 
 class MatmulRate:
@@ -55,7 +61,12 @@ class MatmulRate:
         return self.best
 
 
-def step_mfu(*, flops_per_token: int, tokens: int, seconds: dict[str, float], cores: int,
+def cpu_peak_flops(cores: int) -> float:
+    """FLOP/s of `cores` CPU cores: one core's matmul rate (a fresh MatmulRate) times cores."""
+    return MatmulRate().measure() * 1e9 * cores
+
+
+def step_mfu(*, flops_per_token: float, tokens: int, seconds: dict[str, float], cores: int,
              gflops_per_core: float) -> dict[str, float]:
     """MFU of the whole step ("step", all PASSES) and of each phase in PASSES that `seconds`
     has, for `tokens` forward tokens (distinct prompts plus responses) over those seconds."""

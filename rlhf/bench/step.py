@@ -136,7 +136,8 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
     """cfg.trainer.total_steps steps of our trainer, with the ranks' CPU use metered, and after
     each one a step of the baseline on the same prompts, with as many threads as our ranks
     hold cores. Returns both systems' totals over the steps after `warmup`."""
-    from rlhf.bench.flops import MatmulRate, linear_flops_per_token, step_mfu
+    from rlhf.bench.flops import MatmulRate, forward_flops_per_token, step_mfu
+    from rlhf.models.config import ModelArgs
     from rlhf.bench.step_baseline import BaselineTrainer, summarise
 
     prompts, answers = _step_prompts(cfg)
@@ -173,13 +174,17 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
             "cpu_util": meter.utilisation()}
     baseline = {"cores": cores, **summarise(baseline_steps, cores)}
     # MFU: both systems' forward tokens are the timed steps' prompts once plus their responses
-    prompt_tokens = sum(len(p) for step in prompts[warmup:warmup + len(records)] for p in step)
-    per_token = linear_flops_per_token(built["baseline"].policy)
+    # (attention over the mean sample length, prompt plus response)
+    timed = [p for step in prompts[warmup:warmup + len(records)] for p in step]
+    prompt_tokens = sum(len(p) for p in timed)
+    model_args = ModelArgs.from_pretrained(cfg.model.path)
     for result in (ours, baseline):
-        result["mfu"] = step_mfu(flops_per_token=per_token,
-                                 tokens=prompt_tokens + result["generated_tokens"],
-                                 seconds=result["seconds"], cores=cores,
-                                 gflops_per_core=rate.best)
+        responses = result["generated_tokens"]
+        mean_len = (prompt_tokens + responses / cfg.rollout.n) / len(timed)
+        result["mfu"] = step_mfu(
+            flops_per_token=forward_flops_per_token(model_args, seq_len=mean_len),
+            tokens=prompt_tokens + responses, seconds=result["seconds"], cores=cores,
+            gflops_per_core=rate.best)
     ours["matmul_gflops_per_core"] = rate.best
     return ours, baseline
 

@@ -8,9 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.bench.engine import step_flops
-from rlhf.models.config import ModelArgs
-
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = str(Path(__file__).resolve().parents[3])
@@ -36,12 +33,3 @@ def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement
     logprobs = lines["logprobs"]
     assert logprobs["tokens"] == 4 * (64 - 16)  # every response token of one micro-batch
     assert 0 <= logprobs["mean_abs_diff"] <= logprobs["max_abs_diff"] < 0.05  # bf16 rounding
-
-
-def test_step_flops_by_hand():
-    args = ModelArgs.from_hf_config(dict(
-        model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=6,
-        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
-    # per layer: q 4x4, k and v 4x2 each, o 4x4, gate/up/down 4x6 each = 16+16+16+72 = 120
-    # params = 2 * 120 + 4 * 10 (head) = 280; attention 2 layers * seq 8 * q_dim 4 = 64
-    assert step_flops(args, tokens=16, seq_len=8) == 6.0 * 16 * (280 + 64)

@@ -4,20 +4,31 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlhf.bench.flops import PASSES, MatmulRate, linear_flops_per_token, step_mfu
+from rlhf.bench.flops import PASSES, MatmulRate, forward_flops_per_token, step_mfu
+from rlhf.models.config import ModelArgs
 
 
-def test_linear_flops_count_every_projection_and_the_head_but_not_embeddings():
+def test_forward_flops_by_hand():
+    args = ModelArgs.from_hf_config(dict(
+        model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=6,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1))
+    # per layer: q 4x4, k and v 4x2 each, o 4x4, gate/up/down 4x6 each = 16+16+16+72 = 120
+    # weights = 2 * 120 + 4 * 10 (head) = 280; attention 2 layers * seq 8 * q_dim 4 = 64
+    assert forward_flops_per_token(args, seq_len=8) == 2.0 * (280 + 64)
+    tied = ModelArgs.from_hf_config(dict(
+        model_type="llama", vocab_size=10, hidden_size=4, intermediate_size=6,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        tie_word_embeddings=True))
+    assert forward_flops_per_token(tied, seq_len=8) == 2.0 * (280 + 64)  # the head still runs
+
+
+def test_forward_flops_match_the_linear_layers_of_a_transformers_model():
     config = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
-                         tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    head_dim = 64 // 4
-    per_layer = (64 * 64 + 2 * 64 * 2 * head_dim + 64 * 64  # q, k, v (2 kv heads), o
-                 + 3 * 64 * 96)  # gate, up, down
-    assert linear_flops_per_token(model) == 2 * (3 * per_layer + 64 * 100)
-    tied = LlamaForCausalLM(LlamaConfig(**{**config.to_dict(), "tie_word_embeddings": True}))
-    assert linear_flops_per_token(tied) == linear_flops_per_token(model)  # the head still runs
+                         num_attention_heads=4, num_key_value_heads=2, vocab_size=100)
+    linear = sum(m.weight.numel() for m in LlamaForCausalLM(config).modules()
+                 if isinstance(m, torch.nn.Linear))
+    args = ModelArgs.from_hf_config(config.to_dict())
+    assert forward_flops_per_token(args, seq_len=0) == 2.0 * linear
 
 
 def test_step_mfu_is_model_flops_over_seconds_cores_and_rate():
