@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -88,45 +89,34 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
 
     Sequences of one length (and one shared-prefix length) go through one batched call: their
     q and k/v rows (prefix then own, `prefix_kv_rows`) are gathered once per call, and the
-    output is put back in stream order with one gather. When every sequence differs and
-    nothing is shared, each goes alone on `split` views instead, whose backward is one
-    concatenation (slicing would zero-fill a whole-stream gradient per sequence). 4-D inputs,
-    because SDPA's fused kernels refuse 3-D ones; GQA inside the kernel (enable_gqa) instead of
-    materialised repeated k/v.
+    output is put back in stream order with one gather. The grouping and its index rows are
+    built once per packed batch (`_length_groups`, cached) and shared by every layer. When
+    every sequence differs and nothing is shared, each goes alone on `split` views instead,
+    whose backward is one concatenation (slicing would zero-fill a whole-stream gradient per
+    sequence). 4-D inputs, because SDPA's fused kernels refuse 3-D ones; GQA inside the kernel
+    (enable_gqa) instead of materialised repeated k/v.
     """
-    lengths = _lengths(cu_seqlens)
-    if sum(lengths) != q_THD.shape[0]:
-        raise ValueError(f"cu_seqlens covers {sum(lengths)} tokens but the packed tensors hold "
-                         f"{q_THD.shape[0]}; build cu_seqlens from the same packed batch")
-    shared = prefix.lens.tolist() if prefix is not None else [0] * len(lengths)
-    runs: dict[tuple[int, int], list[int]] = {}
-    for i, (length, prefix_len) in enumerate(zip(lengths, shared)):
-        if length:  # an empty sequence keeps its slot in cu_seqlens, no tokens
-            runs.setdefault((length, prefix_len), []).append(i)
-    if not runs:
-        return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
+    bounds = tuple(cu_seqlens.tolist())
+    if bounds[-1] - bounds[0] != q_THD.shape[0]:
+        raise ValueError(f"cu_seqlens covers {bounds[-1] - bounds[0]} tokens but the packed "
+                         f"tensors hold {q_THD.shape[0]}; build cu_seqlens from the same packed "
+                         "batch")
     attend = functools.partial(_sdpa_batch, causal=causal, scale=scale,
                                gqa=q_THD.shape[1] != k_THD.shape[1])
-    if prefix is None and all(len(seqs) == 1 for seqs in runs.values()):
+    groups = _length_groups(bounds, None if prefix is None else tuple(prefix.starts.tolist()),
+                            None if prefix is None else tuple(prefix.lens.tolist()),
+                            str(q_THD.device))
+    if groups is None:  # nothing to attend
+        return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
+    if isinstance(groups, list):  # all lengths differ, nothing shared: one call per sequence
         outs = [attend(q_SHD[None], k_SHD[None], v_SHD[None], 0)[0]
-                for q_SHD, k_SHD, v_SHD in zip(q_THD.split(lengths), k_THD.split(lengths),
-                                               v_THD.split(lengths)) if q_SHD.shape[0]]
+                for q_SHD, k_SHD, v_SHD in zip(q_THD.split(groups), k_THD.split(groups),
+                                               v_THD.split(groups)) if q_SHD.shape[0]]
         return torch.cat(outs, dim=0)
-    device = q_THD.device
-    starts = cu_seqlens.to(device=device, dtype=torch.int64)[:-1]
-    source_K, kv_cu = (prefix_kv_rows(cu_seqlens, prefix, device) if prefix is not None
-                       else (None, None))
-    q_rows, kv_rows, shapes = [], [], []
-    for (length, prefix_len), seqs in runs.items():
-        ids = torch.tensor(seqs, device=device)
-        own = (starts[ids][:, None] + torch.arange(length, device=device)).reshape(-1)
-        q_rows.append(own)
-        kv_rows.append(own if source_K is None else source_K[
-            (kv_cu[ids][:, None] + torch.arange(prefix_len + length, device=device)).reshape(-1)])
-        shapes.append((len(seqs), length, prefix_len))
-    q_index, kv_index = torch.cat(q_rows), torch.cat(kv_rows)
-    q_all = q_THD.index_select(0, q_index)
-    k_all, v_all = k_THD.index_select(0, kv_index), v_THD.index_select(0, kv_index)
+    q_all = q_THD.index_select(0, groups.q_index)
+    k_all = k_THD.index_select(0, groups.kv_index)
+    v_all = v_THD.index_select(0, groups.kv_index)
+    shapes = groups.shapes
     outs = []
     for q_mSHD, k_mSHD, v_mSHD, (m, length, prefix_len) in zip(
             q_all.split([m * n for m, n, _ in shapes]),
@@ -136,9 +126,56 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
                      k_mSHD.view(m, length + prefix_len, *k_mSHD.shape[1:]),
                      v_mSHD.view(m, length + prefix_len, *v_mSHD.shape[1:]), prefix_len)
         outs.append(out.reshape(m * length, *out.shape[2:]))
+    return torch.cat(outs, dim=0).index_select(0, groups.inverse)
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """sdpa_split's batched layout: stream rows of the queries and of the keys/values of each
+    (length, prefix length) group in turn, each group's (sequences, length, prefix length), and
+    the rows that put the groups' outputs back in stream order."""
+
+    q_index: Tensor
+    kv_index: Tensor
+    shapes: tuple[tuple[int, int, int], ...]
+    inverse: Tensor
+
+
+@functools.lru_cache(maxsize=16)  # a few micro-batches in flight (pipelines, recompute)
+def _length_groups(bounds: tuple[int, ...], prefix_starts: tuple[int, ...] | None,
+                   prefix_lens: tuple[int, ...] | None, device: str) -> _Groups | list[int] | None:
+    """sdpa_split's grouping of one packed batch, built once and shared by every layer (and
+    the recomputed forward): None when no sequence has tokens; the sequence lengths when all
+    differ and nothing is shared (one call each); else the _Groups."""
+    lengths = [stop - start for start, stop in zip(bounds[:-1], bounds[1:])]
+    shared = prefix_lens if prefix_lens is not None else (0,) * len(lengths)
+    runs: dict[tuple[int, int], list[int]] = {}
+    for i, (length, prefix_len) in enumerate(zip(lengths, shared)):
+        if length:  # an empty sequence keeps its slot in cu_seqlens, no tokens
+            runs.setdefault((length, prefix_len), []).append(i)
+    if not runs:
+        return None
+    if prefix_lens is None and all(len(seqs) == 1 for seqs in runs.values()):
+        return lengths
+    cu = torch.tensor(bounds, dtype=torch.int64, device=device)
+    starts = cu[:-1]
+    source_K = kv_cu = None
+    if prefix_lens is not None:
+        prefix = SharedPrefix(torch.tensor(prefix_starts, dtype=torch.int64),
+                              torch.tensor(prefix_lens, dtype=torch.int64))
+        source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device(device))
+    q_rows, kv_rows, shapes = [], [], []
+    for (length, prefix_len), seqs in runs.items():
+        ids = torch.tensor(seqs, device=device)
+        own = (starts[ids][:, None] + torch.arange(length, device=device)).reshape(-1)
+        q_rows.append(own)
+        kv_rows.append(own if source_K is None else source_K[
+            (kv_cu[ids][:, None] + torch.arange(prefix_len + length, device=device)).reshape(-1)])
+        shapes.append((len(seqs), length, prefix_len))
+    q_index = torch.cat(q_rows)
     inverse = torch.empty_like(q_index)
     inverse[q_index] = torch.arange(q_index.numel(), device=device)
-    return torch.cat(outs, dim=0).index_select(0, inverse)
+    return _Groups(q_index, torch.cat(kv_rows), tuple(shapes), inverse)
 
 
 def _sdpa_batch(q_BSHD: Tensor, k_BSHD: Tensor, v_BSHD: Tensor, prefix_len: int, *,
@@ -227,11 +264,6 @@ def _bottom_right_causal_cached(q_len: int, prefix_len: int, device: str) -> Ten
 def _bottom_right_causal(q_len: int, prefix_len: int, device: torch.device) -> Tensor:
     """(q_len, prefix_len + q_len) bool: query i sees every prefix key and own keys <= i."""
     return _bottom_right_causal_cached(q_len, prefix_len, str(device))
-
-
-def _lengths(cu_seqlens: Tensor) -> list[int]:
-    bounds = cu_seqlens.tolist()
-    return [stop - start for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
 @functools.cache

@@ -75,6 +75,26 @@ def test_split_kernel_non_causal_equals_reference():
     assert not torch.allclose(ours[0], causal[0])
 
 
+def test_split_kernel_builds_its_grouping_once_per_packed_batch():
+    """Every layer of a forward sees the same packed layout: the grouping into equal lengths is
+    built on the first call and reused (keyed on the bounds' values, not on the tensor), with
+    the same values and grads; another layout builds its own."""
+    qkv, cu, grad_out = _packed([6, 6, 4, 0, 6], 4, seed=7)
+    attention._length_groups.cache_clear()
+    runs = [_value_and_grads(sdpa_split, qkv, bounds, grad_out) for bounds in (cu, cu, cu.clone())]
+    info = attention._length_groups.cache_info()
+    assert (info.misses, info.hits) == (1, 2)
+    ref = _value_and_grads(sdpa_varlen, qkv, cu, grad_out)
+    for ours in runs:
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    other = torch.tensor([0, 4, 10, 10, 16, 22], dtype=torch.int32)  # lengths 4, 6, 0, 6, 6
+    for a, b in zip(_value_and_grads(sdpa_split, qkv, other, grad_out),
+                    _value_and_grads(sdpa_varlen, qkv, other, grad_out)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert attention._length_groups.cache_info().misses == 2
+
+
 def test_split_kernel_takes_the_fused_path():
     """SDPA silently falls back to its slow math path on 3-D inputs; ours must not."""
     qkv, cu, grad_out = _packed([9, 1, 30], 4, seed=4)
