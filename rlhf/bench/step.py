@@ -137,8 +137,8 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
     each one a step of the baseline on the same prompts, with as many threads as our ranks
     hold cores. Returns both systems' totals over the steps after `warmup`."""
     from rlhf.bench.flops import MatmulRate, forward_flops_per_token, step_mfu
-    from rlhf.models.config import ModelArgs
     from rlhf.bench.step_baseline import BaselineTrainer, summarise
+    from rlhf.models.config import ModelArgs
 
     prompts, answers = _step_prompts(cfg)
     built, baseline_steps = {}, []  # made once the ranks exist
