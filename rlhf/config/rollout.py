@@ -39,6 +39,11 @@ class RolloutConfig:
     """Disable CUDA graphs (slower decoding, faster start, less memory)."""
     sync_bucket_mb: float = 256.0
     """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
+    max_logprob_gap: float | None = 1.0
+    """Stop the job when, after a weight sync, the largest |log-prob| difference between vLLM's
+    sampled tokens and the trainer's exceeds this (a broken or half-synced engine); null = off.
+    Sampler and trainer differ by kernels and dtype only: fp32 runs stay near 1e-4, bf16 runs
+    under about 0.5."""
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
     seq_tis_cap: float | None = None
@@ -78,6 +83,9 @@ class RolloutConfig:
         require_range(self, "gpu_memory_utilization", 0, 1, low_open=True)
         if self.cpu_kv_cache_gb <= 0:
             raise ConfigError(f"cpu_kv_cache_gb must be positive, got {self.cpu_kv_cache_gb}")
+        if self.max_logprob_gap is not None and self.max_logprob_gap <= 0:
+            raise ConfigError(f"max_logprob_gap must be positive or null, got "
+                              f"{self.max_logprob_gap}")
         if self.tis_cap is not None and self.tis_cap < 1:
             raise ConfigError(f"tis_cap must be at least 1 (a cap below 1 down-weights every "
                               f"token) or null, got {self.tis_cap}")

@@ -224,6 +224,9 @@ class TrainerConfig:
     """Memory of one device in GiB for `rlhf plan`; null = the detected GPU (RAM on the CPU)."""
     skip_memory_check: bool = False
     """Start `rlhf train` even when `rlhf plan` predicts the job does not fit (experts only)."""
+    init_timeout_s: float = 600.0
+    """Seconds each role's ranks may take to start (build the model, load its weights) before
+    the job stops; raise it for large models loaded from slow shared storage."""
     async_mode: Literal["off", "one_step", "bounded"] = "off"
     """off: generate then train; one_step: the rollout pool samples batch k+1 while the actor
     trains batch k, one policy version behind; bounded: up to max_staleness versions behind
@@ -238,6 +241,8 @@ class TrainerConfig:
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
         require_positive_or_none(self, "device_memory_gb")
+        if self.init_timeout_s <= 0:
+            raise ConfigError(f"init_timeout_s must be positive, got {self.init_timeout_s}")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
         require_min(self, 1, "max_staleness")
         if self.async_mode == "one_step" and self.max_staleness != 1:
