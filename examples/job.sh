@@ -1,13 +1,16 @@
 # Shared steps of the example jobs (examples/quickstart.sh, examples/calculator.sh), sourced by
 # them after they set `name` (the log prefix), `config`, `out` and `data_args` (the task and
 # flags of `rlhf make-dataset`):
-#   job_setup                 cd to the repo, install into ./.venv on first use (examples/install.sh)
+#   job_setup                 cd to the repo, install into $RLHF_VENV (default ./.venv) on first
+#                             use (examples/install.sh)
 #   step MESSAGE              a timestamped progress line
 #   ensure_tiny_model         build the tiny model in $out/model if missing
 #   dataset FILE KIND SPLIT N `rlhf make-dataset ${data_args[@]}` into FILE if missing (seed 0)
 #   check_config [k=v ...]    `rlhf config show`: stops naming the key or file before any worker starts
 #   warm_start [k=v ...]      `rlhf sft` unless the config's sft.output_path already holds a model
-rlhf=.venv/bin/rlhf
+# The environment examples/install.sh installs into: RLHF_VENV, else .venv (both read from the
+# repo, where job_setup runs the install).
+rlhf=${RLHF_VENV:-.venv}/bin/rlhf
 
 job_setup() {
   cd "$(dirname "${BASH_SOURCE[0]}")/.."
