@@ -42,3 +42,7 @@ def test_doctor_reports_healthy_environment(capsys):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "environment OK" in out and "vllm" in out and "ray" in out
+    # The installed vllm(-cpu) lies in the tested range, and the GPU-path lines are all there.
+    assert "vllm range    ok (" in out
+    for line in ("flash-attn", "nccl", "ray gpus"):
+        assert f"\n  {line:13s} " in out, line

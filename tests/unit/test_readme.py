@@ -34,6 +34,19 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_installer_and_scripts_are_valid_bash():
-    for script in ("examples/install.sh", "examples/quickstart.sh", ".ci/run"):
+    for script in ("examples/install.sh", "examples/quickstart.sh", "examples/job.sh", ".ci/run"):
         result = subprocess.run(["bash", "-n", str(REPO / script)], capture_output=True, text=True)
         assert result.returncode == 0, f"{script}: {result.stderr}"
+
+
+def test_multi_node_section_sets_the_network_variables_before_ray_start():
+    section = README[README.index("### Several nodes"):README.index("## Commands")]
+    ray_start = section.index("ray start --head")
+    for variable in ("NCCL_SOCKET_IFNAME", "NCCL_IB_HCA", "NCCL_DEBUG", "GLOO_SOCKET_IFNAME"):
+        assert -1 < section.find(f"export {variable}=") < ray_start, variable
+
+
+def test_install_section_describes_every_line_doctor_adds():
+    section = README[README.index("### What `rlhf doctor` prints"):README.index("### Several")]
+    for key in ("vllm range", "flash-attn", "nccl", "ray gpus"):  # rlhf/doctor.py's checks
+        assert f"- `{key}`:" in section, f"README does not say what doctor's {key!r} line means"
