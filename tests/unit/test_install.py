@@ -94,7 +94,7 @@ esac
 """
 
 
-def _install_gpu(tmp_path, **env) -> tuple[subprocess.CompletedProcess, Path]:
+def _install_gpu(tmp_path, flavour="gpu", **env) -> tuple[subprocess.CompletedProcess, Path]:
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "state").mkdir()
@@ -105,7 +105,7 @@ def _install_gpu(tmp_path, **env) -> tuple[subprocess.CompletedProcess, Path]:
         (venv / "bin" / name).chmod(0o755)
     result = subprocess.run(
         ["bash", str(REPO / "examples" / "install.sh")], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "RLHF_VENV": str(venv), "RLHF_INSTALL": "gpu",
+        timeout=120, env={**os.environ, "RLHF_VENV": str(venv), "RLHF_INSTALL": flavour,
                           "PYTHON": sys.executable, **env})
     return result, venv
 
@@ -145,6 +145,15 @@ def test_install_stops_when_the_flash_attn_step_changes_torch(tmp_path):
     assert result.returncode == 1
     assert "replaced torch 2.10.0+cu128" in result.stderr and "2.11.0+cu130" in result.stderr
     assert not (venv / ".rlhf-install").exists()  # the next run installs again
+
+
+def test_cpu_install_is_unchanged(tmp_path):
+    result, venv = _install_gpu(tmp_path, flavour="cpu")
+    assert result.returncode == 0, result.stderr
+    installs = [c for c in (venv / "state" / "pip.log").read_text().splitlines()
+                if c.startswith("pip install")]
+    assert installs == ["pip install torch==2.13.0", f"pip install -e {REPO}[cpu,test]"]
+    assert (venv / ".rlhf-install").read_text().startswith("cpu ")
 
 
 # ---- rlhf doctor's GPU checks ----------------------------------------------------------------
