@@ -11,8 +11,9 @@
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
-ray=.venv/bin/ray
-rlhf=.venv/bin/rlhf
+venv=${RLHF_VENV:-.venv}  # the environment examples/install.sh installed into
+ray=$venv/bin/ray
+rlhf=$venv/bin/rlhf
 config=configs/quickstart.yaml
 out=outputs/quickstart
 
