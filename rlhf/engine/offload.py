@@ -17,6 +17,11 @@ otherwise. `Offloader.enter(phase)` moves exactly the tensors whose place differ
 `.grads`, and `.optimizer` (the fp32 master weights and the AdamW moments: only the step reads
 the masters, and they are counted with the optimizer's 12 bytes per parameter).
 
+On CUDA, entering a phase in `RELEASE_BEFORE` (generate, sync: vLLM wakes into the freed
+memory) or moving anything to the host first hands PyTorch's cached blocks back to the driver
+(`release_cached_memory`), whether or not this role moved anything: the update's activations
+stay reserved by PyTorch's caching allocator otherwise, where vLLM's allocator cannot use them.
+
 Moving a tensor keeps a host copy (pinned on CUDA, allocated once and reused) and replaces its
 `.data` by an empty tensor, so the device memory is really released; coming back assigns a
 fresh device copy to `.data`, so parameters, optimizer state and hooks keep their identity.
@@ -27,6 +32,7 @@ emptied and restored, so a step with every switch on computes what it computes w
 from __future__ import annotations
 
 import functools
+import gc
 from collections.abc import Callable
 from typing import Literal
 
@@ -50,6 +56,18 @@ NEEDS: dict[str, frozenset[str]] = {
     "checkpoint": frozenset({"weights", "masters", "optimizer"}),
 }
 PHASES = tuple(NEEDS)
+# Phases whose work needs the memory other phases left cached: vLLM wakes its weights (sync)
+# and its KV cache (generate) through its own allocator.
+RELEASE_BEFORE = frozenset({"generate", "sync"})
+
+
+def release_cached_memory(device_type: str) -> None:
+    """Hand the blocks PyTorch's caching allocator keeps reserved back to the driver, so that
+    another allocator (vLLM's) or the next phase can use them; a no-op off CUDA."""
+    if device_type != "cuda":
+        return
+    gc.collect()  # tensors that only reference cycles keep alive free their blocks first
+    torch.cuda.empty_cache()
 
 
 def offloaded_kinds(config: OffloadConfig) -> frozenset[str]:
@@ -81,6 +99,8 @@ class Offloader:
 
     def __init__(self, state: StateFn, *, config: OffloadConfig):
         self.state, self.config = state, config
+        tensors = [t for items in state().values() for t in items]
+        self.device_type = tensors[0].device.type if tensors else "cpu"
         self.phase: str | None = None
         self._away: dict[int, tuple[Tensor, Tensor, torch.device]] = {}  # id -> (t, host, device)
         self._host: dict[tuple[str, int], Tensor] = {}  # reusable host buffers
@@ -109,9 +129,11 @@ class Offloader:
             del self._away[key]  # the engine dropped it (a grad set to None) while on the host
         for key in to_host:
             self._to_host(listed[key], slot[key])
-        if any(listed[key].is_cuda for key in to_host):
+        moved = any(listed[key].is_cuda for key in to_host)
+        if moved:
             torch.cuda.synchronize()  # the host copies are complete before the blocks go back
-            torch.cuda.empty_cache()  # ... to the driver, where vLLM's allocator can take them
+        if moved or phase in RELEASE_BEFORE:
+            release_cached_memory(self.device_type)
         self.phase = phase
 
     def on_host(self, t: Tensor) -> bool:
