@@ -194,3 +194,43 @@ def test_cuda_offload_releases_device_memory_into_pinned_host_copies():
     assert offloader._away[id(weight)][1].is_pinned()
     offloader.enter("forward")
     assert weight.is_cuda and torch.equal(weight.cpu(), want)
+
+
+def test_entering_generate_or_sync_on_cuda_empties_the_allocator_cache(monkeypatch):
+    """Even a resident role (nothing moves) hands PyTorch's cached blocks back before vLLM
+    wakes; other phases and the CPU leave the cache alone."""
+    import gc
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    offloader = Offloader(lambda: {"weights": [torch.randn(3)]}, config=NONE)
+    assert offloader.device_type == "cpu"
+    offloader.device_type = "cuda"  # where the code branches on it (no GPU here)
+    for phase, release in [("update", False), ("idle", False), ("generate", True),
+                           ("forward", False), ("sync", True), ("checkpoint", False)]:
+        calls.clear()
+        offloader.enter(phase)
+        assert calls == (["gc", "empty_cache"] if release else []), phase
+    offloader.device_type = "cpu"
+    calls.clear()
+    offloader.enter("generate")
+    assert calls == []
+
+
+def test_a_checkpoint_is_read_into_host_memory_then_copied(folder, world, tmp_path, monkeypatch):
+    from rlhf.engine import checkpoint
+
+    engine = _engine(folder)
+    engine.save_checkpoint(tmp_path)
+    want = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    places, load = [], torch.load
+    monkeypatch.setattr(checkpoint.torch, "load", lambda *a, **kw: places.append(
+        kw["map_location"]) or load(*a, **kw))
+    engine.load_checkpoint(tmp_path)
+    assert places and set(places) == {"cpu"}
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(value, want[name]), name
