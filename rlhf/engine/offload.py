@@ -22,6 +22,12 @@ memory) or moving anything to the host first hands PyTorch's cached blocks back 
 (`release_cached_memory`), whether or not this role moved anything: the update's activations
 stay reserved by PyTorch's caching allocator otherwise, where vLLM's allocator cannot use them.
 
+Each role method under `in_phase` is measured: `Offloader.take_memory_metrics()` returns,
+per method called since it was last asked, `memory/<method>/allocated_gb` and `reserved_gb`
+(PyTorch's peaks during the call) and `free_gb` (the device's free memory as it ended,
+vLLM's share included) on CUDA, `memory/<method>/host_rss_gb` on the CPU; the worst call of
+each method, in GB.
+
 Moving a tensor keeps a host copy (pinned on CUDA, allocated once and reused) and replaces its
 `.data` by an empty tensor, so the device memory is really released; coming back assigns a
 fresh device copy to `.data`, so parameters, optimizer state and hooks keep their identity.
@@ -33,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -89,6 +96,40 @@ def placement(phase: str, config: OffloadConfig) -> dict[str, Place]:
             for kind in KINDS}
 
 
+def memory_now(device_type: str) -> dict[str, float]:
+    """This process's memory in GB: on CUDA PyTorch's peak allocated and reserved bytes since
+    the last `reset_memory_peaks` and the device's free memory; on the CPU the host RSS."""
+    if device_type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return {"allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+                "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+                "free_gb": free / 2**30}
+    return {"host_rss_gb": _host_rss_bytes() / 2**30}
+
+
+def worst_memory(reports: list[dict[str, float]]) -> dict[str, float]:
+    """The worst of several memory reports (calls, or ranks): the most used, the least free."""
+    keys = {k for report in reports for k in report}
+    return {k: (min if k.endswith("free_gb") else max)(r[k] for r in reports if k in r)
+            for k in sorted(keys)}
+
+
+def reset_memory_peaks(device_type: str) -> None:
+    """Start a new peak for `memory_now` (CUDA only: the host RSS has no resettable peak)."""
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _host_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux (macOS): the peak RSS, in bytes there
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 class Offloader:
     """Moves one engine's state between its device and host memory, phase by phase.
 
@@ -102,6 +143,7 @@ class Offloader:
         tensors = [t for items in state().values() for t in items]
         self.device_type = tensors[0].device.type if tensors else "cpu"
         self.phase: str | None = None
+        self.memory: dict[str, dict[str, float]] = {}  # method -> worst report, until taken
         self._away: dict[int, tuple[Tensor, Tensor, torch.device]] = {}  # id -> (t, host, device)
         self._host: dict[tuple[str, int], Tensor] = {}  # reusable host buffers
         self.enter("idle")
@@ -136,6 +178,19 @@ class Offloader:
             release_cached_memory(self.device_type)
         self.phase = phase
 
+    def measure(self, method: str) -> None:
+        """Record the memory of the call of `method` that just ran (the worst call is kept)."""
+        seen = self.memory.get(method)
+        now = memory_now(self.device_type)
+        self.memory[method] = now if seen is None else worst_memory([seen, now])
+
+    def take_memory_metrics(self) -> dict[str, float]:
+        """`memory/<method>/<stat>` of the calls measured since the last take; forgets them."""
+        out = {f"memory/{method}/{stat}": value for method, report in self.memory.items()
+               for stat, value in report.items()}
+        self.memory = {}
+        return out
+
     def on_host(self, t: Tensor) -> bool:
         """Whether `t` is currently moved out (its device storage emptied)."""
         return id(t) in self._away
@@ -155,7 +210,8 @@ class Offloader:
 
 def in_phase(phase: str) -> Callable[[Callable], Callable]:
     """Decorate a role method: `self.offload` enters `phase` before it runs and "idle" after
-    it returns (or raises), so between calls the device holds only what the switches keep."""
+    it returns (or raises), so between calls the device holds only what the switches keep;
+    the call's memory is measured (see the module docstring)."""
     if phase not in NEEDS:
         raise ValueError(f"unknown offload phase {phase!r}; use one of {', '.join(PHASES)}")
 
@@ -163,8 +219,11 @@ def in_phase(phase: str) -> Callable[[Callable], Callable]:
         @functools.wraps(method)
         def run(self, *args, **kwargs):
             self.offload.enter(phase)
+            reset_memory_peaks(self.offload.device_type)
             try:
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
+                self.offload.measure(method.__name__)
+                return result
             finally:
                 self.offload.enter("idle")
         return run

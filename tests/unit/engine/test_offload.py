@@ -234,3 +234,46 @@ def test_a_checkpoint_is_read_into_host_memory_then_copied(folder, world, tmp_pa
     assert places and set(places) == {"cpu"}
     for name, value in engine.model.state_dict().items():
         assert torch.equal(value, want[name]), name
+
+
+def test_each_call_reports_its_memory_the_worst_call_and_rank_kept(monkeypatch):
+    from rlhf.engine.offload import worst_memory
+
+    peaks = iter([3 * 2**30, 5 * 2**30, 4 * 2**30])
+    free = iter([30 * 2**30, 10 * 2**30, 20 * 2**30])
+    resets = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(peaks))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 6 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (next(free), 80 * 2**30))
+
+    class Role:
+        def __init__(self):
+            self.offload = Offloader(lambda: {"weights": [torch.randn(3)]}, config=NONE)
+            self.offload.device_type = "cuda"  # no GPU here: the CUDA branch, patched
+
+        @in_phase("update")
+        def update_actor(self):
+            return {"actor/loss": 1.0}
+
+        @in_phase("generate")
+        def generate(self):
+            return None
+
+    role = Role()
+    assert role.update_actor() == {"actor/loss": 1.0}  # the call's own result is untouched
+    role.generate()
+    role.update_actor()
+    assert len(resets) == 3
+    assert role.offload.take_memory_metrics() == {
+        "memory/update_actor/allocated_gb": 4.0, "memory/update_actor/reserved_gb": 6.0,
+        "memory/update_actor/free_gb": 20.0, "memory/generate/allocated_gb": 5.0,
+        "memory/generate/reserved_gb": 6.0, "memory/generate/free_gb": 10.0}
+    assert role.offload.take_memory_metrics() == {}
+    role.offload.device_type = "cpu"
+    role.generate()
+    assert role.offload.take_memory_metrics()["memory/generate/host_rss_gb"] > 0.01
+    ranks = [{"memory/x/allocated_gb": 1.0, "memory/x/free_gb": 9.0},
+             {"memory/x/allocated_gb": 2.0, "memory/x/free_gb": 7.0}]
+    assert worst_memory(ranks) == {"memory/x/allocated_gb": 2.0, "memory/x/free_gb": 7.0}
