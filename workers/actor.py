@@ -73,6 +73,12 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, Worker):
         sync/reload_s), sync/gb_per_s, sync/skipped."""
         return self._replica().sync(self.export_weights)
 
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def memory_metrics(self) -> dict[str, float]:
+        """memory/<method>/* of this rank's calls since the last ask (see rlhf.engine.offload;
+        the driver takes the worst rank with `worst_memory`)."""
+        return self.offload.take_memory_metrics()
+
     def export_weights(self):
         """The policy's full HF tensors in rollout.sync_bucket_mb buckets (collective)."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time

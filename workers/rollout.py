@@ -46,6 +46,12 @@ class RolloutWorker(Worker):
                                env=self.config.rollout.env.path is not None)
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def holds_weights(self) -> bool:
+        """Whether this rank's engine still holds the weights it was last sent (the driver
+        asks before skipping a sync); one answer per rank."""
+        return self.replica.holds_weights()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def join_weight_transfer(self, address: TransferAddress) -> None:
         """Join the transfer group as transfer rank 1 + rank (with the actor's rank 0)."""
         self.transfer = TransferGroup.join(address, rank=1 + self.ctx.rank,

@@ -60,9 +60,10 @@ def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) ->
     return path
 
 
-def load_shard(folder: str | Path, mesh: ParallelMesh, *, device,
-               shards: int = 1) -> dict[str, Any]:
-    """Read this rank's shard file and check that it was written for the same layout.
+def load_shard(folder: str | Path, mesh: ParallelMesh, *, shards: int = 1) -> dict[str, Any]:
+    """Read this rank's shard file into host memory and check that it was written for the same
+    layout; the engine copies it into its own tensors (read straight onto the device, the
+    state would be there twice while it is copied).
 
     `shards`: how many ways this engine splits its optimizer state. When the checkpoint's
     split differs (another dp size, or ZeRO-1 on one side only), its "optimizer" is
@@ -72,7 +73,7 @@ def load_shard(folder: str | Path, mesh: ParallelMesh, *, device,
     if not path.is_file():
         raise RLHFError(f"{path} does not exist; is {folder} an engine checkpoint written with "
                         f"tp={mesh.tp_size} pp={mesh.pp_size}?")
-    state = torch.load(path, map_location=device, weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True)
     check_layout(state, mesh, str(path))
     optim = state.get("optimizer")
     if optim is None or optim["shards"] == shards == 1:
@@ -90,7 +91,7 @@ def load_shard(folder: str | Path, mesh: ParallelMesh, *, device,
                                 f"over a data-parallel size of {saved} (ZeRO-1) and this "
                                 f"engine runs dp={mesh.dp_size}; copy the whole checkpoint "
                                 f"folder, or resume with dp={saved}")
-            parts.append(torch.load(file, map_location=device, weights_only=True))
+            parts.append(torch.load(file, map_location="cpu", weights_only=True))
     state["optimizer"] = parts[0] if saved == shards else {"shards": saved, "all": parts}
     return state
 

@@ -262,8 +262,7 @@ class TrainEngine:
         """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
         optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting."""
         shards = self.grads.part.shards if self.grads is not None else 1
-        self.load_state_dict(ckpt.load_shard(folder, self.mesh, device=self.device,
-                                             shards=shards))
+        self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards))
 
     # ---- internals ---------------------------------------------------------------------------
 

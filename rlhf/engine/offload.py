@@ -17,6 +17,17 @@ otherwise. `Offloader.enter(phase)` moves exactly the tensors whose place differ
 `.grads`, and `.optimizer` (the fp32 master weights and the AdamW moments: only the step reads
 the masters, and they are counted with the optimizer's 12 bytes per parameter).
 
+On CUDA, entering a phase in `RELEASE_BEFORE` (generate, sync: vLLM wakes into the freed
+memory) or moving anything to the host first hands PyTorch's cached blocks back to the driver
+(`release_cached_memory`), whether or not this role moved anything: the update's activations
+stay reserved by PyTorch's caching allocator otherwise, where vLLM's allocator cannot use them.
+
+Each role method under `in_phase` is measured: `Offloader.take_memory_metrics()` returns,
+per method called since it was last asked, `memory/<method>/allocated_gb` and `reserved_gb`
+(PyTorch's peaks during the call) and `free_gb` (the device's free memory as it ended,
+vLLM's share included) on CUDA, `memory/<method>/host_rss_gb` on the CPU; the worst call of
+each method, in GB.
+
 Moving a tensor keeps a host copy (pinned on CUDA, allocated once and reused) and replaces its
 `.data` by an empty tensor, so the device memory is really released; coming back assigns a
 fresh device copy to `.data`, so parameters, optimizer state and hooks keep their identity.
@@ -27,6 +38,8 @@ emptied and restored, so a step with every switch on computes what it computes w
 from __future__ import annotations
 
 import functools
+import gc
+import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -50,6 +63,18 @@ NEEDS: dict[str, frozenset[str]] = {
     "checkpoint": frozenset({"weights", "masters", "optimizer"}),
 }
 PHASES = tuple(NEEDS)
+# Phases whose work needs the memory other phases left cached: vLLM wakes its weights (sync)
+# and its KV cache (generate) through its own allocator.
+RELEASE_BEFORE = frozenset({"generate", "sync"})
+
+
+def release_cached_memory(device_type: str) -> None:
+    """Hand the blocks PyTorch's caching allocator keeps reserved back to the driver, so that
+    another allocator (vLLM's) or the next phase can use them; a no-op off CUDA."""
+    if device_type != "cuda":
+        return
+    gc.collect()  # tensors that only reference cycles keep alive free their blocks first
+    torch.cuda.empty_cache()
 
 
 def offloaded_kinds(config: OffloadConfig) -> frozenset[str]:
@@ -71,6 +96,40 @@ def placement(phase: str, config: OffloadConfig) -> dict[str, Place]:
             for kind in KINDS}
 
 
+def memory_now(device_type: str) -> dict[str, float]:
+    """This process's memory in GB: on CUDA PyTorch's peak allocated and reserved bytes since
+    the last `reset_memory_peaks` and the device's free memory; on the CPU the host RSS."""
+    if device_type == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return {"allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+                "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+                "free_gb": free / 2**30}
+    return {"host_rss_gb": _host_rss_bytes() / 2**30}
+
+
+def worst_memory(reports: list[dict[str, float]]) -> dict[str, float]:
+    """The worst of several memory reports (calls, or ranks): the most used, the least free."""
+    keys = {k for report in reports for k in report}
+    return {k: (min if k.endswith("free_gb") else max)(r[k] for r in reports if k in r)
+            for k in sorted(keys)}
+
+
+def reset_memory_peaks(device_type: str) -> None:
+    """Start a new peak for `memory_now` (CUDA only: the host RSS has no resettable peak)."""
+    if device_type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _host_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux (macOS): the peak RSS, in bytes there
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 class Offloader:
     """Moves one engine's state between its device and host memory, phase by phase.
 
@@ -81,7 +140,10 @@ class Offloader:
 
     def __init__(self, state: StateFn, *, config: OffloadConfig):
         self.state, self.config = state, config
+        tensors = [t for items in state().values() for t in items]
+        self.device_type = tensors[0].device.type if tensors else "cpu"
         self.phase: str | None = None
+        self.memory: dict[str, dict[str, float]] = {}  # method -> worst report, until taken
         self._away: dict[int, tuple[Tensor, Tensor, torch.device]] = {}  # id -> (t, host, device)
         self._host: dict[tuple[str, int], Tensor] = {}  # reusable host buffers
         self.enter("idle")
@@ -109,10 +171,25 @@ class Offloader:
             del self._away[key]  # the engine dropped it (a grad set to None) while on the host
         for key in to_host:
             self._to_host(listed[key], slot[key])
-        if any(listed[key].is_cuda for key in to_host):
+        moved = any(listed[key].is_cuda for key in to_host)
+        if moved:
             torch.cuda.synchronize()  # the host copies are complete before the blocks go back
-            torch.cuda.empty_cache()  # ... to the driver, where vLLM's allocator can take them
+        if moved or phase in RELEASE_BEFORE:
+            release_cached_memory(self.device_type)
         self.phase = phase
+
+    def measure(self, method: str) -> None:
+        """Record the memory of the call of `method` that just ran (the worst call is kept)."""
+        seen = self.memory.get(method)
+        now = memory_now(self.device_type)
+        self.memory[method] = now if seen is None else worst_memory([seen, now])
+
+    def take_memory_metrics(self) -> dict[str, float]:
+        """`memory/<method>/<stat>` of the calls measured since the last take; forgets them."""
+        out = {f"memory/{method}/{stat}": value for method, report in self.memory.items()
+               for stat, value in report.items()}
+        self.memory = {}
+        return out
 
     def on_host(self, t: Tensor) -> bool:
         """Whether `t` is currently moved out (its device storage emptied)."""
@@ -133,7 +210,8 @@ class Offloader:
 
 def in_phase(phase: str) -> Callable[[Callable], Callable]:
     """Decorate a role method: `self.offload` enters `phase` before it runs and "idle" after
-    it returns (or raises), so between calls the device holds only what the switches keep."""
+    it returns (or raises), so between calls the device holds only what the switches keep;
+    the call's memory is measured (see the module docstring)."""
     if phase not in NEEDS:
         raise ValueError(f"unknown offload phase {phase!r}; use one of {', '.join(PHASES)}")
 
@@ -141,8 +219,11 @@ def in_phase(phase: str) -> Callable[[Callable], Callable]:
         @functools.wraps(method)
         def run(self, *args, **kwargs):
             self.offload.enter(phase)
+            reset_memory_peaks(self.offload.device_type)
             try:
-                return method(self, *args, **kwargs)
+                result = method(self, *args, **kwargs)
+                self.offload.measure(method.__name__)
+                return result
             finally:
                 self.offload.enter("idle")
         return run

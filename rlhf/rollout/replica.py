@@ -1,8 +1,9 @@
 """RolloutReplica: a rank's part in rollout, as the actor worker sees it.
 
 It owns this rank's RolloutEngine (built on first use, so a worker that never samples never
-imports vLLM), knows whether the engine's weights are behind the policy, splits prompts among
-the ranks of a replica, and reports metrics agreed over all ranks of the worker group.
+imports vLLM), knows whether the engine's weights are behind the policy or were released by a
+sleep (rlhf.rollout.residency: only a colocated CUDA engine sleeps), splits prompts among the
+ranks of a replica, and reports metrics agreed over all ranks of the worker group.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class ReplicaSpec:
     """Where the engine comes from and which ranks it talks to."""
 
     model_path: str
-    config: RolloutConfig
+    config: RolloutConfig  # its `placement` decides whether the engine sleeps between calls
     device: torch.device
     dtype: torch.dtype
     max_model_len: int  # longest prompt + response
@@ -71,6 +72,11 @@ class RolloutReplica:
         """The policy changed (a training step, a loaded checkpoint): sync before sampling."""
         self.stale = True
 
+    def holds_weights(self) -> bool:
+        """Whether the engine still holds the weights it was last given (model_path before any
+        sync): False once a sleep released them, until the next sync."""
+        return self.engine is None or self.engine.has_weights
+
     # ---- sampling ----------------------------------------------------------------------------
 
     def generate(self, prompts: Ragged, *, greedy: bool, seed: int | None,
@@ -98,8 +104,8 @@ class RolloutReplica:
             params = sampling_params(self.spec.config, greedy=greedy, seeds=seeds)
             completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
             batch, env_sums = _to_batch(completions, meta={}), None
-        engine.sleep()
-        self.stale = self.stale or not engine.has_weights  # a level-2 sleep discards them
+        engine.sleep()  # a sleeping engine (colocated, CUDA) releases its weights here
+        self.stale = self.stale or not engine.has_weights
         lengths = batch["response_ids"].lengths
         metrics = self._rollout_metrics(lengths, time.perf_counter() - start)
         if env_sums is not None:
@@ -199,10 +205,11 @@ class RolloutReplica:
 
     def sync(self, export: Callable[[], Buckets]) -> dict[str, float]:
         """Push `export()`'s HF-named full tensors into the engine if the policy changed since
-        the last sync; collective over the group (every rank's flag is the same). The seconds
+        the last sync or the engine released its weights; collective over the group (every
+        rank's flags are the same: the ranks of a replica sleep together). The seconds
         split into gathering TP shards, broadcasting pipeline stages and vLLM's reload (each
         the slowest rank's) when the exporter times itself (an `ExportStream`)."""
-        if not self.stale:
+        if not self.stale:  # a sleep that released the weights marked it stale too
             return {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/gather_s": 0.0,
                     "sync/broadcast_s": 0.0, "sync/reload_s": 0.0, "sync/skipped": 1.0}
         engine = self.ensure_engine()

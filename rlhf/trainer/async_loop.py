@@ -2,7 +2,11 @@
 
 `RolloutSource` hides the placement: colocated, the actor's own replicas sync in-process;
 separate (rollout.placement), the rollout role samples and the actor sends it weights over the
-transfer group (rlhf.rollout.transfer), made once when the source is built.
+transfer group (rlhf.rollout.transfer), made once when the source is built. The driver skips a
+sync only when the engines hold the weights it wants: colocated, each replica decides (it
+knows when the policy changed and when a sleep released its weights, rlhf.rollout.residency);
+separate, the driver's record of the version it sent counts only while every rollout rank
+answers that it still holds those weights (`holds_weights`).
 
 Policy versions count the actor updates the driver has made (0 = model.path). A sample carries
 the version it was sampled with (`policy_version`); its staleness is the trainer's version when
@@ -57,11 +61,19 @@ class RolloutSource:
         """The driver updated the actor (one new policy version)."""
         self.policy_version += 1
 
+    def held_version(self) -> int | None:
+        """The policy version every separate rollout engine holds: the last one sent, while
+        every rank still holds it; None when unknown, colocated (the replicas decide) or when
+        an engine released its weights."""
+        if self.pool is None or self.rollout_version is None:
+            return None
+        return self.rollout_version if all(self.pool.holds_weights()) else None
+
     def sync(self) -> dict[str, float]:
         """Bring the rollout engines to the current policy (a no-op when they hold it)."""
         if self.pool is None:
             return {k: float(v) for k, v in self.actor.sync_weights().items()}
-        if self.rollout_version == self.policy_version:
+        if self.held_version() == self.policy_version:
             return dict(SKIPPED_SYNC)
         calls = [self.actor.send_weights(blocking=False), self.pool.receive_weights(blocking=False)]
         sent, received = (call.get() for call in calls)
@@ -149,8 +161,8 @@ class RolloutPipeline:
             metrics["async/rollout_idle_s"] = max(0.0, now - self._busy_since - self._busy_s)
         self._busy_since = now
         trained_at = source.policy_version + ahead
-        behind = (source.rollout_version is None
-                  or trained_at - source.rollout_version > self.max_staleness)
+        held = source.held_version()
+        behind = held is None or trained_at - held > self.max_staleness
         with timer("sync_weights"):
             sync = source.sync() if behind else dict(SKIPPED_SYNC)
         self._busy_s = sync.get("sync/seconds", 0.0)

@@ -194,3 +194,86 @@ def test_cuda_offload_releases_device_memory_into_pinned_host_copies():
     assert offloader._away[id(weight)][1].is_pinned()
     offloader.enter("forward")
     assert weight.is_cuda and torch.equal(weight.cpu(), want)
+
+
+def test_entering_generate_or_sync_on_cuda_empties_the_allocator_cache(monkeypatch):
+    """Even a resident role (nothing moves) hands PyTorch's cached blocks back before vLLM
+    wakes; other phases and the CPU leave the cache alone."""
+    import gc
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc") or 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    offloader = Offloader(lambda: {"weights": [torch.randn(3)]}, config=NONE)
+    assert offloader.device_type == "cpu"
+    offloader.device_type = "cuda"  # where the code branches on it (no GPU here)
+    for phase, release in [("update", False), ("idle", False), ("generate", True),
+                           ("forward", False), ("sync", True), ("checkpoint", False)]:
+        calls.clear()
+        offloader.enter(phase)
+        assert calls == (["gc", "empty_cache"] if release else []), phase
+    offloader.device_type = "cpu"
+    calls.clear()
+    offloader.enter("generate")
+    assert calls == []
+
+
+def test_a_checkpoint_is_read_into_host_memory_then_copied(folder, world, tmp_path, monkeypatch):
+    from rlhf.engine import checkpoint
+
+    engine = _engine(folder)
+    engine.save_checkpoint(tmp_path)
+    want = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.zero_()
+    places, load = [], torch.load
+    monkeypatch.setattr(checkpoint.torch, "load", lambda *a, **kw: places.append(
+        kw["map_location"]) or load(*a, **kw))
+    engine.load_checkpoint(tmp_path)
+    assert places and set(places) == {"cpu"}
+    for name, value in engine.model.state_dict().items():
+        assert torch.equal(value, want[name]), name
+
+
+def test_each_call_reports_its_memory_the_worst_call_and_rank_kept(monkeypatch):
+    from rlhf.engine.offload import worst_memory
+
+    peaks = iter([3 * 2**30, 5 * 2**30, 4 * 2**30])
+    free = iter([30 * 2**30, 10 * 2**30, 20 * 2**30])
+    resets = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: resets.append(1))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: next(peaks))
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 6 * 2**30)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (next(free), 80 * 2**30))
+
+    class Role:
+        def __init__(self):
+            self.offload = Offloader(lambda: {"weights": [torch.randn(3)]}, config=NONE)
+            self.offload.device_type = "cuda"  # no GPU here: the CUDA branch, patched
+
+        @in_phase("update")
+        def update_actor(self):
+            return {"actor/loss": 1.0}
+
+        @in_phase("generate")
+        def generate(self):
+            return None
+
+    role = Role()
+    assert role.update_actor() == {"actor/loss": 1.0}  # the call's own result is untouched
+    role.generate()
+    role.update_actor()
+    assert len(resets) == 3
+    assert role.offload.take_memory_metrics() == {
+        "memory/update_actor/allocated_gb": 4.0, "memory/update_actor/reserved_gb": 6.0,
+        "memory/update_actor/free_gb": 20.0, "memory/generate/allocated_gb": 5.0,
+        "memory/generate/reserved_gb": 6.0, "memory/generate/free_gb": 10.0}
+    assert role.offload.take_memory_metrics() == {}
+    role.offload.device_type = "cpu"
+    role.generate()
+    assert role.offload.take_memory_metrics()["memory/generate/host_rss_gb"] > 0.01
+    ranks = [{"memory/x/allocated_gb": 1.0, "memory/x/free_gb": 9.0},
+             {"memory/x/allocated_gb": 2.0, "memory/x/free_gb": 7.0}]
+    assert worst_memory(ranks) == {"memory/x/allocated_gb": 2.0, "memory/x/free_gb": 7.0}

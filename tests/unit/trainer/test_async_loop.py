@@ -53,6 +53,9 @@ class FakePool:
     def join_weight_transfer(self, address, blocking=True):
         return Done(None)
 
+    def holds_weights(self):
+        return [True]  # a resident engine (rlhf.rollout.residency): it keeps what it was sent
+
     def receive_weights(self, blocking=True):
         self.engine_version = self.actor.version
         return Done({"sync/bytes": 8.0, "sync/seconds": 0.01, "sync/skipped": 0.0})
