@@ -17,7 +17,8 @@ from rlhf.config.tiny import TinyModelConfig
 from rlhf.errors import ConfigError
 
 __all__ = [
-    "TRAINED_ROLES", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig", "ForwardRoleConfig",
+    "TRAINED_ROLES", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
+    "ForwardRoleConfig",
     "JobConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig", "ParallelConfig", "RayConfig",
     "ReferenceConfig", "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "SFTConfig", "TinyModelConfig", "TrainerConfig",
     "TrainRoleConfig", "check_config", "config_from_dict", "config_to_dict", "format_config",
