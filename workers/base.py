@@ -8,7 +8,7 @@ role picks its own tp/pp layout with `build_mesh`, and the dispatcher reads it f
 from __future__ import annotations
 
 from rlhf.controller.colocate import WorkerContext
-from rlhf.controller.dispatch import Layout
+from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh
 
 
@@ -31,4 +31,4 @@ class Worker:
         """How the dispatcher splits and collects this role's calls; all-DP without a mesh."""
         if self.mesh is None:
             return Layout(dp=self.ctx.world_size)
-        return Layout(dp=self.mesh.dp_size, pp=self.mesh.pp_size, tp=self.mesh.tp_size)
+        return self.mesh.layout

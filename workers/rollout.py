@@ -18,6 +18,7 @@ from rlhf.data.batch import Batch
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import in_phase
 from rlhf.errors import ConfigError
+from rlhf.parallel.layout import Layout
 from rlhf.rollout import ReplicaSpec, RolloutReplica
 from rlhf.rollout.transfer import SENDER, TransferAddress, TransferGroup
 from workers.base import Worker
@@ -117,9 +118,9 @@ def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:
         raise ConfigError(f"rollout.tp={tp} does not divide the {world} ranks hosting rollouts; "
                           f"pick a rollout.tp that divides {world}")
     replica_group = None
-    for start in range(0, world, tp) if tp > 1 else ():
-        group = ctx.group_cache.get(range(start, start + tp))
-        if start <= ctx.rank < start + tp:
+    for ranks in Layout.over(world, tp=tp).groups("mp") if tp > 1 else ():
+        group = ctx.group_cache.get(ranks)
+        if ctx.rank in ranks:
             replica_group = group
     return ReplicaSpec(
         model_path=config.model.path, config=config.rollout, device=ctx.device,

@@ -17,6 +17,7 @@ import torch
 
 from rlhf.bench.sync import tiny_model
 from rlhf.config import RolloutConfig
+from rlhf.engine.engine import resolve_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,4 +96,4 @@ def transformers_seconds(folder: str, prompts: list[list[int]], args,
 
 
 def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return resolve_device(None)  # one process, no Ray: the current GPU if any, as the engine bench

@@ -7,7 +7,7 @@ checks read model.path/config.json when the folder exists, else model.tiny, else
 from collections.abc import Iterator
 
 from rlhf.config.model_facts import ModelFacts, read_model_facts
-from rlhf.config.roles import ForwardRoleConfig, TrainRoleConfig
+from rlhf.config.roles import ForwardRoleConfig, TrainRoleConfig, job_roles
 from rlhf.config.schema import GROUP_ESTIMATORS, JobConfig
 from rlhf.config.tiny import VLLM_CPU_HEAD_SIZES
 from rlhf.errors import ConfigError
@@ -32,18 +32,18 @@ def check_config(cfg: JobConfig) -> None:
 
 
 def _active_roles(cfg: JobConfig, policy: ModelFacts | None):
-    """(name, role config, model facts) of every role this job will create."""
-    roles = [("actor", cfg.actor, policy)]
-    if cfg.algorithm.use_critic:
-        critic = policy
-        if cfg.critic.model_path is not None:
-            critic = read_model_facts(cfg.critic.model_path, None, "critic.model_path")
-        roles.append(("critic", cfg.critic, critic))
-    if cfg.algorithm.use_ref:
-        roles.append(("ref", cfg.ref, policy))
-    if cfg.reward.model_path is not None:
-        reward = read_model_facts(cfg.reward.model_path, None, "reward.model_path")
-        roles.append(("reward", cfg.reward, reward))
+    """(name, role config, model facts) of every model role this job will create (job_roles
+    without the rollout pool, which _check_rollout checks)."""
+    roles = []
+    for name, role in job_roles(cfg).items():
+        facts = policy
+        if name == "critic" and cfg.critic.model_path is not None:
+            facts = read_model_facts(cfg.critic.model_path, None, "critic.model_path")
+        elif name == "reward":
+            facts = read_model_facts(cfg.reward.model_path, None, "reward.model_path")
+        elif name == "rollout":
+            continue
+        roles.append((name, role, facts))
     return roles
 
 

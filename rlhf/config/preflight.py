@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from rlhf.config.loader import config_to_dict
+from rlhf.config.roles import job_roles
 from rlhf.config.schema import JobConfig
 from rlhf.errors import ConfigError, RLHFError
 
@@ -254,18 +255,9 @@ def pool_problems(cfg: JobConfig, command: Command, *, cpus: float, gpus: float 
 
 
 def _jobs(cfg: JobConfig, command: Command):
-    train = {"actor": cfg.actor}
-    if cfg.algorithm.use_critic:
-        train["critic"] = cfg.critic
-    if cfg.algorithm.use_ref:
-        train["ref"] = cfg.ref
-    if cfg.reward.model_path is not None:
-        train["reward"] = cfg.reward
-    if cfg.rollout.placement == "separate":
-        train["rollout"] = cfg.rollout
     jobs = []
     if command in ("show", "train"):
-        jobs.append(("the training job", train))
+        jobs.append(("the training job", job_roles(cfg)))
     if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
         jobs.append(("rlhf sft", {"sft": cfg.sft}))
     return jobs
@@ -274,8 +266,10 @@ def _jobs(cfg: JobConfig, command: Command):
 def _check_local_pool(cfg: JobConfig, command: Command) -> list[str]:
     cpus = cfg.ray.num_cpus or os.cpu_count() or 1
     source = f"ray.num_cpus={cfg.ray.num_cpus}" if cfg.ray.num_cpus else "this machine"
+    from rlhf.trainer.device import use_gpu
+
     gpus = None
-    if cfg.trainer.device == "cuda":
+    if use_gpu(cfg):  # the local Ray counts this machine's GPUs
         import torch
 
         gpus = torch.cuda.device_count()

@@ -1,12 +1,17 @@
-"""Per-role sections: parallel plan, optimizer, trainable and forward-only roles, rewards."""
+"""Per-role sections (parallel plan, optimizer, trainable and forward-only roles, rewards), and
+`job_roles`: which roles a job creates."""
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
+from rlhf.config.rollout import RolloutConfig
 from rlhf.config.rules import (require_min, require_placement, require_positive_or_none,
                                require_range)
 from rlhf.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rlhf.config.schema import JobConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -221,3 +226,22 @@ class RewardConfig(ForwardRoleConfig):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
         require_min(self, 0, "num_workers")
+
+
+TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer, whose state a checkpoint holds
+
+
+def job_roles(cfg: "JobConfig") -> dict[str, "ForwardRoleConfig | RolloutConfig"]:
+    """The roles a PPO job creates, in build order, each with its config section: the actor;
+    the critic when algorithm.use_critic; the reference when algorithm.use_ref; the reward
+    model when reward.model_path is set; the rollout pool when rollout.placement is separate."""
+    roles: dict[str, ForwardRoleConfig | RolloutConfig] = {"actor": cfg.actor}
+    if cfg.algorithm.use_critic:
+        roles["critic"] = cfg.critic
+    if cfg.algorithm.use_ref:
+        roles["ref"] = cfg.ref
+    if cfg.reward.model_path is not None:
+        roles["reward"] = cfg.reward
+    if cfg.rollout.placement == "separate":
+        roles["rollout"] = cfg.rollout
+    return roles

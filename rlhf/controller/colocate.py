@@ -7,6 +7,7 @@ builds its own ParallelMesh over the same ranks, so colocated roles keep their o
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rlhf.controller.dispatch import Layout
+from rlhf.controller.device import worker_device
+from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ProcessGroupCache
 
 
@@ -27,7 +29,7 @@ class WorkerContext:
     role_name: str
     rank: int
     world_size: int
-    device: torch.device
+    device: torch.device  # this rank's device, from the GPU Ray assigned it (controller.device)
     group_cache: ProcessGroupCache  # shared by every role of the process; pass it to ParallelMesh
 
 
@@ -43,7 +45,8 @@ class ColocatedWorker:
         torch.set_num_threads(num_threads)  # the rank owns exactly its bundle's CPUs
         self._job_name, self._name = job_name, name
         self._specs = dict(roles)
-        self._use_gpu = use_gpu
+        gpu_ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", []) if use_gpu else []
+        self._device = worker_device(gpu_ids, use_gpu=use_gpu, env=os.environ)
         self._roles: dict[str, Any] = {}
         self._store: dist.TCPStore | None = None
         self._rank = self._world_size = -1
@@ -71,8 +74,8 @@ class ColocatedWorker:
             store = self._store
         else:
             store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
-        if self._use_gpu:
-            torch.cuda.set_device(0)  # Ray exposes exactly this rank's GPU as device 0
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)  # NCCL and unplaced CUDA calls use this GPU
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timeout)
         self._rank, self._world_size, self._timeout = rank, world_size, timeout
@@ -81,10 +84,10 @@ class ColocatedWorker:
         """Build every role object in the given order (the same on all ranks, as mesh building
         is collective); return each role's layout."""
         cache = ProcessGroupCache(timeout=self._timeout)  # roles' groups time out like the world
-        device = torch.device("cuda", 0) if self._use_gpu else torch.device("cpu")
         layouts = {}
         for name, (role_cls, kwargs) in self._specs.items():
-            ctx = WorkerContext(self._job_name, name, self._rank, self._world_size, device, cache)
+            ctx = WorkerContext(self._job_name, name, self._rank, self._world_size, self._device,
+                                cache)
             role = role_cls(ctx, **kwargs)
             self._roles[name] = role
             layouts[name] = _layout_of(name, role, self._world_size)

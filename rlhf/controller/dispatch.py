@@ -4,8 +4,8 @@ A worker method declares its mode with `@register(dispatch=Dispatch.DP_COMPUTE)`
 loop then calls it like a local function. Planning is pure (no actors involved): `plan_call`
 turns driver arguments into per-rank arguments, `collect` turns per-rank results into one value.
 
-Rank order is Megatron's, as in ParallelMesh: position r of a role's ranks has
-    tp_rank = r % tp,   pp_rank = (r // tp) % pp,   dp_rank = r // (tp * pp).
+Which rank holds which (dp, pp, tp) coordinate, and which rank answers for a DP group, is the
+role's `Layout`'s to say (rlhf.parallel.layout), the same object the ParallelMesh reads.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import ray
 
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import BatchPlan
+from rlhf.parallel.layout import Layout
 
 _DISPATCH_ATTR = "_rlhf_dispatch"
 _INLINE_TYPES = (type(None), bool, int, float, str, enum.Enum)  # cheap to send by value
@@ -71,33 +72,6 @@ def registered_methods(role_cls: type) -> dict[str, Dispatch]:
         if mode is not None:
             found[name] = mode
     return found
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A role's dp × pp × tp layout over the ranks 0..world_size-1 of its worker group."""
-
-    dp: int
-    pp: int = 1
-    tp: int = 1
-
-    def __post_init__(self):
-        for name in ("dp", "pp", "tp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Layout.{name} must be a positive int, got {value!r}")
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    def coordinate(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of position `rank`, Megatron order."""
-        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
-
-    def output_ranks(self) -> list[int]:
-        """Per DP group, in DP order, the rank whose result is collected: tp 0 of the last stage."""
-        return [(d * self.pp + self.pp - 1) * self.tp for d in range(self.dp)]
 
 
 @dataclass

@@ -276,14 +276,15 @@ class TrainEngine:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """None: the CUDA device of this local rank when CUDA is present, else the CPU."""
+    """None: this process's current CUDA device when CUDA is present, else the CPU.
+
+    A worker passes its WorkerContext.device, and sets it current, so None never guesses a rank's
+    GPU from its number (rlhf.controller.device owns that choice)."""
     if device is not None:
         return torch.device(device)
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    # Ranks are numbered node by node, so rank % devices is the local rank's device.
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

@@ -1,9 +1,7 @@
 """ParallelMesh: one role's dp × pp × tp layout over an explicit list of global ranks.
 
-Rank order (Megatron's): tp varies fastest, then pp, then dp. Position i of `ranks` holds
-    tp_rank = i % tp,   pp_rank = (i // tp) % pp,   dp_rank = i // (tp * pp),
-so `torch.tensor(ranks).reshape(dp, pp, tp)` is the mesh, and a tp group is a run of tp
-consecutive entries (the ranks that should share the fastest links).
+Position i of `ranks` sits where `Layout` (rlhf.parallel.layout, the one owner of the rank
+order) puts position i; the mesh maps the layout's positions and groups onto global ranks.
 
 Several meshes live in one process (actor tp=2 pp=2 and critic pp=2 dp=2 over the same 4
 ranks). They share process groups through a `ProcessGroupCache` that the worker creates once
@@ -22,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("dp", "pp", "tp")  # outermost to fastest-varying; also the DeviceMesh dim names
+from rlhf.parallel.layout import AXES, GROUP_AXES, Layout
 
 
 class ProcessGroupCache:
@@ -82,24 +80,22 @@ class ParallelMesh:
         device_type: str = "cpu",
     ):
         ranks = _check_ranks(ranks)
-        self.tp_size, self.pp_size, self.dp_size = _check_sizes(len(ranks), tp=tp, pp=pp, dp=dp)
+        self.layout = Layout.over(len(ranks), tp=tp, pp=pp, dp=dp)
+        self.tp_size, self.pp_size, self.dp_size = self.layout.tp, self.layout.pp, self.layout.dp
         self.ranks = ranks
-        self.grid = torch.tensor(ranks, dtype=torch.int64).reshape(
-            self.dp_size, self.pp_size, self.tp_size
+        self.grid = torch.tensor(
+            [[[ranks[self.layout.rank_at(dp=d, pp=p, tp=t)] for t in range(self.tp_size)]
+              for p in range(self.pp_size)] for d in range(self.dp_size)], dtype=torch.int64
         )  # (dp, pp, tp) global ranks
         self.rank = dist.get_rank()
         self.is_member = self.rank in ranks
         self._groups: dict[str, ProcessGroup | None] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
-        # Same order on every process: every group of every axis, then the model-parallel groups.
-        for axis_index, axis in enumerate(AXES):
-            for row in self.grid.movedim(axis_index, -1).reshape(-1, self.grid.shape[axis_index]):
-                self._add(axis, tuple(row.tolist()), cache)
-        for row in self.grid.reshape(self.dp_size, -1):
-            self._add("mp", tuple(row.tolist()), cache)
-        if self.pp_size > 1:  # first + last stage: the two copies of tied embeddings
-            for row in self.grid[:, [0, -1], :].movedim(1, -1).reshape(-1, 2):
-                self._add("embedding", tuple(row.tolist()), cache)
+        # Same order on every process: every group of every axis, then the model-parallel
+        # groups, then the first + last stage pairs (the two copies of tied embeddings).
+        for axis in GROUP_AXES:
+            for positions in self.layout.groups(axis):
+                self._add(axis, tuple(ranks[i] for i in positions), cache)
         self.device_mesh: DeviceMesh | None = None
         if self.is_member:
             self.device_mesh = DeviceMesh.from_group(
@@ -121,13 +117,11 @@ class ParallelMesh:
         """(dp_rank, pp_rank, tp_rank) of a global rank of this mesh."""
         if global_rank not in self.ranks:
             raise ValueError(f"rank {global_rank} is not in this mesh (ranks {list(self.ranks)})")
-        i = self.ranks.index(global_rank)
-        tp, pp = self.tp_size, self.pp_size
-        return i // (tp * pp), (i // tp) % pp, i % tp
+        return self.layout.coordinate(self.ranks.index(global_rank))
 
     def rank_at(self, *, dp: int, pp: int, tp: int) -> int:
         """Global rank at a mesh coordinate."""
-        return int(self.grid[dp, pp, tp])
+        return self.ranks[self.layout.rank_at(dp=dp, pp=pp, tp=tp)]
 
     @property
     def coordinate(self) -> tuple[int, int, int]:
@@ -178,7 +172,7 @@ class ParallelMesh:
         self._require_member()
         if axis not in self._group_ranks:
             raise ValueError(f"unknown axis {axis!r} for rank {self.rank}; use one of "
-                             f"{AXES + ('mp', 'embedding')}")
+                             f"{GROUP_AXES}")
         return self._group_ranks[axis]
 
     def _group(self, axis: str) -> ProcessGroup:
@@ -244,17 +238,3 @@ def _check_ranks(ranks: Sequence[int]) -> tuple[int, ...]:
         raise ValueError(f"ranks {bad} are outside the job's ranks 0..{world - 1}")
     return out
 
-
-def _check_sizes(n: int, *, tp: int, pp: int, dp: int | None) -> tuple[int, int, int]:
-    for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
-        if size is not None and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"{name} must be a positive integer, got {size!r}")
-    if dp is None:
-        if n % (tp * pp):
-            raise ValueError(f"{n} ranks do not split into pp={pp} × tp={tp} groups; "
-                             f"use a number of ranks divisible by {tp * pp}")
-        dp = n // (tp * pp)
-    if dp * pp * tp != n:
-        raise ValueError(f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp} but {n} ranks were "
-                         "given; the product must equal the number of ranks")
-    return tp, pp, dp

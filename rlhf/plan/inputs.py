@@ -14,11 +14,13 @@ from pathlib import Path
 import torch
 
 from rlhf.config import JobConfig
-from rlhf.config.roles import OffloadConfig, ParallelConfig
+from rlhf.config.roles import TRAINED_ROLES, OffloadConfig, ParallelConfig, job_roles
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.zero import num_shards
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
+from rlhf.parallel.layout import Layout
+from rlhf.trainer.device import use_gpu
 
 GIB = 2**30
 
@@ -45,8 +47,12 @@ class RoleSpec:
     offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
 
     @property
+    def layout(self) -> Layout:
+        return Layout.over(self.world_size, tp=self.plan.tp, pp=self.plan.pp)
+
+    @property
     def dp(self) -> int:
-        return self.world_size // (self.plan.tp * self.plan.pp)
+        return self.layout.dp
 
     @property
     def zero1(self) -> bool:
@@ -64,18 +70,17 @@ class Hardware:
 
 
 def hardware(cfg: JobConfig) -> Hardware:
-    """Device type from trainer.device; bytes from trainer.device_memory_gb, else detected."""
-    device_type = cfg.trainer.device
-    if device_type == "auto":
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    """Device type as the worker pools decide it (rlhf.trainer.device); bytes from
+    trainer.device_memory_gb, else measured on this machine."""
+    device_type = "cuda" if use_gpu(cfg) else "cpu"
     size_gb = cfg.trainer.device_memory_gb
     if size_gb is not None:
         source = "trainer.device_memory_gb"
         size = int(size_gb * GIB)
     elif device_type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError("trainer.device is cuda but this machine has no GPU to measure; "
-                              "set trainer.device_memory_gb to one GPU's memory in GiB "
+            raise ConfigError("the job runs on GPUs but this machine (the driver) has none to "
+                              "measure; set trainer.device_memory_gb to one GPU's memory in GiB "
                               "(e.g. 79 for an 80 GB H100)")
         size, source = torch.cuda.get_device_properties(0).total_memory, "detected GPU"
     else:
@@ -86,30 +91,34 @@ def hardware(cfg: JobConfig) -> Hardware:
 
 def role_specs(cfg: JobConfig, hw: Hardware, *,
                model_dirs: tuple[Path, ...] = ()) -> list[RoleSpec]:
-    """The roles this job creates (actor, then critic, ref, reward model when used).
+    """The model roles this job creates (config.job_roles; the rollout pool holds only vLLM,
+    which the planner counts on its own).
 
     `model_dirs`: folders searched for `<name of the model folder>/config.json` when a model
     folder is absent (the shipped `configs/models/`), so a plan needs no weights.
     """
     policy = model_args(cfg.model.path, cfg=cfg, key="model.path", model_dirs=model_dirs)
-    roles = [("actor", cfg.actor, "lm", policy, True)]
-    if cfg.algorithm.use_critic:
-        critic = policy if cfg.critic.model_path is None else model_args(
-            cfg.critic.model_path, cfg=None, key="critic.model_path", model_dirs=model_dirs)
-        roles.append(("critic", cfg.critic, "value", critic, True))
-    if cfg.algorithm.use_ref:
-        roles.append(("ref", cfg.ref, "lm", policy, False))
-    if cfg.reward.model_path is not None:
-        reward = model_args(cfg.reward.model_path, cfg=None, key="reward.model_path",
-                            model_dirs=model_dirs)
-        roles.append(("reward", cfg.reward, "value", reward, False))
-    return [_spec(cfg, hw, name, role, head, args, trains)
-            for name, role, head, args, trains in roles]
+    specs = []
+    for name, role in job_roles(cfg).items():
+        head, args = "lm", policy
+        if name == "critic":
+            head = "value"
+            if cfg.critic.model_path is not None:
+                args = model_args(cfg.critic.model_path, cfg=None, key="critic.model_path",
+                                  model_dirs=model_dirs)
+        elif name == "reward":
+            head = "value"
+            args = model_args(cfg.reward.model_path, cfg=None, key="reward.model_path",
+                              model_dirs=model_dirs)
+        elif name == "rollout":
+            continue
+        specs.append(_spec(cfg, hw, name, role, head, args, name in TRAINED_ROLES))
+    return specs
 
 
 def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     world = cfg.role_world_size(role)
-    dp = world // (role.parallel.tp * role.parallel.pp)
+    dp = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp).dp
     optim = getattr(role, "optim", None)
     return RoleSpec(
         name=name, head=head, args=args, plan=role.parallel, world_size=world,

@@ -279,7 +279,7 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
     for pool, (size, members) in pools.items():
         ranks = {}
         for rank in range(size):
-            placed = [(s, stages[s.name][(rank // s.plan.tp) % s.plan.pp]) for s in members]
+            placed = [(s, stages[s.name][s.layout.stage_of(rank)]) for s in members]
             has_vllm = not separate and any(s.name == "actor" for s in members)
             ranks[rank] = rank_phases(cfg, hw, placed, vllm=vllm if has_vllm else None,
                                       phases=phase_names(specs))

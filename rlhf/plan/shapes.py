@@ -24,6 +24,7 @@ from rlhf.config.roles import ParallelConfig
 from rlhf.models.config import ModelArgs
 from rlhf.models.parallelize import apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.stages import rank_chunks
 
@@ -80,8 +81,9 @@ def _rank_shapes(args: ModelArgs, plan: ParallelConfig, *, head: str, dtype: tor
                              layers_per_stage=plan.layers_per_stage)
         stage = dict(layer_ranges=[c.layer_range for c in chunks],
                      has_embedding=chunks[0].has_embedding, has_head=chunks[-1].has_head)
-    with _fake_world(world_size=plan.tp * plan.pp, rank=pp_rank * plan.tp):
-        mesh = ParallelMesh(range(plan.tp * plan.pp), tp=plan.tp, pp=plan.pp,
+    layout = Layout.over(plan.tp * plan.pp, tp=plan.tp, pp=plan.pp)
+    with _fake_world(world_size=layout.world_size, rank=layout.rank_at(dp=0, pp=pp_rank, tp=0)):
+        mesh = ParallelMesh(range(layout.world_size), tp=plan.tp, pp=plan.pp,
                             cache=ProcessGroupCache())
         with torch.device("meta"):
             model = model_cls(args, **stage)

@@ -47,12 +47,16 @@ def _start(args, command: str):
     from rlhf.config.preflight import check_cluster_fits, move_old_run_aside, preflight
     from rlhf.plan.report import check_fits
     from rlhf.logs import filter_worker_output, setup_driver_logging
-    from rlhf.trainer.session import init_ray, use_gpu
+    from rlhf.trainer.device import use_gpu
+    from rlhf.trainer.session import init_ray
 
     cfg = _load(args)
     checked = preflight(cfg, command=command, ray_address=env_address())
-    if command == "train":
-        check_fits(cfg, config_path=args.config)  # refuses, before any worker, a job that won't fit
+    joins = bool(cfg.ray.address or env_address())
+    # The plan refuses, before any worker, a job that won't fit; on a cluster it is made after
+    # joining, since only the cluster knows whether trainer.device=auto means GPUs.
+    if command == "train" and not joins:
+        check_fits(cfg, config_path=args.config)
     if checked.move_old_run_aside:
         print(f"trainer.overwrite: moved the previous run aside to "
               f"{move_old_run_aside(cfg.trainer.output_dir)}", flush=True)
@@ -60,8 +64,10 @@ def _start(args, command: str):
     setup_driver_logging(log_dir)
     init_ray(cfg, env_address=env_address())
     filter_worker_output(log_dir)
-    if cfg.ray.address or env_address():
+    if joins:
         check_cluster_fits(cfg, command, use_gpu=use_gpu(cfg))
+        if command == "train":
+            check_fits(cfg, config_path=args.config)
     return cfg
 
 
@@ -92,14 +98,14 @@ def run_train(cfg, *, progress: bool = True) -> list[dict]:
     from rlhf.config import format_config
     from rlhf.trainer.ppo import PPOTrainer
     from rlhf.trainer.session import RoleGroups
-    from rlhf.trainer.setup import ensure_model, load_tokenizer
+    from rlhf.trainer.setup import ensure_model, job_workers, load_tokenizer
 
     ensure_model(cfg.model.path, cfg.model.tiny)
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(format_config(cfg), encoding="utf-8")
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-    roles, role_configs = _roles(cfg)
+    roles, role_configs = job_workers(cfg)
     groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
                         role_configs=role_configs)
     try:
@@ -111,26 +117,6 @@ def run_train(cfg, *, progress: bool = True) -> list[dict]:
     finally:
         groups.shutdown()
     return records
-
-
-def _roles(cfg):
-    from workers.actor import ActorWorker
-
-    roles = {"actor": (ActorWorker, {"config": cfg})}
-    role_configs = {"actor": cfg.actor}
-    if cfg.algorithm.use_critic:
-        from workers.critic import CriticWorker
-        roles["critic"], role_configs["critic"] = (CriticWorker, {"config": cfg}), cfg.critic
-    if cfg.algorithm.use_ref:
-        from workers.reference import ReferenceWorker
-        roles["ref"], role_configs["ref"] = (ReferenceWorker, {"config": cfg}), cfg.ref
-    if cfg.reward.model_path is not None:
-        from workers.reward_model import RewardModelWorker
-        roles["reward"], role_configs["reward"] = (RewardModelWorker, {"config": cfg}), cfg.reward
-    if cfg.rollout.placement == "separate":
-        from workers.rollout import RolloutWorker
-        roles["rollout"], role_configs["rollout"] = (RolloutWorker, {"config": cfg}), cfg.rollout
-    return roles, role_configs
 
 
 def _print_summary(records: list[dict], out: Path) -> None:

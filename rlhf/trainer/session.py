@@ -11,6 +11,7 @@ import ray
 from rlhf.config import ForwardRoleConfig, JobConfig
 from rlhf.controller import ResourcePool, RoleView, WorkerGroup
 from rlhf.errors import ConfigError, RLHFError
+from rlhf.trainer.device import use_gpu
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +43,6 @@ def init_ray(cfg: JobConfig, *, env_address: str | None) -> None:
     ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
              dashboard_port=cfg.ray.dashboard_port, namespace=cfg.ray.namespace,
              logging_level="WARNING", runtime_env={"env_vars": _WORKER_ENV})
-
-
-def use_gpu(cfg: JobConfig) -> bool:
-    """Whether ranks take a GPU: trainer.device cuda, or auto on a cluster that has GPUs."""
-    if cfg.trainer.device == "auto":
-        return ray.cluster_resources().get("GPU", 0) > 0
-    return cfg.trainer.device == "cuda"
 
 
 def cpus_per_rank(*, node_cpus: float, ranks_on_node: int, local_cores: int | None) -> int:
@@ -98,7 +92,8 @@ class RoleGroups:
             if shared:
                 pool = ResourcePool(f"{job_name}:shared", ranks_per_node=cfg.trainer.ranks_per_node,
                                     nnodes=cfg.trainer.nnodes, use_gpu=gpu, cpus_per_rank=cpus)
-                self._add(WorkerGroup(pool, shared, job_name=job_name))
+                self._add(WorkerGroup(pool, shared, job_name=job_name,
+                                      init_timeout_s=cfg.trainer.init_timeout_s))
             for name in separate:
                 size = role_configs[name].world_size
                 if size % per_node[name]:
@@ -107,7 +102,8 @@ class RoleGroups:
                 pool = ResourcePool(f"{job_name}:{name}", ranks_per_node=per_node[name],
                                     nnodes=size // per_node[name], use_gpu=gpu,
                                     cpus_per_rank=cpus)
-                self._add(WorkerGroup(pool, {name: roles[name]}, job_name=job_name))
+                self._add(WorkerGroup(pool, {name: roles[name]}, job_name=job_name,
+                                      init_timeout_s=cfg.trainer.init_timeout_s))
         except BaseException:
             self.shutdown()
             raise

@@ -1,11 +1,27 @@
-"""What a job needs before its workers start: the model folder and the tokenizer."""
+"""What a job needs before its workers start: the model folder, the tokenizer, and the worker
+class of each role the config implies."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf.config import TinyModelConfig
+from rlhf.config import JobConfig, TinyModelConfig, job_roles
 from rlhf.errors import RLHFError
+
+
+def job_workers(cfg: JobConfig) -> tuple[dict[str, tuple[type, dict]], dict[str, object]]:
+    """({role: (worker class, kwargs)}, {role: its config section}) for every role of
+    `config.job_roles(cfg)`, in that order: what RoleGroups builds."""
+    from workers.actor import ActorWorker
+    from workers.critic import CriticWorker
+    from workers.reference import ReferenceWorker
+    from workers.reward_model import RewardModelWorker
+    from workers.rollout import RolloutWorker
+
+    classes = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker,
+               "reward": RewardModelWorker, "rollout": RolloutWorker}
+    sections = job_roles(cfg)
+    return {name: (classes[name], {"config": cfg}) for name in sections}, sections
 
 
 def ensure_model(path: str | Path, tiny: TinyModelConfig | None) -> Path:

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.trainer.cli import _roles
+from rlhf.trainer.setup import job_workers
 from rlhf.trainer.ppo import PPOTrainer
 from rlhf.trainer.session import RoleGroups
 from rlhf.trainer.setup import load_tokenizer
@@ -22,7 +22,7 @@ def _run(assets, root, name, switch):
     cfg = job_config(assets, root / name, trainer={"total_steps": 2},
                      actor={"offload": offload}, critic={"offload": offload},
                      ref={"offload": {"params": switch}})
-    roles, role_configs = _roles(cfg)
+    roles, role_configs = job_workers(cfg)
     groups = RoleGroups(cfg, roles, job_name=f"offload-{name}", role_configs=role_configs)
     try:
         trainer = PPOTrainer(cfg, groups.views, tokenizer=load_tokenizer(cfg.model.path),

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.trainer.checkpoint import verify_checkpoint
-from rlhf.trainer.cli import _roles, checkpoint_config, export_checkpoint
+from rlhf.trainer.cli import checkpoint_config, export_checkpoint
 from rlhf.trainer.metrics import read_metrics
 from rlhf.trainer.ppo import PPOTrainer
 from rlhf.trainer.session import RoleGroups
-from rlhf.trainer.setup import load_tokenizer
+from rlhf.trainer.setup import job_workers, load_tokenizer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(400)
@@ -36,7 +36,7 @@ def job(ray_cluster, tmp_path_factory):
     cfg = job_config(assets, root / "ppo-run",
                      trainer={"total_steps": 3, "save_every": 1, "val_every": 2,
                               "ray_metrics": True})
-    roles, role_configs = _roles(cfg)
+    roles, role_configs = job_workers(cfg)
     groups = RoleGroups(cfg, roles, job_name="ppo-test", role_configs=role_configs)
     tokenizer = load_tokenizer(cfg.model.path)
     trainer = PPOTrainer(cfg, groups.views, tokenizer=tokenizer, job_name="ppo-test",

@@ -1,0 +1,112 @@
+"""Layout: one role's dp × pp × tp arrangement of positions 0..world_size-1, and its arithmetic.
+
+Rank order (Megatron's): tp varies fastest, then pp, then dp. Position i holds
+    tp_rank = i % tp,   pp_rank = (i // tp) % pp,   dp_rank = i // (tp * pp),
+so a tp group is a run of tp consecutive positions (the ranks that should share the fastest
+links). This class is the one place that order is written down: the mesh, the dispatcher, the
+memory planner and the rollout replica grouping all ask it. It is pure (no torch.distributed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AXES = ("dp", "pp", "tp")  # outermost to fastest-varying; also the DeviceMesh dim names
+GROUP_AXES = (*AXES, "mp", "embedding")  # "mp": pp × tp, one model replica
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A role's dp × pp × tp layout over the positions 0..world_size-1 of its ranks."""
+
+    dp: int
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in AXES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Layout.{name} must be a positive int, got {value!r}")
+
+    @classmethod
+    def over(cls, world_size: int, *, tp: int = 1, pp: int = 1,
+             dp: int | None = None) -> Layout:
+        """The layout of `world_size` ranks with `tp` and `pp`; dp is what remains unless given."""
+        for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+            if size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                     or size < 1):
+                raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        if dp is None:
+            if world_size % (tp * pp):
+                raise ValueError(f"{world_size} ranks do not split into pp={pp} × tp={tp} groups; "
+                                 f"use a number of ranks divisible by {tp * pp}")
+            dp = world_size // (tp * pp)
+        if dp * pp * tp != world_size:
+            raise ValueError(f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp} but {world_size} "
+                             "ranks were given; the product must equal the number of ranks")
+        return cls(dp=dp, pp=pp, tp=tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    # ---- rank <-> coordinate -----------------------------------------------------------------
+
+    def coordinate(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of position `rank`."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside this layout's ranks 0..{self.world_size - 1}")
+        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_at(self, *, dp: int, pp: int, tp: int) -> int:
+        """Position of the coordinate (dp, pp, tp)."""
+        for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
+            if not 0 <= value < size:
+                raise ValueError(f"{name}={value} is outside 0..{size - 1} of {self}")
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def stage_of(self, rank: int) -> int:
+        """Pipeline stage (pp_rank) of position `rank`."""
+        return self.coordinate(rank)[1]
+
+    # ---- groups ------------------------------------------------------------------------------
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along `axis` ("dp", "pp", "tp", "mp" or "embedding"), each in group-rank
+        order; groups listed with the other coordinates in (dp, pp, tp) order, outer first.
+
+        "mp" is the pp × tp ranks holding one model replica (a rollout replica is the mp group
+        of a dp × tp layout); "embedding" the first and last stage of each (dp, tp) line (the
+        two copies of tied embeddings; none at pp=1).
+        """
+        at = self.rank_at
+        if axis == "dp":
+            return [tuple(at(dp=d, pp=p, tp=t) for d in range(self.dp))
+                    for p in range(self.pp) for t in range(self.tp)]
+        if axis == "pp":
+            return [tuple(at(dp=d, pp=p, tp=t) for p in range(self.pp))
+                    for d in range(self.dp) for t in range(self.tp)]
+        if axis == "tp":
+            return [tuple(at(dp=d, pp=p, tp=t) for t in range(self.tp))
+                    for d in range(self.dp) for p in range(self.pp)]
+        if axis == "mp":
+            size = self.pp * self.tp
+            return [tuple(range(d * size, (d + 1) * size)) for d in range(self.dp)]
+        if axis == "embedding":
+            if self.pp == 1:
+                return []
+            return [(at(dp=d, pp=0, tp=t), at(dp=d, pp=self.pp - 1, tp=t))
+                    for d in range(self.dp) for t in range(self.tp)]
+        raise ValueError(f"unknown axis {axis!r}; use one of {GROUP_AXES}")
+
+    def group_of(self, rank: int, axis: str) -> tuple[int, ...] | None:
+        """The group along `axis` that holds position `rank`; None when it is in none (only the
+        embedding axis, off the first and last stage)."""
+        self.coordinate(rank)  # range check
+        return next((g for g in self.groups(axis) if rank in g), None)
+
+    def output_ranks(self) -> list[int]:
+        """Per DP group, in DP order, the rank whose result is collected: tp 0 of the last stage."""
+        return [self.rank_at(dp=d, pp=self.pp - 1, tp=0) for d in range(self.dp)]
+

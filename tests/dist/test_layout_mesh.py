@@ -1,0 +1,54 @@
+"""ParallelMesh agrees with Layout, the owner of the rank order: on 4 gloo ranks, every
+mesh's coordinates and groups are its Layout's, mapped through the mesh's list of ranks."""
+
+import torch.distributed as dist
+
+from rlhf.parallel.launch import run_distributed
+from rlhf.parallel.layout import Layout
+from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+
+MESHES = [  # (ranks, tp, pp)
+    ([0, 1, 2, 3], 2, 2), ([0, 1, 2, 3], 1, 2), ([0, 1, 2, 3], 4, 1), ([3, 1, 2, 0], 2, 2),
+    ([1, 3], 2, 1), ([2, 0], 1, 2),
+]
+AXES = ("dp", "pp", "tp", "mp", "embedding")
+
+
+def _meshes(rank, world_size):
+    cache = ProcessGroupCache()
+    out = []
+    for ranks, tp, pp in MESHES:
+        mesh = ParallelMesh(ranks, tp=tp, pp=pp, cache=cache)
+        if not mesh.is_member:
+            out.append(None)
+            continue
+        groups = {}
+        for axis in AXES:
+            try:
+                groups[axis] = list(mesh.group_ranks(axis))
+            except ValueError:  # no embedding group off the first and last stage, or at pp=1
+                groups[axis] = None
+        out.append({"layout": mesh.layout, "coordinate": mesh.coordinate, "groups": groups,
+                    "next": mesh.next_stage_rank, "grid": mesh.grid.tolist(),
+                    "world": dist.get_world_size()})
+    return out
+
+
+def test_mesh_coordinates_and_groups_are_the_layouts():
+    built = run_distributed(_meshes, 4, timeout_s=60)
+    for rank in range(4):
+        for (ranks, tp, pp), got in zip(MESHES, built[rank]):
+            if rank not in ranks:
+                assert got is None
+                continue
+            layout = Layout.over(len(ranks), tp=tp, pp=pp)
+            position = ranks.index(rank)
+            assert got["layout"] == layout
+            assert got["coordinate"] == layout.coordinate(position)
+            for axis in AXES:
+                group = layout.group_of(position, axis)
+                want = None if group is None else [ranks[i] for i in group]
+                assert got["groups"][axis] == want, (ranks, tp, pp, rank, axis)
+            d, p, t = layout.coordinate(position)
+            assert got["next"] == ranks[layout.rank_at(dp=d, pp=(p + 1) % pp, tp=t)]
+            assert got["grid"][d][p][t] == rank

@@ -1,0 +1,143 @@
+"""Layout, the one owner of rank <-> (dp, pp, tp): hand-computed cases, and the dispatcher, the
+memory planner and the rollout replica grouping agreeing with it (the mesh's agreement is in
+tests/dist/test_layout_mesh.py)."""
+
+import itertools
+
+import pytest
+import torch
+
+from rlhf.config import load_config
+from rlhf.controller.dispatch import Dispatch, Layout as DispatchLayout, plan_call
+from rlhf.data.batch import Batch
+from rlhf.parallel.layout import Layout
+
+# dp=2 pp=2 tp=2 over 8 ranks, written out by hand (tp fastest, then pp, then dp):
+#   rank: 0       1       2       3       4       5       6       7
+#   (d,p,t) 000   001     010     011     100     101     110     111
+HAND = {0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 1, 0), 3: (0, 1, 1),
+        4: (1, 0, 0), 5: (1, 0, 1), 6: (1, 1, 0), 7: (1, 1, 1)}
+
+
+def test_rank_to_coordinate_and_back_by_hand():
+    lay = Layout(dp=2, pp=2, tp=2)
+    assert {r: lay.coordinate(r) for r in range(8)} == HAND
+    assert {c: lay.rank_at(dp=c[0], pp=c[1], tp=c[2]) for c in HAND.values()} == {
+        c: r for r, c in HAND.items()}
+    assert [lay.stage_of(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_groups_by_hand():
+    lay = Layout(dp=2, pp=2, tp=2)
+    assert lay.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert lay.groups("pp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert lay.groups("dp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert lay.groups("mp") == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert lay.groups("embedding") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert lay.output_ranks() == [2, 6]  # tp 0 of the last stage of each DP group
+    assert lay.group_of(5, "pp") == (5, 7) and lay.group_of(5, "dp") == (1, 5)
+    # pp=4, tp=1, dp=1: one pipeline; the embedding pair is its first and last stage
+    pipe = Layout(dp=1, pp=4)
+    assert pipe.groups("pp") == [(0, 1, 2, 3)] and pipe.groups("embedding") == [(0, 3)]
+    assert pipe.group_of(1, "embedding") is None
+    assert Layout(dp=4).groups("embedding") == [] and Layout(dp=4).output_ranks() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dp,pp,tp", [(1, 1, 1), (3, 1, 1), (1, 4, 1), (1, 1, 4), (2, 3, 2),
+                                      (4, 2, 1), (1, 2, 4)])
+def test_every_layout_is_megatron_order_and_groups_partition_the_ranks(dp, pp, tp):
+    lay = Layout.over(dp * pp * tp, tp=tp, pp=pp)
+    assert (lay.dp, lay.pp, lay.tp) == (dp, pp, tp)
+    order = list(itertools.product(range(dp), range(pp), range(tp)))  # the loop nest, not //, %
+    for rank, coord in enumerate(order):
+        assert lay.coordinate(rank) == coord
+        assert lay.rank_at(dp=coord[0], pp=coord[1], tp=coord[2]) == rank
+    for axis, size in (("dp", dp), ("pp", pp), ("tp", tp), ("mp", pp * tp)):
+        groups = lay.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(lay.world_size)), axis
+        assert all(len(g) == size for g in groups), axis
+
+
+def test_invalid_layouts_name_the_problem():
+    with pytest.raises(ValueError, match="do not split into pp=2 × tp=2"):
+        Layout.over(6, tp=2, pp=2)
+    with pytest.raises(ValueError, match="dp=3 × pp=1 × tp=2 = 6 but 4 ranks"):
+        Layout.over(4, tp=2, dp=3)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        Layout.over(4, tp=0)
+    with pytest.raises(ValueError, match="Layout.pp must be a positive int"):
+        Layout(dp=1, pp=0)
+    with pytest.raises(ValueError, match="rank 8 is outside"):
+        Layout(dp=2, pp=2, tp=2).coordinate(8)
+    with pytest.raises(ValueError, match="pp=2 is outside 0..1"):
+        Layout(dp=2, pp=2, tp=2).rank_at(dp=0, pp=2, tp=0)
+    with pytest.raises(ValueError, match="unknown axis 'ep'"):
+        Layout(dp=2).groups("ep")
+
+
+def test_dispatch_sends_each_rank_its_dp_groups_rows_and_keeps_the_layouts_output_ranks(
+        monkeypatch):
+    import rlhf.controller.dispatch as dispatch
+
+    assert DispatchLayout is Layout  # the dispatcher has no layout arithmetic of its own
+    monkeypatch.setattr(dispatch.ray, "put", lambda value: value)  # no object store needed
+    batch = Batch({"id": torch.arange(4)})
+    plan = plan_call(Dispatch.DP_COMPUTE, Layout(dp=2, pp=2, tp=2), (batch,), {})
+    rows = [call[0][0]["id"].tolist() for call in plan.args]
+    # ranks 0-3 are DP group 0 (by hand, above), 4-7 group 1; the last stage's tp 0 answers
+    assert rows == [[0, 1]] * 4 + [[2, 3]] * 4
+    assert plan.keep == [False, False, True, False, False, False, True, False]
+
+
+def test_planner_puts_each_rank_on_the_layouts_stage(monkeypatch):
+    """The shipped multi-GPU config: actor tp=4 pp=2 on 16 ranks; rank r holds stage
+    (r // 4) % 2 written out by hand, and the critic (tp=4, pp=1) stage 0 everywhere."""
+    import rlhf.plan.memory as memory
+    from rlhf.plan.inputs import hardware, role_specs
+    from tests.unit.plan.test_plan import MODELS, MULTIGPU
+
+    calls = []
+    real = memory.rank_phases
+    monkeypatch.setattr(memory, "rank_phases",
+                        lambda cfg, hw, placed, **kw: calls.append(placed) or real(
+                            cfg, hw, placed, **kw))
+    cfg = load_config(MULTIGPU, [])
+    hw = hardware(cfg)
+    specs = role_specs(cfg, hw, model_dirs=MODELS)
+    plan = memory.plan_memory(cfg, hw, specs)
+    shared = calls[:cfg.trainer.pool_size]  # the shared pool's ranks, in rank order
+    hand = [0, 0, 0, 0, 1, 1, 1, 1] * 2
+    assert [s.layout for s in specs if s.name == "actor"] == [Layout(dp=2, pp=2, tp=4)]
+    for rank, placed in enumerate(shared):
+        stage = {spec.name: stage for spec, stage in placed}
+        assert stage["actor"] is plan.stages["actor"][hand[rank]], rank
+        assert stage["critic"] is plan.stages["critic"][0], rank
+
+
+def test_rollout_replicas_are_the_mp_groups_of_a_dp_by_tp_layout():
+    """rollout_spec asks every rank for the same replica groups (collective), in the Layout's
+    order, and hands each rank the one it sits in: runs of rollout.tp consecutive ranks."""
+    from types import SimpleNamespace
+
+    from tests.unit.plan.test_plan import QUICKSTART
+    from workers.rollout import rollout_spec
+
+    class Cache:  # stands in for ProcessGroupCache: a group is the tuple of its ranks
+        def __init__(self):
+            self.asked = []
+
+        def get(self, ranks):
+            self.asked.append(tuple(ranks))
+            return tuple(ranks)
+
+    cfg = load_config(QUICKSTART, ["rollout.tp=2", "trainer.device=cuda",
+                                   "trainer.ranks_per_node=8"])
+    hand = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3), 4: (4, 5), 5: (4, 5), 6: (6, 7), 7: (6, 7)}
+    for rank in range(8):
+        cache = Cache()
+        ctx = SimpleNamespace(world_size=8, rank=rank, group_cache=cache,
+                              device=torch.device("cpu"))
+        spec = rollout_spec(ctx, cfg)
+        assert spec.replica_group == hand[rank]
+        assert cache.asked[:4] == Layout.over(8, tp=2).groups("mp") == [(0, 1), (2, 3), (4, 5),
+                                                                         (6, 7)]
