@@ -54,8 +54,10 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
         raise ValueError("a shared prefix needs causal attention")
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"
     device_type, flash_available = q_THD.device.type, _flash_fn() is not None
+    # Only a CUDA run asks for torch's kernel: its module imports torch._dynamo.
     kernel = pick_kernel(device_type, q_THD.dtype, flash_available=flash_available,
-                         torch_varlen_available=torch_varlen_fn() is not None)
+                         torch_varlen_available=device_type == "cuda"
+                         and torch_varlen_fn() is not None)
     if kernel is sdpa_split and missing_flash_message(device_type, q_THD.dtype,
                                                       flash_available=flash_available):
         _warn_missing_flash_once(device_type, q_THD.dtype)
