@@ -80,13 +80,22 @@ def bench(args: argparse.Namespace) -> list[dict]:
                 chosen = pick_kernel(device.type, dtype, flash_available=_flash_fn() is not None,
                                      torch_varlen_available=torch_varlen_fn() is not None)
                 for shared in (False, True):
-                    line = agreement(kernel, dtype, device, shared=shared, args=args)
+                    try:
+                        line = agreement(kernel, dtype, device, shared=shared, args=args)
+                    except Exception as exc:  # a kernel that raises is a failed check, not a crash
+                        line = {"dtype": str(dtype).removeprefix("torch."), "shared_prefix": shared,
+                                "error": f"{type(exc).__name__}: {exc}"[:300],
+                                "tolerance": TOLERANCE[dtype], "passed": False}
                     lines.append({"bench": "attention", "kind": "agreement", "kernel": name,
                                   "chosen": chosen is kernel, **line})
         if device.type == "cuda":
             for shape in ("equal", "mixed"):
                 for name, (kernel, dtypes) in kernels(device).items():
-                    lines.append(speed(name, kernel, device, args, shape=shape))
+                    try:
+                        lines.append(speed(name, kernel, device, args, shape=shape))
+                    except Exception as exc:
+                        lines.append({"bench": "attention", "kind": "speed", "kernel": name,
+                                      "shape": shape, "error": f"{type(exc).__name__}: {exc}"[:300]})
     return lines
 
 

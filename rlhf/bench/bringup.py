@@ -233,19 +233,23 @@ def _attention_rows(lines):
         mine = [x for x in agreements if x["kernel"] == kernel]
         worst = {}
         for x in mine:
-            err = max(x["relative_error"].values())
+            err = max(x["relative_error"].values()) if "relative_error" in x else float("inf")
             worst[x["dtype"]] = max(worst.get(x["dtype"], 0.0), err)
         chosen = sorted({x["dtype"] for x in mine if x["chosen"]})
-        figures = ", ".join(f"{d} {e:.2g} (tol {next(x['tolerance'] for x in mine if x['dtype'] == d):g})"
-                            for d, e in worst.items())
+        tolerance = {x["dtype"]: x["tolerance"] for x in mine}
+        figures = ", ".join(f"{d} {e:.2g} (tol {tolerance[d]:g})" for d, e in worst.items())
+        errors = [x["error"] for x in mine if "error" in x]
         rows.append(("PASS" if all(x["passed"] for x in mine) else "FAIL", f"attention {kernel}",
-                     f"worst rel. error {figures}; chosen for {', '.join(chosen) or 'none'}"))
+                     f"worst rel. error {figures}; chosen for {', '.join(chosen) or 'none'}"
+                     + (f"; raised: {errors[0]}" if errors else "")))
     speeds = [x for x in lines if x.get("kind") == "speed"]
     for shape in dict.fromkeys(x["shape"] for x in speeds):
         shown = [x for x in speeds if x["shape"] == shape]
-        rows.append(("INFO", f"attention speed {shape}",
-                     f"{shown[0]['tokens']} tokens in {shown[0]['sequences']} seqs, bf16 fwd+bwd: "
-                     + ", ".join(f"{x['kernel']} {x['fwd_bwd_ms']} ms" for x in shown)))
+        done = [x for x in shown if "fwd_bwd_ms" in x]
+        size = f"{done[0]['tokens']} tokens in {done[0]['sequences']} seqs, " if done else ""
+        rows.append(("INFO", f"attention speed {shape}", size + "bf16 fwd+bwd: " + ", ".join(
+            f"{x['kernel']} {x['fwd_bwd_ms']} ms" if "fwd_bwd_ms" in x
+            else f"{x['kernel']} raised {x['error']}" for x in shown)))
     return rows
 
 

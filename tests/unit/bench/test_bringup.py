@@ -117,3 +117,15 @@ def test_the_kit_imports_without_ray_vllm_or_flash_attn():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_an_attention_kernel_that_raises_is_a_failed_check():
+    lines = [ENV, {"step": "attention", "kind": "agreement", "kernel": "torch_varlen",
+                   "chosen": True, "dtype": "bfloat16", "shared_prefix": False,
+                   "error": "RuntimeError: bad cu_seqlens", "tolerance": 0.03, "passed": False},
+             {"step": "attention", "kind": "speed", "kernel": "torch_varlen", "shape": "equal",
+              "error": "RuntimeError: bad cu_seqlens"},
+             {"step": "attention", "kind": "status", "rc": 1, "seconds": 2.0}]
+    text, ok = bringup.summarize(lines)
+    assert not ok and "raised: RuntimeError: bad cu_seqlens" in text
+    assert "torch_varlen raised RuntimeError" in text
