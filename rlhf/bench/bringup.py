@@ -17,8 +17,10 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -28,15 +30,16 @@ BUDGET_S = 570.0  # the whole kit; ten minutes less start-up slack
 MFU_TARGET = 0.40
 MEMORY_TARGET = 0.10  # |measured / planned - 1|
 ENGINE_1B = ["--size", "1b", "--steps", "3", "--tokens", "8192", "--seq-len", "1024"]
-# (name, command after `python -m`, seconds at most); {out} is the output folder.
+# (name, command after `python -m`, seconds at most); {out} is the output folder, {scratch} a
+# temporary one for what should not travel with the results (the tiny model).
 STEPS = (
     ("attention", ["rlhf.cli", "bench", "attention"], 90),
     ("pytest", ["pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
                 "--junitxml={out}/pytest.xml", "tests"], 200),
-    ("tiny_model", ["rlhf.cli", "make-tiny-model", "{out}/tiny", "--layers", "4", "--hidden",
+    ("tiny_model", ["rlhf.cli", "make-tiny-model", "{scratch}/tiny", "--layers", "4", "--hidden",
                     "256", "--heads", "8", "--kv-heads", "4", "--intermediate", "512",
                     "--vocab", "1024", "--max-position", "256", "--overwrite"], 60),
-    ("verify", ["rlhf.cli", "verify-model", "{out}/tiny", "--device", "cuda", "--num-seqs", "8",
+    ("verify", ["rlhf.cli", "verify-model", "{scratch}/tiny", "--device", "cuda", "--num-seqs", "8",
                 "--max-len", "128"], 120),
     ("engine", ["rlhf.cli", "bench", "engine", *ENGINE_1B, "--micro-batches", "4"], 300),
     ("engine_2mb", ["rlhf.cli", "bench", "engine", *ENGINE_1B, "--micro-batches", "2",
@@ -82,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     results.unlink(missing_ok=True)
     _append(results, {"step": "env", **environment()})
     deadline = time.monotonic() + args.budget
+    scratch = tempfile.mkdtemp(prefix="rlhf-bringup-")
     for name, command, limit in steps(smoke=args.smoke):
         if args.only is not None and name not in args.only:
             continue
@@ -90,14 +94,16 @@ def main(argv: list[str] | None = None) -> int:
             _append(results, {"step": name, "kind": "status", "rc": None,
                               "skipped": "the kit's time budget ran out"})
             continue
-        run_step(name, [a.format(out=out) for a in command], out=out, results=results,
-                 python=args.python, timeout_s=min(limit, remaining))
+        command = [a.format(out=out, scratch=scratch) for a in command]
+        run_step(name, command, out=out, results=results, python=args.python,
+                 timeout_s=min(limit, remaining))
         if name in FALLBACKS and not _has_kind(results, name, "step"):
             fallback, extra = FALLBACKS[name]
             remaining = deadline - time.monotonic()
             if remaining >= 20:
-                run_step(fallback, [a.format(out=out) for a in command] + extra, out=out,
-                         results=results, python=args.python, timeout_s=min(limit, remaining))
+                run_step(fallback, command + extra, out=out, results=results,
+                         python=args.python, timeout_s=min(limit, remaining))
+    shutil.rmtree(scratch, ignore_errors=True)
     lines = [json.loads(x) for x in results.read_text().splitlines() if x.strip()]
     text, ok = summarize(lines, out=out)
     (out / "summary.txt").write_text(text + "\n")

@@ -96,6 +96,7 @@ def test_smoke_steps_run_and_write_logs_results_and_summary(tmp_path):
     summary = (tmp_path / "summary.txt").read_text()
     assert "PASS  verify-model cuda" in summary and "PASS  attention sdpa_split" in summary
     assert (tmp_path / "verify.log").read_text().startswith("$ rlhf.cli verify-model")
+    assert not (tmp_path / "tiny").exists()  # the model stays out of the results folder
 
 
 def test_pytest_collects_without_ray_skipping_what_needs_it():
