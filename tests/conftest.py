@@ -1,12 +1,83 @@
 """Shared by every tier: no test may reach a model hub (none is reachable here anyway), and a
-one-process gloo world for tests that call role code in the test process."""
+one-process gloo world for tests that call role code in the test process.
+
+Where Ray, vLLM or flash-attn is not installed (a bare GPU box with torch and transformers,
+where `examples/gpu_bringup.sh` runs `pytest -m gpu`), a test module whose import needs one is
+reported as skipped, naming the package, instead of as a collection error, and tests marked
+`vllm` are skipped. Where the package is installed nothing changes: an import error is an error.
+"""
 
 import datetime
+import importlib
+import importlib.util
+import sys
 
 import pytest
 import torch.distributed as dist
 
 from rlhf.parallel.launch import free_port
+
+OPTIONAL_PACKAGES = ("ray", "vllm", "flash_attn")
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def missing_optional(exc: BaseException | None) -> str | None:
+    """The optional package whose absence caused `exc` (followed through its causes), if any.
+
+    "cannot import name X from M" after M itself failed on a missing package (another test
+    module imported M first and left it half-initialised) counts as that package too.
+    """
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            root = exc.name.split(".")[0]
+            if root in OPTIONAL_PACKAGES and not installed(root):
+                return root
+        elif isinstance(exc, ImportError) and exc.name and exc.name.startswith("tests."):
+            return _import_fails_for(exc.name)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _import_fails_for(module: str) -> str | None:
+    sys.modules.pop(module, None)
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        return missing_optional(exc)
+    return None
+
+
+class _Module(pytest.Module):
+    """A test module that is skipped, not an error, when an optional package is missing."""
+
+    def _getobj(self):
+        try:
+            return super()._getobj()
+        except self.CollectError as exc:
+            package = missing_optional(exc)
+            if package is None:
+                raise
+            raise pytest.skip.Exception(f"{self.path.name} needs {package}, which is not installed here",
+                                        allow_module_level=True) from None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makemodule(module_path, parent):
+    return _Module.from_parent(parent, path=module_path)
+
+
+def pytest_collection_modifyitems(config, items):
+    if installed("vllm"):
+        return
+    skip = pytest.mark.skip(reason="marked vllm: needs vllm, which is not installed here")
+    for item in items:
+        if item.get_closest_marker("vllm"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import importlib
 
 # name -> module under rlhf.bench; imported only when the parser is built.
 BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout": "rollout",
-                               "engine": "engine",
+                               "engine": "engine", "attention": "attention",
                                "step": "step"}
 
 

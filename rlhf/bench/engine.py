@@ -13,8 +13,14 @@ tokens (sequences of `--seq-len`). JSON lines:
   `TrainEngine.state_tensors()` (exact) and the bytes saved for backward by one micro-batch
   (storages caught by a saved-tensors hook, parameters excluded) against the planner's
   activations + logits. The planner models flash attention; the CPU runs an SDPA loop.
-- "logprobs": the model in bf16 (a forward-only engine) against transformers in bf16 on the
-  same weights: max and mean abs difference of the response tokens' log-probs.
+- "offload": the training state's round trip through host memory (rlhf.engine.offload, every
+  switch on; pinned on CUDA): bytes, GB/s each way (the first trip allocates the host copies),
+  whether sampled elements came back bit-exact, against a plain copy of one tensor between
+  the device and pinned host memory measured in the same run.
+- "logprobs": on the same bf16-rounded weights, the engine in bf16 and in fp32 and
+  transformers in bf16 and in fp64 (the reference; fp32 without TF32): max and mean abs
+  difference of the response tokens' log-probs for each pair, so bf16's gap between two
+  implementations reads against each one's own distance from the exact value.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_per_token
+from rlhf.engine.offload import Offloader
 from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
 from rlhf.models.config import ModelArgs
@@ -62,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--no-logprobs", action="store_true",
                         help="skip the comparison with transformers")
+    parser.add_argument("--no-offload", action="store_true",
+                        help="skip the offload round trip")
+    parser.add_argument("--attention-kernel", default="auto",
+                        choices=["auto", "sdpa_split", "torch_varlen", "flash_varlen"],
+                        help="auto: the one rlhf.models.attention.pick_kernel picks; else force "
+                             "one for this run (to compare kernels)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -84,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> list[dict]:
     """Every JSON line of the benchmark (see the module docstring)."""
+    if args.attention_kernel != "auto":
+        _force_kernel(args.attention_kernel)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model_args = _model_args(args)
@@ -100,6 +115,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
               "recompute": args.recompute}]
     lines.append(_time_steps(engine, mbs, args, model_args, device))
     lines.append(_memory(engine, mbs, spec, device))
+    if not args.no_offload:
+        lines.append(offload_round_trip(engine, device))
     if not args.no_logprobs:
         lines.append(_logprobs(engine, model_args, mbs[0], device))
     return lines
@@ -159,10 +176,19 @@ def _device_name(device: torch.device) -> str:
 # ---- speed -------------------------------------------------------------------------------------
 
 
-def _step(engine: TrainEngine, mbs: list[MicroBatch]) -> None:
+def _step(engine: TrainEngine, mbs: list[MicroBatch], device: torch.device | None = None,
+          split: list | None = None) -> None:
+    """One optimizer step; with `split`, append (forward-backward s, optimizer s) to it."""
     tokens = sum(int(mb.predicts_response_T.sum()) for mb in mbs)
+    start = time.perf_counter()
     engine.forward_backward(mbs, _loss_fn(tokens), outputs=("log_probs",))
+    if split is not None:
+        _sync(device)
+        middle = time.perf_counter()
     engine.step()
+    if split is not None:
+        _sync(device)
+        split.append((middle - start, time.perf_counter() - middle))
 
 
 def _sync(device: torch.device) -> None:
@@ -172,13 +198,14 @@ def _sync(device: torch.device) -> None:
 
 def _time_steps(engine, mbs, args, model_args: ModelArgs, device) -> dict:
     _step(engine, mbs)  # warm-up: allocator, kernels, optimizer state
-    walls = []
+    walls, split = [], []
     for _ in range(args.steps):
         _sync(device)
         start = time.perf_counter()
         _step(engine, mbs)
         _sync(device)
         walls.append(time.perf_counter() - start)
+    _step(engine, mbs, device, split)  # once more, synchronised between the two halves
     wall = statistics.median(walls)
     tokens = sum(mb.num_tokens for mb in mbs)
     flops = PASSES["update_actor"] * tokens * forward_flops_per_token(model_args,
@@ -188,7 +215,28 @@ def _time_steps(engine, mbs, args, model_args: ModelArgs, device) -> dict:
             "tokens_per_s": round(tokens / wall, 1),
             "model_tflops_per_s": _sig(flops / wall / 1e12),
             "peak_tflops_per_s": _sig(peak / 1e12) if peak else None, "peak_source": source,
-            "mfu": _sig(flops / wall / peak) if peak else None}
+            "mfu": _sig(flops / wall / peak) if peak else None,
+            "micro_batches": len(mbs), "forward_backward_s": round(split[0][0], 4),
+            "optimizer_step_s": round(split[0][1], 4), "attention_kernel": _kernel_name(device)}
+
+
+def _kernel_name(device: torch.device) -> str:
+    """The varlen attention kernel this run's model uses (rlhf.models.attention.pick_kernel)."""
+    from rlhf.models import attention
+    from rlhf.models.varlen_kernels import torch_varlen_fn
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return attention.pick_kernel(device.type, dtype,
+                                 flash_available=attention._flash_fn() is not None,
+                                 torch_varlen_available=torch_varlen_fn() is not None).__name__
+
+
+def _force_kernel(name: str) -> None:
+    """Make varlen_attention use kernel `name` in this (benchmark) process."""
+    from rlhf.models import attention, varlen_kernels
+
+    kernel = getattr(attention, name, None) or getattr(varlen_kernels, name)
+    attention.pick_kernel = lambda *args, **kwargs: kernel
 
 
 def _sig(x: float) -> float:
@@ -227,7 +275,12 @@ def _memory(engine: TrainEngine, mbs, spec, device: torch.device) -> dict:
     state = sum(stage.state.values())
     held = sum(t.numel() * t.element_size() for ts in engine.state_tensors().values() for t in ts)
     line = {"bench": "engine", "kind": "memory", "planned_state_bytes": state,
-            "held_state_bytes": held, "planned_activation_bytes": stage.activations + stage.logits}
+            "held_state_bytes": held, "planned_activation_bytes": stage.activations + stage.logits,
+            "planned_layer_activation_bytes": stage.activations,
+            "planned_head_bytes": stage.logits}
+    head_ops = getattr(stage, "head", None)  # the planner's LM-head workspace by op, if it has one
+    if head_ops:
+        line["planned_head_by_op"] = dict(head_ops)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         _step(engine, mbs)
@@ -264,19 +317,121 @@ def saved_for_backward_bytes(engine: TrainEngine, mb: MicroBatch) -> int:
     return sum(seen.values())
 
 
+# ---- offload round trip -----------------------------------------------------------------------
+
+
+def offload_round_trip(engine: TrainEngine, device: torch.device, *,
+                       baseline_bytes: int = 2**31) -> dict:
+    """The engine's whole state to the host and back twice (rlhf.engine.offload), against a
+    plain device <-> pinned-host copy of min(state, `baseline_bytes`) bytes."""
+    from rlhf.config.roles import OffloadConfig
+
+    tensors = {id(t): t for ts in engine.state_tensors().values() for t in ts}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    samples = {k: _sample(t) for k, t in tensors.items()}
+    trips = []
+    _sync(device)
+    start = time.perf_counter()
+    offloader = Offloader(engine.state_tensors, config=OffloadConfig(
+        params=True, grads=True, optimizer=True))  # enters "idle": everything to the host
+    _sync(device)
+    for _ in range(2):
+        to_host = time.perf_counter() - start
+        start = time.perf_counter()
+        offloader.enter("update")
+        _sync(device)
+        trips.append((to_host, time.perf_counter() - start))
+        start = time.perf_counter()
+        offloader.enter("idle")
+        _sync(device)
+    offloader.enter("update")
+    _sync(device)
+    exact = all(torch.equal(_sample(t), samples[k]) for k, t in tensors.items())
+    pinned = device.type == "cuda"
+    line = {"bench": "engine", "kind": "offload", "bytes": total, "pinned": pinned,
+            "bit_exact_samples": exact,
+            "first_to_host_gb_per_s": _rate(total, trips[0][0]),
+            "first_to_device_gb_per_s": _rate(total, trips[0][1]),
+            "to_host_gb_per_s": _rate(total, trips[1][0]),
+            "to_device_gb_per_s": _rate(total, trips[1][1])}
+    line.update(plain_copy_rates(device, min(total, baseline_bytes)))
+    return line
+
+
+def plain_copy_rates(device: torch.device, nbytes: int) -> dict:
+    """GB/s of one tensor copied device -> (pinned) host and back, the best of three."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    best = {"plain_to_host_gb_per_s": 0.0, "plain_to_device_gb_per_s": 0.0}
+    for _ in range(3):
+        for key, dst, source in (("plain_to_host_gb_per_s", host, src),
+                                 ("plain_to_device_gb_per_s", src, host)):
+            _sync(device)
+            start = time.perf_counter()
+            dst.copy_(source, non_blocking=True)
+            _sync(device)
+            best[key] = max(best[key], _rate(nbytes, time.perf_counter() - start))
+    return {"plain_bytes": nbytes, **best}
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    flat = t.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // 4096)].clone()
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return round(nbytes / max(seconds, 1e-9) / 1e9, 2)
+
+
 # ---- log-probs against transformers ------------------------------------------------------------
+
+# name -> (implementation, dtype); the last is the reference the others are measured against.
+LOGPROB_RUNS = {"engine_bf16": ("engine", torch.bfloat16), "engine_fp32": ("engine", torch.float32),
+                "transformers_bf16": ("transformers", torch.bfloat16),
+                "transformers_fp64": ("transformers", torch.float64)}
+LOGPROB_PAIRS = (("engine_bf16", "transformers_bf16"), ("engine_bf16", "transformers_fp64"),
+                 ("transformers_bf16", "transformers_fp64"), ("engine_fp32", "transformers_fp64"))
 
 
 def _logprobs(engine: TrainEngine, model_args: ModelArgs, mb: MicroBatch, device) -> dict:
-    import transformers
+    from rlhf.models.verify import ieee_fp32
 
+    # Every model below holds exactly these values: the gaps are arithmetic, not weights.
     weights = {name: t.to(torch.bfloat16) for bucket in engine.export_hf_weights(
         bucket_bytes=2**28) for name, t in bucket}
-    ours = CausalLM(model_args).to(device=device, dtype=torch.bfloat16)
-    ours.load_state_dict(weights, strict=False)
+    mask = mb.predicts_response_T
+    got = {}
+    with ieee_fp32():
+        for name, (impl, dtype) in LOGPROB_RUNS.items():
+            run = _engine_log_probs if impl == "engine" else _transformers_log_probs
+            got[name] = run(weights, model_args, mb, engine.mesh, device, dtype)[mask].double()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    line = {"bench": "engine", "kind": "logprobs", "dtype": "bfloat16", "tokens": int(mask.sum()),
+            "reference": "transformers_fp64"}
+    for a, b in LOGPROB_PAIRS:
+        diff = (got[a] - got[b]).abs()
+        line[f"{a}_vs_{b}"] = {"max_abs_diff": _sig(float(diff.max())),
+                               "mean_abs_diff": _sig(float(diff.mean()))}
+    line["max_abs_diff"] = line["engine_bf16_vs_transformers_bf16"]["max_abs_diff"]
+    line["mean_abs_diff"] = line["engine_bf16_vs_transformers_bf16"]["mean_abs_diff"]
+    return line
+
+
+def _engine_log_probs(weights, model_args: ModelArgs, mb: MicroBatch, mesh, device,
+                      dtype) -> torch.Tensor:
+    with torch.device(device):
+        ours = CausalLM(model_args).to(dtype)
+    ours.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
     ours.tie_weights()
-    mesh = engine.mesh
-    ours_lp = TrainEngine(ours, mesh, optim=None).forward([mb], outputs=("log_probs",))[0]
+    return TrainEngine(ours, mesh, optim=None).forward([mb], outputs=("log_probs",))[0][
+        "log_probs"]
+
+
+def _transformers_log_probs(weights, model_args: ModelArgs, mb: MicroBatch, mesh, device,
+                            dtype) -> torch.Tensor:
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=model_args.vocab_size, hidden_size=model_args.hidden_size,
         intermediate_size=model_args.intermediate_size, num_hidden_layers=model_args.num_layers,
@@ -284,28 +439,26 @@ def _logprobs(engine: TrainEngine, model_args: ModelArgs, mb: MicroBatch, device
         max_position_embeddings=model_args.max_position_embeddings,
         rope_theta=model_args.rope_theta, rms_norm_eps=model_args.rms_norm_eps,
         tie_word_embeddings=model_args.tie_word_embeddings)
-    hf = transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
-    missing, unexpected = hf.load_state_dict(weights, strict=False)
+    with torch.device(device):
+        hf = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    missing, unexpected = hf.load_state_dict({k: v.to(dtype) for k, v in weights.items()},
+                                             strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise RuntimeError(f"weights do not map onto transformers: missing {missing}, "
                            f"unexpected {unexpected}")
     hf.tie_weights()
-    want = _hf_log_probs(hf, mb)
-    mask = mb.predicts_response_T
-    diff = (ours_lp["log_probs"][mask].float() - want[mask]).abs()
-    return {"bench": "engine", "kind": "logprobs", "dtype": "bfloat16", "tokens": int(mask.sum()),
-            "max_abs_diff": round(float(diff.max()), 5),
-            "mean_abs_diff": round(float(diff.mean()), 6)}
+    return _hf_log_probs(hf, mb)
 
 
 @torch.no_grad()
 def _hf_log_probs(hf, mb: MicroBatch) -> torch.Tensor:
-    """(T,) log-prob of each next token from transformers, sequence by sequence, fp32."""
-    out = torch.zeros(mb.num_tokens, device=mb.packed.tokens.device)
+    """(T,) log-prob of each next token from transformers, sequence by sequence, in fp64 from
+    the model's own logits."""
+    out = torch.zeros(mb.num_tokens, device=mb.packed.tokens.device, dtype=torch.float64)
     bounds = mb.packed.cu_seqlens.tolist()
     for start, stop in zip(bounds[:-1], bounds[1:]):
         ids = mb.packed.tokens[start:stop]
-        logits = hf(input_ids=ids[None]).logits[0].float()
+        logits = hf(input_ids=ids[None]).logits[0].double()
         lp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None])[:, 0]
         out[start:stop - 1] = lp
     return out

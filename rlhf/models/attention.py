@@ -1,7 +1,8 @@
 """Varlen (packed, THD) causal attention behind one interface.
 
 On CUDA with flash-attn installed and a half-precision input, flash-attn's varlen kernel runs
-over the whole packed stream (a missing flash-attn on CUDA is warned about once). Everywhere
+over the whole packed stream; without flash-attn, torch's own varlen flash kernel does
+(rlhf.models.varlen_kernels), and where this torch has none either, a warning says so once. Everywhere
 else `sdpa_split` runs PyTorch's fused SDPA kernel (flash attention for CPU, or CUDA's): one
 batched call per set of sequences of one length, or one call per sequence on views of the
 packed tensors when all lengths differ. Nothing crosses sequence boundaries and no padding is
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.data.packing import SharedPrefix
+from rlhf.models.varlen_kernels import torch_varlen, torch_varlen_fn
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
@@ -52,17 +54,27 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
         raise ValueError("a shared prefix needs causal attention")
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"
     device_type, flash_available = q_THD.device.type, _flash_fn() is not None
-    if missing_flash_message(device_type, q_THD.dtype, flash_available=flash_available):
+    # Only a CUDA run asks for torch's kernel: its module imports torch._dynamo.
+    kernel = pick_kernel(device_type, q_THD.dtype, flash_available=flash_available,
+                         torch_varlen_available=device_type == "cuda"
+                         and torch_varlen_fn() is not None)
+    if kernel is sdpa_split and missing_flash_message(device_type, q_THD.dtype,
+                                                      flash_available=flash_available):
         _warn_missing_flash_once(device_type, q_THD.dtype)
-    kernel = pick_kernel(device_type, q_THD.dtype, flash_available=flash_available)
     return kernel(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                   causal=causal, scale=scale, prefix=prefix)
 
 
-def pick_kernel(device_type: str, dtype: torch.dtype, *, flash_available: bool) -> Callable:
-    """The kernel `varlen_attention` uses for this device and dtype (pure, so tests check it)."""
-    if device_type == "cuda" and flash_available and dtype in _FLASH_DTYPES:
-        return flash_varlen
+def pick_kernel(device_type: str, dtype: torch.dtype, *, flash_available: bool,
+                torch_varlen_available: bool = False) -> Callable:
+    """The kernel `varlen_attention` uses for this device and dtype (pure, so tests check it):
+    flash-attn's, else torch's own varlen flash kernel (rlhf.models.varlen_kernels), on CUDA
+    in half precision; sdpa_split otherwise."""
+    if device_type == "cuda" and dtype in _FLASH_DTYPES:
+        if flash_available:
+            return flash_varlen
+        if torch_varlen_available:
+            return torch_varlen
     return sdpa_split
 
 

@@ -11,10 +11,16 @@ gathered to full.
 With pp > 1 the batch runs as micro-batches of two sequences through the engine's pipeline
 schedule (1F1B, or interleaved with vpp > 1); logits stay on the last stage, so log-probs,
 entropy and grads are compared and "logits" is left out of the report.
+
+With `device="cuda"` the ranks are NCCL processes, one per GPU (by default one per visible
+GPU), the reference runs in fp32 on the first GPU, and fp32 matmuls are IEEE on both sides
+(TF32 off, `ieee_fp32`), so the tolerance covers summation order only.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -35,23 +41,34 @@ from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.stages import split_layers
 
 CHECKS = ("logits", "log_probs", "entropy", "grads")
+# Largest max abs difference that passes by default: fp32 on the CPU, and fp32 on a GPU, whose
+# kernels (cuBLAS split-K, SDPA's fused kernels) add in another order than transformers' path.
+DEFAULT_TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
 
 
 def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
-                 sequence_parallel: bool = False, nproc: int | None = None, tolerance: float = 1e-5, seed: int = 0,
-                 num_seqs: int = 6, max_len: int = 48, timeout_s: float = 600.0) -> dict:
-    """Run the comparison; return the report (`passed` says whether every max abs difference
-    is within `tolerance`). Bad input raises RLHFError before any process starts."""
+                 sequence_parallel: bool = False, nproc: int | None = None,
+                 tolerance: float | None = None, seed: int = 0, num_seqs: int = 6,
+                 max_len: int = 48, timeout_s: float = 600.0, device: str = "cpu") -> dict:
+    """Run the comparison on `device` ("cpu": gloo; "cuda": NCCL, a GPU per process); return
+    the report (`passed` says whether every max abs difference is within `tolerance`, default
+    DEFAULT_TOLERANCE[device]). Bad input raises RLHFError before any process starts."""
     folder = Path(folder)
+    if device not in DEFAULT_TOLERANCE:
+        raise RLHFError(f"--device must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RLHFError("--device cuda: torch sees no CUDA device here; use --device cpu")
+    tolerance = DEFAULT_TOLERANCE[device] if tolerance is None else tolerance
     plan, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
                                       sequence_parallel=sequence_parallel, nproc=nproc,
-                                      num_seqs=num_seqs, max_len=max_len)
+                                      num_seqs=num_seqs, max_len=max_len, device=device)
     seqs = random_batch(args, _pad_id(folder), num_seqs=num_seqs, max_len=max_len, seed=seed)
     with tempfile.TemporaryDirectory(prefix="rlhf-verify-") as tmp:
         ref_path = Path(tmp) / "reference.pt"
-        torch.save(hf_reference(folder, seqs), ref_path)
+        torch.save(hf_reference(folder, seqs, device=device), ref_path)
         per_rank = run_distributed(_rank_check, nproc, str(folder), plan, str(ref_path), seqs,
-                                   timeout_s=timeout_s)
+                                   device, timeout_s=timeout_s,
+                                   backend="nccl" if device == "cuda" else "gloo")
     diffs = {check: max(r[check] for r in per_rank) for check in CHECKS if check in per_rank[0]}
     worst = max(per_rank, key=lambda r: r["grads"])["worst_grad"]
     return {
@@ -59,21 +76,28 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * pp), "nproc": nproc,
                    "sequence_parallel": sequence_parallel, **({"vpp": vpp} if vpp > 1 else {})},
         "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
-        "max_abs_diff": diffs, "worst_grad": worst, "tolerance": tolerance,
+        "device": per_rank[0]["device"], "tf32": per_rank[0]["tf32"], "max_abs_diff": diffs, "worst_grad": worst, "tolerance": tolerance,
         "passed": all(d <= tolerance for d in diffs.values()),
     }
 
 
-def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len):
+def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len,
+                  device="cpu"):
     plan = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
     if not folder.is_dir():
         raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
     args = ModelArgs.from_pretrained(folder)
     check_tp_compatible(args, tp)
     split_layers(args.num_layers, stages=pp * vpp)  # ConfigError when there are too few layers
-    nproc = tp * pp if nproc is None else nproc
+    gpus = torch.cuda.device_count() if device == "cuda" else None
+    if nproc is None:
+        nproc = gpus if gpus is not None else tp * pp
     if nproc < 1 or nproc % (tp * pp):
-        raise RLHFError(f"--nproc {nproc} is not a positive multiple of tp * pp = {tp * pp}")
+        where = f" (the {gpus} visible GPUs)" if gpus is not None else ""
+        raise RLHFError(f"--nproc {nproc}{where} is not a positive multiple of tp * pp = "
+                        f"{tp * pp}; pass --nproc")
+    if gpus is not None and nproc > gpus:
+        raise RLHFError(f"--nproc {nproc} needs a GPU per process but {gpus} are visible")
     if num_seqs < 1 or max_len < 1:
         raise RLHFError(f"num_seqs ({num_seqs}) and max_len ({max_len}) must be positive")
     return plan, nproc, args
@@ -104,39 +128,71 @@ def verification_loss(log_probs_T, entropy_T, valid_T):
     return (log_probs_T * valid_T).sum() / valid_T.sum().clamp(min=1) + entropy_T.mean()
 
 
-def hf_reference(folder: Path, seqs: list[torch.Tensor]) -> dict:
-    """transformers in fp32, sequence by sequence: logits, log-probs, entropy, grads."""
+@contextlib.contextmanager
+def ieee_fp32():
+    """fp32 matmuls in full fp32 inside (no TF32 on CUDA), the previous setting restored after."""
+    matmul, cudnn = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def hf_reference(folder: Path, seqs: list[torch.Tensor], *, device: str = "cpu") -> dict:
+    """transformers in fp32 on `device` (its first GPU for "cuda"), sequence by sequence:
+    logits, log-probs, entropy, grads; on the CPU."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a loading bar would garble the tool's output
     try:
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     finally:
         if bar:
             hf_logging.enable_progress_bar()
-    logits_TV = torch.cat([hf(s[None]).logits[0] for s in seqs])
-    targets_T, valid_T = shifted_targets(pack(seqs))
-    logp_TV = torch.log_softmax(logits_TV, -1)
-    log_probs_T = logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T
-    entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
-    verification_loss(log_probs_T, entropy_T, valid_T).backward()
-    return {"logits": logits_TV.detach(), "log_probs": log_probs_T.detach(),
-            "entropy": entropy_T.detach(), "valid": valid_T,
-            "grads": {n: p.grad for n, p in hf.named_parameters()}}
+    with ieee_fp32():
+        logits_TV = torch.cat([hf(s[None].to(device)).logits[0] for s in seqs])
+        targets_T, valid_T = (t.to(device) for t in shifted_targets(pack(seqs)))
+        logp_TV = torch.log_softmax(logits_TV, -1)
+        log_probs_T = logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T
+        entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
+        verification_loss(log_probs_T, entropy_T, valid_T).backward()
+    return {"logits": logits_TV.detach().cpu(), "log_probs": log_probs_T.detach().cpu(),
+            "entropy": entropy_T.detach().cpu(), "valid": valid_T.cpu(),
+            "grads": {n: p.grad.cpu() for n, p in hf.named_parameters()}}
 
 
 def _rank_check(rank: int, world: int, folder: str, plan: ParallelConfig, ref_path: str,
-                seqs: list[torch.Tensor]) -> dict:
-    ref = torch.load(ref_path, mmap=True)
-    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
-    model, table = build_model(folder, mesh=mesh, plan=plan, head="lm")
+                seqs: list[torch.Tensor], device_type: str = "cpu") -> dict:
+    # run_distributed made this rank's GPU the current device (NCCL).
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
+        else torch.device("cpu")
+    with ieee_fp32():
+        report = _compare(folder, plan, torch.load(ref_path, mmap=True), seqs, world=world,
+                          device=device)
+        tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
+    return {**report, "device": _device_name(device), "tf32": tf32}
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _compare(folder: str, plan: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
+             world: int, device: torch.device) -> dict:
+    ref["valid"] = ref["valid"].to(device)
+    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache(),
+                        device_type=device.type)
+    model, table = build_model(folder, mesh=mesh, plan=plan, head="lm", device=device)
     # A training engine, for its grad buffer and sync; its optimizer never steps.
     engine = TrainEngine(model, mesh, optim=OptimizerConfig(), table=table)
     if plan.pp > 1:
         return _pipeline_check(engine, seqs, ref)
-    packed = pack(seqs)
+    packed = _to_device(pack(seqs), device)
     with torch.no_grad():
         shard = vocab_shard(model, mesh)
         logits_TV = all_gather(forward_packed(model, packed, mesh=mesh), dim=-1,
@@ -165,12 +221,13 @@ def _grad_diffs(engine: TrainEngine, ref: dict) -> dict:
 def _pipeline_check(engine: TrainEngine, seqs: list[torch.Tensor], ref: dict) -> dict:
     """The pipeline schedule's backward and forward-only pass over micro-batches of two."""
     mbs = [MicroBatch(pack_prompt_response([s[:1] for s in part], [s[1:] for s in part]))
-           for part in (seqs[i:i + 2] for i in range(0, len(seqs), 2))]
+           .to(engine.device) for part in (seqs[i:i + 2] for i in range(0, len(seqs), 2))]
     num_valid, num_tokens = ref["valid"].sum().clamp(min=1), ref["valid"].numel()
     dp = engine.mesh.dp_size
 
     def loss_fn(out, mb):  # each micro-batch's share of verification_loss, 1/dp of it
         _, valid_T = shifted_targets(mb.packed)
+        valid_T = valid_T.to(out["log_probs"].device)
         return ((out["log_probs"] * valid_T).sum() / num_valid
                 + out["entropy"].sum() / num_tokens) / dp, {}
 
@@ -186,4 +243,12 @@ def _max_diff(name: str, got: torch.Tensor, want: torch.Tensor) -> float:
     if got.shape != want.shape:
         raise RLHFError(f"{name}: shape {tuple(got.shape)} but transformers gives "
                         f"{tuple(want.shape)}")
-    return (got.detach().float() - want.float()).abs().max().item() if want.numel() else 0.0
+    return (got.detach().cpu().float() - want.float()).abs().max().item() if want.numel() else 0.0
+
+
+def _to_device(packed, device: torch.device):
+    if device.type == "cpu":
+        return packed
+    return dataclasses.replace(packed, **{f.name: getattr(packed, f.name).to(device)
+                                          for f in dataclasses.fields(packed)
+                                          if isinstance(getattr(packed, f.name), torch.Tensor)})

@@ -56,6 +56,8 @@ def run_distributed(
 
     `fn` and `args` must be picklable (a module-level function) and so must the results.
     Collectives in the children time out after `collective_timeout_s` (default `timeout_s`).
+    With backend "nccl" rank r runs on local GPU r (modulo the visible GPUs), set current
+    before the process group starts.
     Raises DistributedRunError naming the rank (with its traceback) if a rank raises or dies,
     and DistributedTimeoutError if the ranks have not all returned within `timeout_s`.
     """
@@ -99,6 +101,8 @@ def run_distributed(
 def _child(job, rank, world_size, init_method, backend, pg_timeout_s, conn: Connection):
     torch.set_num_threads(1)  # ranks share a few cores
     try:
+        if backend == "nccl":  # one GPU per rank, current before NCCL binds to it
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         fn, args = pickle.loads(job)
         dist.init_process_group(
             backend,

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from rlhf.cli import main
 from rlhf.config.tiny import TinyModelConfig
@@ -92,3 +93,60 @@ def test_tp_defaults_to_one(folder, capsys):
     report = _report(capsys)
     assert report["passed"]
     assert (report["layout"]["tp"], report["layout"]["pp"], report["layout"]["nproc"]) == (1, 1, 1)
+
+
+def test_report_names_the_device_and_tf32(folder, capsys):
+    assert main(["verify-model", folder, "--num-seqs", "2", "--max-len", "8",
+                 "--device", "cpu"]) == 0
+    report = _report(capsys)
+    assert report["device"] == "cpu" and report["tf32"] is False
+    assert report["tolerance"] == 1e-5  # the CPU default
+
+
+def test_cuda_without_a_gpu_exits_2(folder, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert main(["verify-model", folder, "--device", "cuda"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_cuda_starts_one_process_per_visible_gpu(folder, monkeypatch):
+    from pathlib import Path
+
+    from rlhf.errors import RLHFError
+    from rlhf.models.verify import _check_inputs
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    common = dict(pp=1, vpp=1, sequence_parallel=False, num_seqs=2, max_len=8, device="cuda")
+    assert _check_inputs(Path(folder), tp=2, nproc=None, **common)[1] == 4
+    assert _check_inputs(Path(folder), tp=1, nproc=2, **common)[1] == 2
+    with pytest.raises(RLHFError, match="needs a GPU per process but 4 are visible"):
+        _check_inputs(Path(folder), tp=1, nproc=8, **common)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(RLHFError, match=r"--nproc 3 \(the 3 visible GPUs\) is not a positive "
+                                        r"multiple of tp \* pp = 2"):
+        _check_inputs(Path(folder), tp=2, nproc=None, **common)
+
+
+def test_ieee_fp32_turns_tf32_off_and_restores():
+    from rlhf.models.verify import ieee_fp32
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 allowed
+    try:
+        with ieee_fp32():
+            assert torch.get_float32_matmul_precision() == "highest"
+            assert not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_nccl_matches_transformers_on_every_visible_gpu(folder, capsys):
+    assert main(["verify-model", folder, "--device", "cuda", "--num-seqs", "4"]) == 0
+    report = _report(capsys)
+    assert report["layout"]["nproc"] == torch.cuda.device_count()
+    assert report["device"] != "cpu" and report["tf32"] is False
+    assert report["passed"], report

@@ -1,5 +1,5 @@
 """`rlhf bench engine` on the CPU, small: one training step timed, memory against the planner,
-bf16 log-probs against transformers."""
+the offload round trip, bf16 and fp32 log-probs against transformers and an fp64 reference."""
 
 import json
 import subprocess
@@ -20,7 +20,7 @@ def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement
                           capture_output=True, text=True, timeout=580, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = {x["kind"]: x for x in map(json.loads, proc.stdout.strip().splitlines())}
-    assert set(lines) == {"config", "step", "memory", "logprobs"}
+    assert set(lines) == {"config", "step", "memory", "offload", "logprobs"}
     assert lines["config"]["device"] == "cpu" and lines["config"]["tokens_per_step"] == 512
     step = lines["step"]
     assert step["tokens_per_s"] > 0 and step["peak_source"].startswith("measured")
@@ -30,6 +30,16 @@ def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement
     assert memory["held_state_bytes"] == memory["planned_state_bytes"]  # exact
     # the activation estimate (flash attention) is within 30% of what the CPU path saves
     assert 0.7 < memory["activation_ratio"] < 1.3
+    assert step["attention_kernel"] == "sdpa_split" and step["micro_batches"] == 2
+    assert 0 < step["forward_backward_s"] and 0 < step["optimizer_step_s"]
+    offload = lines["offload"]
+    assert offload["bytes"] == memory["held_state_bytes"] and offload["bit_exact_samples"]
+    assert offload["pinned"] is False and offload["to_host_gb_per_s"] > 0
+    assert offload["plain_to_device_gb_per_s"] > 0
     logprobs = lines["logprobs"]
     assert logprobs["tokens"] == 4 * (64 - 16)  # every response token of one micro-batch
     assert 0 <= logprobs["mean_abs_diff"] <= logprobs["max_abs_diff"] < 0.05  # bf16 rounding
+    # Against the fp64 reference: both bf16 runs are bf16-noisy, fp32 is exact to ~1e-6.
+    for pair in ("engine_bf16_vs_transformers_fp64", "transformers_bf16_vs_transformers_fp64"):
+        assert 0 < logprobs[pair]["max_abs_diff"] < 0.05
+    assert logprobs["engine_fp32_vs_transformers_fp64"]["max_abs_diff"] < 1e-4

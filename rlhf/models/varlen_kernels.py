@@ -1,0 +1,77 @@
+"""PyTorch's own varlen flash kernel as a `varlen_attention` kernel: the CUDA half-precision
+path where flash-attn is not installed.
+
+`torch.nn.attention.varlen.varlen_attn` (torch >= 2.10) runs the flash-attention kernel that
+ships inside PyTorch over the whole packed stream, forward and backward, with no extra package.
+Its contract is flash-attn's: cu_seqlens for queries and for keys, causal masking aligned to
+the bottom right when a sequence has more keys than queries (our shared-prefix rule), so a
+shared prefix is handled as `attention.flash_varlen` handles it, through gathered k/v rows.
+
+Its keywords moved between releases, so the call is built from the signature: causal is
+`is_causal=True` in 2.10 and `window_size=(-1, 0)` from 2.11; `scale` is absent in 2.10 (q is
+rescaled instead); grouped-query k/v are passed as they are with `enable_gqa=True` (2.12+),
+and before that, whose documentation gives k/v the query's head count, repeated per query head
+as transformers' repeat_kv does.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from rlhf.data.packing import SharedPrefix
+
+
+@functools.cache
+def torch_varlen_fn() -> Callable | None:
+    """`torch.nn.attention.varlen.varlen_attn`, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def call_keywords(fn: Callable) -> frozenset[str]:
+    """The keyword arguments of `fn` that the call adapts to (see the module docstring)."""
+    params = inspect.signature(fn).parameters
+    return frozenset(k for k in ("is_causal", "window_size", "scale", "enable_gqa") if k in params)
+
+
+def torch_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
+                 max_seqlen: int, causal: bool, scale: float,
+                 prefix: SharedPrefix | None = None) -> Tensor:  # CUDA, half precision only
+    """torch's varlen flash kernel over the packed stream; with a prefix, over gathered k/v
+    with their own cu_seqlens (bottom-right causal)."""
+    varlen_attn = torch_varlen_fn()
+    keywords = call_keywords(varlen_attn)
+    cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
+    cu_k, max_k = cu, max_seqlen
+    if prefix is not None:
+        # attention.py imports this module for its kernel choice: import back at call time.
+        from rlhf.models.attention import prefix_kv_rows
+
+        source_K, cu_k = prefix_kv_rows(cu, prefix, q_THD.device)
+        k_THD, v_THD = k_THD.index_select(0, source_K), v_THD.index_select(0, source_K)
+        cu_k = cu_k.to(torch.int32)
+        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+    kwargs = {}
+    if causal:
+        kwargs.update({"window_size": (-1, 0)} if "window_size" in keywords
+                      else {"is_causal": True})
+    if "scale" in keywords:
+        kwargs["scale"] = scale
+    elif scale != q_THD.shape[-1] ** -0.5:  # the kernel's default scale; fold ours into q
+        q_THD = q_THD * (scale * q_THD.shape[-1] ** 0.5)
+    n_rep = q_THD.shape[1] // k_THD.shape[1]
+    if n_rep > 1:
+        if "enable_gqa" in keywords:
+            kwargs["enable_gqa"] = True
+        else:  # kv head j serves query heads j*n_rep .. (j+1)*n_rep-1
+            k_THD = k_THD.repeat_interleave(n_rep, dim=1)
+            v_THD = v_THD.repeat_interleave(n_rep, dim=1)
+    return varlen_attn(q_THD, k_THD, v_THD, cu, cu_k, max_seqlen, max_k, **kwargs)
