@@ -166,18 +166,22 @@ class ShardedAdamW:
                 raise RLHFError(f"{where} was saved for other parameter shapes; resume with the "
                                 "same model and layout")
         if "all" not in state and state["shards"] == self.part.shards:
-            if self.master is not None and state["master"] is not None:
-                self.master.copy_(state["master"])
+            if state["master"] is not None:
+                torch._foreach_copy_(self._values(), self._state(state["master"]))
             self.exp_avg.copy_(state["exp_avg"])
             self.exp_avg_sq.copy_(state["exp_avg_sq"])
-            return
-        if len(states) != state["shards"]:
+        elif len(states) != state["shards"]:
             raise RLHFError(
                 f"{where} holds optimizer state sharded {state['shards']} ways (ZeRO-1 over a "
                 f"data-parallel size of {state['shards']}, 1 = not sharded) but this engine "
                 f"shards it {self.part.shards} ways and only this rank's shard was read; load "
                 "it with `TrainEngine.load_checkpoint`, which reshards")
-        self._reshard_from(states)
+        else:
+            self._reshard_from(states)
+        if self.master is None and states[0]["master"] is not None:
+            # A low-precision run resumed in fp32: its masters, not its rounded weights, are
+            # the model now; the other ranks' pieces arrive by all-gather.
+            self.copy_to_model()
 
     def _reshard_from(self, states: list[dict]) -> None:
         """Fill this rank's pieces from every shard of a layout with len(states) shards."""
@@ -186,15 +190,15 @@ class ShardedAdamW:
         for rank in range(old.shards):
             for piece in old.pieces(rank):
                 by_param.setdefault(piece.param, []).append((rank, piece))
-        targets = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
-        if self.master is not None and states[0]["master"] is not None:
-            targets["master"] = self.master
-        for mine in self.pieces:
+        keys = ["exp_avg", "exp_avg_sq"] + (["master"] if states[0]["master"] is not None else [])
+        for mine, value in zip(self.pieces, self._values()):
+            targets = {"exp_avg": self.exp_avg[mine.shard_start:],
+                       "exp_avg_sq": self.exp_avg_sq[mine.shard_start:], "master": value}
             for rank, theirs in by_param.get(mine.param, ()):
                 lo, hi = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
                 if lo >= hi:
                     continue
-                dst = mine.shard_start + lo - mine.start
                 src = theirs.shard_start + lo - theirs.start
-                for key, target in targets.items():
-                    target[dst:dst + hi - lo].copy_(states[rank][key][src:src + hi - lo])
+                for key in keys:
+                    targets[key][lo - mine.start:hi - mine.start].copy_(
+                        states[rank][key][src:src + hi - lo])
