@@ -92,7 +92,7 @@ def check_complete(receipts: list[Receipt]) -> None:
         f"the weight sync left {len(short)} vLLM module(s) short of their weights (elements "
         f"received/held): {listed}{more}. vLLM would go on serving their old tensors "
         "(uninitialised after a level-2 sleep); the exported names must cover every weight "
-        "of the model once (the model family's HF export mapping in rlhf/models)")
+        "of the model once (rlhf/models/export.py)")
 
 
 def _each_name_once(weights: Weights) -> Iterator[tuple[str, Tensor]]:
@@ -129,7 +129,8 @@ def _layerwise_reload(model: nn.Module, weights: Weights, model_config) -> None:
         tracked.append((receipt, info, info.load_numel_total))
     model.load_weights(weights)
     for receipt, info, total in tracked:
-        receipt.received = info.load_numel if info.can_load() else max(total, receipt.expected)
+        # a module vLLM processed during the load had its count reach the total
+        receipt.received = info.load_numel if info.can_load() else total
     receipts = [receipt for receipt, _, _ in tracked]
     short = set(incomplete(receipts))
     for receipt, info, _ in tracked:

@@ -17,10 +17,9 @@ ROOT = str(Path(__file__).resolve().parents[3])
 
 # A fresh interpreter per engine: vLLM sets process-wide state.
 SCRIPT = r"""
-import sys, torch
+import os, sys, torch
 from transformers import AutoModelForCausalLM
 from rlhf.config import RolloutConfig
-import os
 from rlhf.rollout import RolloutEngine, engine_environment, sampling_params
 from rlhf.rollout.weights import DirectReload, IncompleteSyncError, _layerwise_reload
 
@@ -75,9 +74,6 @@ assert gap < 2e-4, gap
 # back to the old weights: bit for bit what vLLM's own loading gave (the LM head included)
 engine.load_weights(iter(old_weights))
 assert generate() == before, "a direct reload of the old weights differs from loading them"
-if sys.argv[3] == "untied":  # vLLM's layer-wise reload leaves a tied LM head's kernel stale
-    engine.llm.collective_rpc(layerwise, args=(iter(new_weights),))
-    assert generate() == direct, "direct and layer-wise reloads differ"
 
 # a sync that misses modules is refused, naming them: a whole layer, then one piece of a
 # stacked module and a norm (modules that received part of their elements, or were never
@@ -100,6 +96,12 @@ else:
     raise AssertionError("a sync without k_proj of layer 1 and a norm was accepted")
 engine.load_weights(iter(new_weights))  # a complete sync after refused ones
 assert generate() == direct, "a complete sync after refused ones differs"
+
+# Last: a direct reload after a layer-wise one gives NaN on the CPU (either never follows the
+# other in a job: the path depends on the model).
+if sys.argv[3] == "untied":  # vLLM's layer-wise reload leaves a tied LM head's kernel stale
+    engine.llm.collective_rpc(layerwise, args=(iter(new_weights),))
+    assert generate() == direct, "direct and layer-wise reloads differ"
 print("OK")
 """
 
