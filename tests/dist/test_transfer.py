@@ -2,6 +2,9 @@
 equals what the sender sent, bucket by bucket, every tensor exactly once on every receiver;
 the group is standalone (its own store), so it works beside any default world."""
 
+import datetime
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -84,8 +87,6 @@ def test_a_receive_with_no_sender_fails_after_the_timeout():
 
 def test_the_nccl_group_gets_the_timeout(monkeypatch):
     """No NCCL here: a stand-in records the options the group is built with."""
-    import datetime
-
     built = []
 
     class FakeNCCL:
@@ -103,3 +104,15 @@ def test_the_nccl_group_gets_the_timeout(monkeypatch):
     (rank, size, options), = built
     assert (rank, size) == (1, 3)
     assert options is not None and options._timeout == datetime.timedelta(seconds=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_nccl_group_is_built_with_its_timeout_and_broadcasts():
+    """On a GPU: the real NCCL group takes the options (one rank: one GPU is enough)."""
+    store, port = TransferGroup.host_store(30.0)
+    address = TransferAddress(host="127.0.0.1", port=port, world_size=1, backend="nccl")
+    group = TransferGroup.join(address, rank=0, device=torch.device("cuda"), timeout_s=30.0,
+                               store=store)
+    assert group.pg.options._timeout == datetime.timedelta(seconds=30)
+    assert group.send(iter([[("w", torch.ones(3))]]))["bytes"] == 12
