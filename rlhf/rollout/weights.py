@@ -178,14 +178,19 @@ class DirectReload:
         return all(type(q) in plain for q in methods if isinstance(q, QuantizeMethodBase))
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load `weights` (consumed as a stream), repacking each module once it is complete."""
+        """Load `weights` (consumed as a stream), repacking each module once it is complete;
+        IncompleteSyncError names the modules left short (they keep their old weights)."""
         try:
             self._prepare()
             self.model.load_weights(weights)
-            self._finish()
+        except BaseException:
+            self._give_back()
+            raise
         finally:
             for tensor, loader in self.loaders:
                 _set_loader(tensor, loader)
+        self._give_back()
+        check_complete([Receipt(s.name, s.expected, s.loaded) for s in self.pending])
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -274,16 +279,13 @@ class DirectReload:
             if hasattr(state.module, "update_param_tp_status"):
                 state.module.update_param_tp_status()
 
-    def _finish(self) -> None:
-        """Fail on any module short of its count; first repack those that received part of
-        it and give the untouched ones their tensors back, so no module is left half-made."""
+    def _give_back(self) -> None:
+        """Modules never repacked (short of their count, or the load failed) get back what
+        vLLM left them: they keep serving the kernels of their old weights, whole."""
         for state in self.pending:
-            if state.loaded > 0:
-                self._complete(state)
-                continue
-            for pname, tensor in state.freed.items():
-                state.module.register_parameter(pname, tensor)
-        check_complete([Receipt(s.name, s.expected, s.loaded) for s in self.pending])
+            if not state.done:
+                for pname, tensor in state.freed.items():
+                    state.module.register_parameter(pname, tensor)
 
 
 def _set_loader(tensor: Tensor, loader: Callable | None) -> None:
