@@ -18,10 +18,9 @@ from pathlib import Path
 
 # Substrings of lines that tell a user nothing, with why they are safe to hide. They stay in
 # OUTPUT_DIR/logs/ and Ray's session logs.
+# vLLM's "Failed to load weights" is not among them: the weight sync keeps it for modules that
+# really missed their weights (rlhf.rollout.weights), and then stops the job itself.
 NOISE = (
-    # vLLM, at every weight sync, on every rank: layers whose weights arrive through our own
-    # bucketed sync rather than vLLM's loader (rotary tables, which have no weights to load).
-    "Failed to load weights",
     # Ray, at every start: a notice that the cluster uses tokens (failures are worded apart).
     "Token authentication is enabled for this Ray cluster",
     # vLLM engine start-up on every rank: settings we chose (eager mode, in-process engine,

@@ -57,14 +57,14 @@ def vllm_seconds(folder: str, prompts: list[list[int]], args, dtype: torch.dtype
     """Seconds of one timed vLLM generate over all prompts (after a warm-up call)."""
     from vllm import SamplingParams
 
-    from rlhf.rollout import RolloutEngine, configure_engine_process
+    from rlhf.rollout import RolloutEngine, engine_environment
 
     device = _device()
-    configure_engine_process(device_type=device.type)
     cfg = RolloutConfig(cpu_kv_cache_gb=args.kv_cache_gb, max_new_tokens=args.new_tokens,
                         max_num_seqs=max(args.prompts, 1))
-    engine = RolloutEngine(folder, config=cfg, device_type=device.type, dtype=dtype,
-                           max_model_len=args.prompt_len + args.new_tokens)
+    with engine_environment(device_type=device.type):
+        engine = RolloutEngine(folder, config=cfg, device_type=device.type, dtype=dtype,
+                               max_model_len=args.prompt_len + args.new_tokens)
     params = [SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True,
                              seed=i, logprobs=0, detokenize=False) for i in range(len(prompts))]
     engine.generate(prompts[:2], params[:2])  # warm-up: the first steps are slow

@@ -1,13 +1,15 @@
 """The launcher edge of a rollout engine: process settings that vLLM only reads from the
-environment, derived from the job config in one place instead of being read as settings."""
+environment, derived from the job config in one place and set only while an engine is built."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
-def configure_engine_process(*, device_type: str, launcher_rank: int | None = None) -> None:
-    """Set what vLLM reads from the environment before this process builds its first engine.
+def engine_settings(*, device_type: str, launcher_rank: int | None = None) -> dict[str, str]:
+    """What vLLM reads from the environment while this process builds an engine.
 
     The engine core runs in this process (the rank's Ray actor) rather than in a child of its
     own; on the CPU, Ray already gave the rank its cores, so vLLM must not pin OpenMP threads.
@@ -15,14 +17,37 @@ def configure_engine_process(*, device_type: str, launcher_rank: int | None = No
     in the job's torch.distributed world when a replica spans several ranks (vLLM's external
     launcher reads it as RANK; Ray shows each rank its own GPU, so LOCAL_RANK is 0).
     """
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    # vLLM's own handler prints INFO lines to stdout; through Python logging only warnings
-    # reach stderr, and stdout stays for results (benchmarks print JSON there).
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # forked tokenizers deadlock
+    settings = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+                # vLLM's own handler prints INFO lines to stdout; through Python logging only
+                # warnings reach stderr, and stdout stays for results (benchmarks print JSON).
+                "VLLM_CONFIGURE_LOGGING": os.environ.get("VLLM_CONFIGURE_LOGGING", "0"),
+                # forked tokenizers deadlock
+                "TOKENIZERS_PARALLELISM": os.environ.get("TOKENIZERS_PARALLELISM", "false")}
     if device_type == "cpu":
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        settings["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
     if launcher_rank is not None:
-        os.environ["RANK"] = str(launcher_rank)
-        os.environ["LOCAL_RANK"] = "0"
+        settings.update(RANK=str(launcher_rank), LOCAL_RANK="0")
+    return settings
+
+
+@contextmanager
+def engine_environment(*, device_type: str, launcher_rank: int | None = None) -> Iterator[None]:
+    """`engine_settings` in os.environ around an engine's construction, each key restored
+    afterwards (removed if it was unset), so no child process of the rank inherits them.
+
+    Nothing needs them once the engine is built: vLLM reads its VLLM_* settings through its
+    `envs` module, which the engine core caches when it starts (vllm.envs.enable_envs_cache),
+    and the external launcher reads RANK and LOCAL_RANK when it joins the job's world. What
+    vLLM writes into the environment itself is vLLM's and stays.
+    """
+    settings = engine_settings(device_type=device_type, launcher_rank=launcher_rank)
+    saved = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

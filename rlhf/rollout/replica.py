@@ -26,7 +26,7 @@ from rlhf.envs.render import TurnRenderer
 from rlhf.envs.runner import EnvRunner
 from rlhf.rollout.engine import Completion, RolloutEngine
 from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch, run_episodes
-from rlhf.rollout.process import configure_engine_process
+from rlhf.rollout.process import engine_environment
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
 
 Buckets = Iterable[list[tuple[str, Tensor]]]
@@ -57,15 +57,15 @@ class RolloutReplica:
         self.env: tuple | None = None  # (EnvRunner, TurnRenderer, tokenizer), built on first use
 
     def ensure_engine(self) -> RolloutEngine:
-        """Build the engine on first use."""
+        """Build the engine on first use, with vLLM's environment set only while it builds."""
         if self.engine is None:
             spec = self.spec
             spread = spec.config.tp > 1  # vLLM's external launcher: the job's ranks
-            configure_engine_process(device_type=spec.device.type,
-                                     launcher_rank=spec.rank if spread else None)
-            self.engine = RolloutEngine(spec.model_path, config=spec.config,
-                                        device_type=spec.device.type, dtype=spec.dtype,
-                                        max_model_len=spec.max_model_len)
+            with engine_environment(device_type=spec.device.type,
+                                    launcher_rank=spec.rank if spread else None):
+                self.engine = RolloutEngine(spec.model_path, config=spec.config,
+                                            device_type=spec.device.type, dtype=spec.dtype,
+                                            max_model_len=spec.max_model_len)
         return self.engine
 
     def mark_stale(self) -> None:

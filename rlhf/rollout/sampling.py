@@ -1,4 +1,4 @@
-"""Sampling settings, per-request seeds and the rollout-vs-trainer log-prob gap.
+"""Sampling settings, per-request seeds, the rollout-vs-trainer log-prob gap and its limit.
 
 Seeds: sample j of the prompt at position p of a `generate` call (its row in the driver's
 batch) gets `derive_seed(call_seed, p, j)`, so a prompt's samples do not depend on how the
@@ -67,3 +67,23 @@ def logprob_gap(old_log_probs: Ragged, rollout_log_probs: Ragged,
         return {"rollout/logprob_gap_mean": 0.0, "rollout/logprob_gap_max": 0.0}
     return {"rollout/logprob_gap_mean": float(gap_T.mean()),
             "rollout/logprob_gap_max": float(gap_T.max())}
+
+
+class LogprobGapError(RuntimeError):
+    """After a weight sync, vLLM's log-probs of its sampled tokens are too far from the
+    trainer's: the engine is not running the policy."""
+
+
+def check_logprob_gap(gap_max: float, *, limit: float | None) -> None:
+    """LogprobGapError naming the gap, the limit and rollout.max_logprob_gap when `gap_max`
+    (rollout/logprob_gap_max of samples a synced engine drew) exceeds `limit` (None: off); a
+    NaN gap, which a half-initialised engine gives, exceeds every limit."""
+    if limit is None or gap_max <= limit:
+        return
+    raise LogprobGapError(
+        f"rollout/logprob_gap_max is {gap_max:.4g} after a weight sync, above "
+        f"rollout.max_logprob_gap={limit:g}: vLLM's log-probs of the tokens it sampled are "
+        "that far from the trainer's for the same policy, so the rollout engine does not run "
+        "the policy (weights missed or corrupted by the sync, or a model vLLM computes "
+        "differently). Stopping instead of training on its samples; raise "
+        "rollout.max_logprob_gap (null turns the check off) only if such a gap is expected")

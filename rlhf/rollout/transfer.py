@@ -45,11 +45,16 @@ class TransferGroup:
                  device: torch.device, timeout_s: float):
         self.rank, self.size, self.device = rank, address.world_size, device
         prefix = dist.PrefixStore("weight_transfer", store)
+        # A broadcast whose peer never comes (a rank that died mid-sync) fails after timeout_s
+        # instead of hanging the job: gloo raises; NCCL's watchdog aborts the communicator
+        # (and, by PyTorch's default error handling, the process) once the timeout passes.
         timeout = datetime.timedelta(seconds=timeout_s)
         if address.backend == "nccl":
-            self.pg = dist.ProcessGroupNCCL(prefix, rank, address.world_size)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout  # what init_process_group(timeout=) sets
+            self.pg = dist.ProcessGroupNCCL(prefix, rank, address.world_size, options)
         else:
-            self.pg = dist.ProcessGroupGloo(prefix, rank, address.world_size, timeout)
+            self.pg = dist.ProcessGroupGloo(prefix, rank, address.world_size, timeout=timeout)
         self._store = store  # the sender's store must outlive the group's rendezvous
 
     @classmethod

@@ -11,43 +11,145 @@ weight was freed gets a checkpoint-format tensor back when its first piece arriv
 piece is copied once by vLLM's own loader (its name mapping and q/k/v, gate/up fusing), and
 each module is repacked once, as soon as all its elements are in, so one module's tensors
 are alive at a time beside the exporter's bucket. Anything else takes the layer-wise path.
+
+Both paths count the elements every module receives against those it holds
+(`checkpoint_elements`) and refuse a sync that leaves any module short (`check_complete`):
+vLLM itself only warns, then serves that module's old tensors, which after a level-2 sleep on
+CUDA are uninitialised memory.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
+Weights = Iterable[tuple[str, Tensor]]
 
-def reload_weights(worker, weights: Iterable[tuple[str, Tensor]]) -> None:
+
+class IncompleteSyncError(RuntimeError):
+    """A weight sync left vLLM modules without all of their elements."""
+
+
+def reload_weights(worker, weights: Weights) -> None:
     """Load HF-named full tensors into the worker's model (vLLM `collective_rpc` target)."""
     runner = worker.model_runner
     model = runner.model
+    weights = _each_name_once(weights)
     if DirectReload.supports(model):
         DirectReload(model).load(weights)
     else:
         _layerwise_reload(model, weights, runner.model_config)
 
 
-def _layerwise_reload(model: nn.Module, weights: Iterable[tuple[str, Tensor]],
-                      model_config) -> None:
+# ---- completeness: the one judge for both paths ----------------------------------------------
+
+
+@dataclass(eq=False)
+class Receipt:
+    """What one vLLM module must receive in a sync, and what it received."""
+
+    name: str
+    expected: int
+    received: int = 0
+    tensors: frozenset[int] = frozenset()  # ids of its live tensors: a tied copy shares them
+
+
+def checkpoint_elements(module: nn.Module) -> int:
+    """Elements a sync copies into `module`'s own parameters: all they hold but the rows vLLM
+    pads a vocabulary with (a VocabParallelEmbedding's or LM head's `shard_indices`)."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    total = 0
+    for pname, tensor in module._parameters.items():
+        if tensor is None or pname in SKIP_LOAD_TENSORS:  # vLLM's own never-loaded tensors
+            continue
+        numel = getattr(tensor, "weight_loader_numel", tensor.numel())  # declared padding out
+        indices = getattr(module, "shard_indices", None)
+        if indices is not None and getattr(tensor, "output_dim", None) is not None:
+            numel = numel * indices.num_org_elements // indices.num_elements_padded
+        total += numel
+    return total
+
+
+def incomplete(receipts: list[Receipt]) -> list[Receipt]:
+    """Receipts short of their count; a module counts as complete when every tensor it holds
+    is also held by a complete module (a tied LM head: the export sends the embedding once)."""
+    filled = {t for r in receipts if r.received >= r.expected for t in r.tensors}
+    return [r for r in receipts if r.received < r.expected
+            and not (r.tensors and r.tensors <= filled)]
+
+
+def check_complete(receipts: list[Receipt]) -> None:
+    """IncompleteSyncError naming every module that received fewer elements than it holds."""
+    short = incomplete(receipts)
+    if not short:
+        return
+    listed = ", ".join(f"{r.name} {r.received}/{r.expected}" for r in short[:8])
+    more = f" and {len(short) - 8} more" if len(short) > 8 else ""
+    raise IncompleteSyncError(
+        f"the weight sync left {len(short)} vLLM module(s) short of their weights (elements "
+        f"received/held): {listed}{more}. vLLM would go on serving their old tensors "
+        "(uninitialised after a level-2 sleep); the exported names must cover every weight "
+        "of the model once (rlhf/models/export.py)")
+
+
+def _each_name_once(weights: Weights) -> Iterator[tuple[str, Tensor]]:
+    # A name sent twice would count twice and could hide another that never came.
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name in seen:
+            raise IncompleteSyncError(f"the weight sync sent {name} twice; the export must "
+                                      "send each tensor once")
+        seen.add(name)
+        yield name, tensor
+
+
+# ---- layer-wise path -------------------------------------------------------------------------
+
+
+def _layerwise_reload(model: nn.Module, weights: Weights, model_config) -> None:
+    """vLLM's layer-wise reload, counted: vLLM counts each module's elements as its loaders
+    copy them (`info.load_numel`) and processes the module once they reach its total, then
+    forgets the count; a module still waiting at the end received `load_numel`."""
     from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                          initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
     initialize_layerwise_reload(model)
+    tracked = []  # (receipt, vLLM's info, the total vLLM waits for)
+    for name, module in model.named_modules():
+        info = get_layerwise_info(module)
+        if not info.can_load():
+            continue
+        kernel = info.kernel_tensors[0] if info.kernel_tensors is not None else {}
+        receipt = Receipt(name=name, expected=checkpoint_elements(module),
+                          tensors=frozenset(id(t) for t in kernel.values()))
+        tracked.append((receipt, info, info.load_numel_total))
     model.load_weights(weights)
+    for receipt, info, total in tracked:
+        # a module vLLM processed during the load had its count reach the total
+        receipt.received = info.load_numel if info.can_load() else total
+    receipts = [receipt for receipt, _, _ in tracked]
+    short = set(incomplete(receipts))
+    for receipt, info, _ in tracked:
+        if receipt.received == 0 and receipt not in short and info.can_load():
+            # Nothing to receive (a rotary table, a tied LM head's copy): vLLM would warn
+            # "Failed to load weights" at every sync; the warning stays for real misses.
+            info.load_numel_total = 0
     finalize_layerwise_reload(model, model_config)
+    check_complete(receipts)
 
 
 @dataclass(eq=False)
 class _Pending:
-    """One module to repack: elements its loaders must still receive."""
+    """One module a sync fills: elements its loaders must still receive."""
 
     name: str
     module: nn.Module
     expected: int
+    repacks: bool  # an unquantized linear or embedding: repacked once complete
     loaded: int = 0
     done: bool = False
     freed: dict[str, nn.Parameter] = field(default_factory=dict)  # the empty stand-ins vLLM left
@@ -76,29 +178,36 @@ class DirectReload:
         return all(type(q) in plain for q in methods if isinstance(q, QuantizeMethodBase))
 
     def load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
-        """Load `weights` (consumed as a stream), repacking each module once it is complete."""
+        """Load `weights` (consumed as a stream), repacking each module once it is complete;
+        IncompleteSyncError names the modules left short (they keep their old weights)."""
         try:
             self._prepare()
             self.model.load_weights(weights)
-            self._finish()
+        except BaseException:
+            self._give_back()
+            raise
         finally:
             for tensor, loader in self.loaders:
                 _set_loader(tensor, loader)
+        self._give_back()
+        check_complete([Receipt(s.name, s.expected, s.loaded) for s in self.pending])
 
     # ---- setup -------------------------------------------------------------------------------
 
     def _prepare(self) -> None:
+        """Every module with parameters (norms too) is counted; linears and embeddings get
+        checkpoint-format tensors back first."""
         plain = _unquantized_methods()
         for name, module in self.model.named_modules():
-            if type(getattr(module, "quant_method", None)) not in plain:
+            if not any(t is not None for t in module._parameters.values()):
                 continue
-            state = _Pending(name=name, module=module, expected=0)
+            state = _Pending(name=name, module=module, expected=0,
+                             repacks=type(getattr(module, "quant_method", None)) in plain)
             for pname, tensor in list(module._parameters.items()):
-                if tensor is None:
-                    continue
-                tensor = self._loadable(state, pname, tensor)
-                state.expected += getattr(tensor, "weight_loader_numel", tensor.numel())
-                self._own(tensor, state)
+                if tensor is not None:
+                    self._own(self._loadable(state, pname, tensor) if state.repacks else tensor,
+                              state)
+            state.expected = checkpoint_elements(module)
             self.pending.append(state)
 
     def _loadable(self, state: _Pending, pname: str, tensor: nn.Parameter) -> nn.Parameter:
@@ -141,7 +250,7 @@ class DirectReload:
             for state in owners:
                 state.loaded += loaded_weight.numel()  # vLLM-tp 1: a loader copies it whole
                 if state.loaded >= state.expected:
-                    self._repack(state)
+                    self._complete(state)
 
         return loader
 
@@ -161,28 +270,22 @@ class DirectReload:
             state.module.register_parameter(pname, real)
         return real
 
-    def _repack(self, state: _Pending) -> None:
+    def _complete(self, state: _Pending) -> None:
         if state.done:
             return
         state.done = True
-        state.module.quant_method.process_weights_after_loading(state.module)
-        if hasattr(state.module, "update_param_tp_status"):
-            state.module.update_param_tp_status()
+        if state.repacks:
+            state.module.quant_method.process_weights_after_loading(state.module)
+            if hasattr(state.module, "update_param_tp_status"):
+                state.module.update_param_tp_status()
 
-    def _finish(self) -> None:
-        """Repack modules whose padding kept them short of their count; fail on any module
-        the sync never reached (it would keep serving old weights)."""
-        missed = []
+    def _give_back(self) -> None:
+        """Modules never repacked (short of their count, or the load failed) get back what
+        vLLM left them: they keep serving the kernels of their old weights, whole."""
         for state in self.pending:
-            if state.loaded > 0:
-                self._repack(state)
-                continue
-            for pname, tensor in state.freed.items():
-                state.module.register_parameter(pname, tensor)
-            missed.append(state.name)
-        if missed:
-            raise RuntimeError(f"the weight sync sent nothing for vLLM modules {missed[:8]}; "
-                               "the exported names must cover the whole model")
+            if not state.done:
+                for pname, tensor in state.freed.items():
+                    state.module.register_parameter(pname, tensor)
 
 
 def _set_loader(tensor: Tensor, loader: Callable | None) -> None:

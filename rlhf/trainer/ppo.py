@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from torch import Tensor
 
 from rlhf.algorithms import build_kl_controller
@@ -28,7 +29,8 @@ from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import response_mask
 from rlhf.rewards import RewardRunner
 from rlhf.rollout import logprob_gap
-from rlhf.trainer.async_loop import RolloutPipeline, RolloutSource
+from rlhf.rollout.sampling import check_logprob_gap
+from rlhf.trainer.async_loop import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.dynamic_sampling import fill_batch, round_seed
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
@@ -104,6 +106,7 @@ class PPOTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step on the next batch of prompts; returns its metrics."""
         cfg, views, timer = self.cfg, self.views, PhaseTimer()
+        version = self.rollouts.policy_version  # the policy that scores this batch
         with timer("step"):
             if self.pipeline is not None:  # async: the batch sampled while the last step trained
                 batch, metrics = self.pipeline.next_batch(step, timer)
@@ -132,8 +135,11 @@ class PPOTrainer:
                 advantages, adv_metrics = compute_advantages(batch, scores, cfg, self.kl_ctrl)
                 batch = batch.union(advantages)
             batch, recipe_metrics = prepare_update(batch, cfg, self.tokenizer.eos_token_id)
+            if not fused:  # checked before the update trains on the engine's samples
+                metrics.update(self._logprob_gap(batch, version=version))
             update_metrics, batch = self._update(batch, plans, timer, step=step, fused=fused)
-            metrics.update(self._logprob_gap(batch))
+            if fused:  # the old log-probs came out of the update's first forward
+                metrics.update(self._logprob_gap(batch, version=version))
             metrics.update(recipe_metrics or rollout_corr_metrics(batch, cfg))
         stats = batch_metrics(batch)
         metrics.update(adv_metrics, **update_metrics, **timer.seconds)
@@ -176,11 +182,25 @@ class PPOTrainer:
                                                 version=self.rollouts.policy_version)
         return batch, {**metrics, **sync}
 
-    def _logprob_gap(self, batch: Batch) -> dict[str, float]:
+    def _logprob_gap(self, batch: Batch, *, version: int) -> dict[str, float]:
+        """rollout/logprob_gap_* over the batch; stops the job (rollout.max_logprob_gap) when
+        the samples a synced engine drew with `version`, the policy whose old log-probs they
+        carry, are too far from them. Version 0 is model.path, which vLLM loaded itself, and
+        older samples (async) differ by the policy's own updates, so neither is checked."""
         if "rollout_log_probs" not in batch:
             return {}
-        return dict(logprob_gap(batch["old_log_probs"], batch["rollout_log_probs"],
-                                mask=response_mask(batch)))
+        metrics = dict(logprob_gap(batch["old_log_probs"], batch["rollout_log_probs"],
+                                   mask=response_mask(batch)))
+        if version == 0 or VERSION not in batch:
+            return metrics
+        rows = torch.nonzero(batch[VERSION] == version).flatten().tolist()
+        if rows:
+            part = batch if len(rows) == len(batch) else batch.select(rows)
+            gap = metrics if part is batch else logprob_gap(
+                part["old_log_probs"], part["rollout_log_probs"], mask=response_mask(part))
+            check_logprob_gap(gap["rollout/logprob_gap_max"],
+                              limit=self.cfg.rollout.max_logprob_gap)
+        return metrics
 
     def _update(self, batch: Batch, plans: StepPlanner, timer: PhaseTimer, *, step: int,
                 fused: bool) -> tuple[dict[str, float], Batch]:

@@ -2,6 +2,9 @@
 equals what the sender sent, bucket by bucket, every tensor exactly once on every receiver;
 the group is standalone (its own store), so it works beside any default world."""
 
+import datetime
+
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -51,3 +54,65 @@ def test_every_receiver_gets_every_tensor_once_and_equal():
                 for (name, g), (_, s) in zip(got_b, sent_b):
                     assert g.dtype == s.dtype and g.shape == s.shape, name
                     assert torch.equal(g, s), name
+
+
+def _receive_without_sender(rank, world, timeout_s):
+    import time
+
+    store, port = (TransferGroup.host_store(60.0) if rank == 0 else (None, 0))
+    box = [port]
+    dist.broadcast_object_list(box, src=0)
+    address = TransferAddress(host="127.0.0.1", port=box[0], world_size=world, backend="gloo")
+    group = TransferGroup.join(address, rank=rank, device=torch.device("cpu"),
+                               timeout_s=timeout_s, store=store)
+    outcome = None
+    if rank == 1:  # the sender joined, then never sends (as if its actor were stuck)
+        start = time.monotonic()
+        try:
+            next(group.receive())
+        except RuntimeError as e:
+            outcome = (time.monotonic() - start, str(e))
+    dist.barrier()  # the sender stays alive (and silent) until the receiver gave up
+    return outcome
+
+
+def test_a_receive_with_no_sender_fails_after_the_timeout():
+    results = run_distributed(_receive_without_sender, 2, 2.0, timeout_s=60.0,
+                              collective_timeout_s=60.0)
+    assert results[1] is not None, "the receive returned without a sender"
+    seconds, message = results[1]
+    assert 1.5 < seconds < 20.0, seconds
+    assert "timed out" in message.lower(), message
+
+
+def test_the_nccl_group_gets_the_timeout(monkeypatch):
+    """No NCCL here: a stand-in records the options the group is built with."""
+    built = []
+
+    class FakeNCCL:
+        class Options:
+            def __init__(self):
+                self._timeout = datetime.timedelta(minutes=10)  # NCCL's own default
+
+        def __init__(self, store, rank, size, options=None):
+            built.append((rank, size, options))
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeNCCL, raising=False)
+    address = TransferAddress(host="127.0.0.1", port=0, world_size=3, backend="nccl")
+    TransferGroup(dist.HashStore(), rank=1, address=address, device=torch.device("cpu"),
+                  timeout_s=7.0)
+    (rank, size, options), = built
+    assert (rank, size) == (1, 3)
+    assert options is not None and options._timeout == datetime.timedelta(seconds=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_nccl_group_is_built_with_its_timeout_and_broadcasts():
+    """On a GPU: the real NCCL group takes the options (one rank: one GPU is enough)."""
+    store, port = TransferGroup.host_store(30.0)
+    address = TransferAddress(host="127.0.0.1", port=port, world_size=1, backend="nccl")
+    group = TransferGroup.join(address, rank=0, device=torch.device("cuda"), timeout_s=30.0,
+                               store=store)
+    assert group.pg.options._timeout == datetime.timedelta(seconds=30)
+    assert group.send(iter([[("w", torch.ones(3))]]))["bytes"] == 12

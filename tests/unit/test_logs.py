@@ -6,7 +6,8 @@ import pytest
 
 from rlhf.logs import filter_worker_output, is_noise, setup_driver_logging
 
-ROTARY = "(ActorWorker pid=12) WARNING layerwise.py:266] RotaryEmbedding: Failed to load weights"
+NOISE_LINE = "(ActorWorker pid=12) INFO 11-25 cpu.py:101] The global random seed is set to 0."
+MISSED = "(ActorWorker pid=12) WARNING layerwise.py:266] QKVParallelLinear: Failed to load weights"
 
 
 @pytest.fixture
@@ -24,13 +25,14 @@ def test_worker_output_reaches_the_file_in_full_and_the_console_without_noise(di
     dispatcher.handlers = [("ray_print_logs", shown.append)]
     filter_worker_output(tmp_path)
     filter_worker_output(tmp_path)  # a second call does not wrap twice
-    lines = ["step 1 done", ROTARY, "WARNING: the reward server is slow"]
+    lines = ["step 1 done", NOISE_LINE, "WARNING: the reward server is slow", MISSED]
     dispatcher.emit({"lines": lines, "pid": 12, "actor_name": "ActorWorker", "is_err": True})
-    dispatcher.emit({"lines": [ROTARY], "pid": 12, "actor_name": "ActorWorker", "is_err": True})
-    assert shown == [{"lines": [lines[0], lines[2]], "pid": 12, "actor_name": "ActorWorker",
-                      "is_err": True}]
+    dispatcher.emit({"lines": [NOISE_LINE], "pid": 12, "actor_name": "ActorWorker",
+                     "is_err": True})
+    assert shown == [{"lines": [lines[0], lines[2], MISSED], "pid": 12,
+                      "actor_name": "ActorWorker", "is_err": True}]
     logged = (tmp_path / "workers.log").read_text().splitlines()
-    assert [line.split(") ", 1)[1] for line in logged] == lines + [ROTARY]
+    assert [line.split(") ", 1)[1] for line in logged] == lines + [NOISE_LINE]
 
 
 def test_driver_logs_go_to_the_file_and_only_real_warnings_to_the_console(tmp_path, capsys):
@@ -42,6 +44,7 @@ def test_driver_logs_go_to_the_file_and_only_real_warnings_to_the_console(tmp_pa
         log = logging.getLogger("rlhf.test_logs")
         log.info("loaded 64 prompts")
         log.warning("reward model has no pad token")
+        logging.getLogger("vllm.model_executor").warning("The global random seed is set to 0")
         logging.getLogger("vllm.model_executor").warning("QKVParallelLinear: Failed to load "
                                                          "weights")
         for handler in root.handlers:
@@ -54,14 +57,16 @@ def test_driver_logs_go_to_the_file_and_only_real_warnings_to_the_console(tmp_pa
         root.setLevel(before[1])
     err = capsys.readouterr().err
     assert err.count("reward model has no pad token") == 1
-    assert "loaded 64 prompts" not in err and "Failed to load" not in err
+    assert "loaded 64 prompts" not in err and "random seed" not in err
+    assert "QKVParallelLinear: Failed to load weights" in err  # a sync that missed a module
     text = path.read_text()
     assert "loaded 64 prompts" in text and "reward model has no pad token" in text
-    assert "Failed to load weights" in text
+    assert "Failed to load weights" in text and "random seed" in text
 
 
 def test_noise_patterns_are_narrow():
-    assert is_noise(ROTARY)
+    assert is_noise(NOISE_LINE)
+    assert not is_noise(MISSED)
     assert not is_noise("Failed to load the reward function")  # ours, and real
     assert not is_noise("error: trainer.resume=x is not a checkpoint folder")
     assert is_noise("WARNING authentication_token_setup.py:85 -- Token authentication is "

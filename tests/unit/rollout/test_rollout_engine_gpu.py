@@ -18,12 +18,12 @@ SCRIPT = r"""
 import sys, torch
 from transformers import AutoModelForCausalLM
 from rlhf.config import RolloutConfig
-from rlhf.rollout import RolloutEngine, configure_engine_process, sampling_params
+from rlhf.rollout import RolloutEngine, engine_environment, sampling_params
 folder = sys.argv[1]
-configure_engine_process(device_type="cuda")
 cfg = RolloutConfig(max_new_tokens=8, gpu_memory_utilization=0.3)
-engine = RolloutEngine(folder, config=cfg, device_type="cuda", dtype=torch.float32,
-                       max_model_len=64)
+with engine_environment(device_type="cuda"):
+    engine = RolloutEngine(folder, config=cfg, device_type="cuda", dtype=torch.float32,
+                           max_model_len=64)
 params = sampling_params(cfg, greedy=True, seeds=[0])
 before = engine.generate([[1, 5, 6, 7]], params)[0].token_ids
 engine.sleep()

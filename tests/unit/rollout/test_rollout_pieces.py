@@ -14,8 +14,10 @@ from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
 from rlhf.models.export import ExportStream
 from rlhf.parallel.mesh import ProcessGroupCache
-from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, configure_engine_process,
-                          derive_seed, engine_args, logprob_gap, request_seeds, sampling_params)
+from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, derive_seed, engine_args,
+                          logprob_gap, request_seeds, sampling_params)
+from rlhf.rollout import replica as replica_module
+from rlhf.rollout.process import engine_environment, engine_settings
 
 ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -108,19 +110,51 @@ def test_engine_args_cuda_sleeps_and_shares_the_job_world_for_tp():
     assert "distributed_executor_backend" not in one and "disable_custom_all_reduce" not in one
 
 
-def test_configure_engine_process_sets_the_engine_environment(monkeypatch):
-    keys = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "RANK", "LOCAL_RANK",
-            "HF_HUB_OFFLINE", "VLLM_CONFIGURE_LOGGING", "TOKENIZERS_PARALLELISM")
-    for key in keys:  # setenv first: monkeypatch then restores each key as it was, even unset
-        monkeypatch.setenv(key, "unset")
-        monkeypatch.delenv(key)
-    configure_engine_process(device_type="cuda")
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and "RANK" not in os.environ
-    configure_engine_process(device_type="cpu")
-    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    configure_engine_process(device_type="cuda", launcher_rank=5)
-    assert (os.environ["RANK"], os.environ["LOCAL_RANK"]) == ("5", "0")
+def test_engine_settings_follow_the_device_and_the_launcher_rank(monkeypatch):
+    monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
+    cuda = engine_settings(device_type="cuda")
+    assert cuda["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and cuda["HF_HUB_OFFLINE"] == "1"
+    assert cuda["VLLM_CONFIGURE_LOGGING"] == "0"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cuda and "RANK" not in cuda
+    assert engine_settings(device_type="cpu")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    spread = engine_settings(device_type="cuda", launcher_rank=5)
+    assert (spread["RANK"], spread["LOCAL_RANK"]) == ("5", "0")
+    monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")  # the launcher's choice is kept
+    assert engine_settings(device_type="cuda")["VLLM_CONFIGURE_LOGGING"] == "1"
+
+
+def test_the_engine_environment_is_set_only_while_the_engine_is_built(monkeypatch):
+    """ensure_engine: vLLM sees its settings while the engine is built; afterwards the
+    process's environment is what it was (set keys restored, unset ones removed), so child
+    processes inherit none of them."""
+    monkeypatch.setenv("RANK", "3")  # e.g. the job's own launcher set it
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    seen = []
+
+    class Engine:
+        def __init__(self, *args, **kwargs):
+            seen.append(dict(os.environ))
+
+    monkeypatch.setattr(replica_module, "RolloutEngine", Engine)
+    spec = ReplicaSpec(model_path="unused", config=RolloutConfig(tp=2),
+                       device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=16,
+                       world_group=None, replica_group=None, rank=6)
+    before = dict(os.environ)
+    RolloutReplica(spec).ensure_engine()
+    assert dict(os.environ) == before
+    assert (seen[0]["RANK"], seen[0]["LOCAL_RANK"]) == ("6", "0")
+    assert seen[0]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_the_engine_environment_is_restored_when_the_build_fails(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = dict(os.environ)
+    with pytest.raises(RuntimeError, match="no memory"):
+        with engine_environment(device_type="cpu"):
+            assert os.environ["HF_HUB_OFFLINE"] == "1"
+            raise RuntimeError("no memory")
+    assert dict(os.environ) == before
 
 
 # ---- RolloutReplica over a fake engine ---------------------------------------------------------

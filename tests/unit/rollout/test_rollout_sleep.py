@@ -10,7 +10,7 @@ import torch
 
 from rlhf.config import RolloutConfig
 from rlhf.data.ragged import Ragged
-from rlhf.rollout import compat, replica as replica_module, weights as weights_module
+from rlhf.rollout import compat, weights as weights_module
 from rlhf.rollout.compat import VLLMVersionError, check_vllm_internals
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
@@ -64,7 +64,6 @@ def _engine(device_type):
 
 
 def _replica(monkeypatch, device_type):
-    monkeypatch.setattr(replica_module, "configure_engine_process", lambda **kw: None)
     spec = ReplicaSpec(model_path="unused", config=RolloutConfig(max_new_tokens=4, n=1),
                        device=torch.device(device_type), dtype=torch.bfloat16, max_model_len=32,
                        world_group=None, replica_group=None)
