@@ -29,7 +29,7 @@ from rlhf.data.batch_plan import GroupPlan
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.rollout import RolloutReplica
-from workers.base import Worker
+from workers.base import MemoryReportMixin, Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
                             require_fields, response_fields, sample_rollouts,
                             sampling_temperature, token_share)
@@ -37,7 +37,7 @@ from workers.engine_state import CheckpointMixin
 from workers.rollout import WeightSenderMixin, rollout_spec
 
 
-class ActorWorker(CheckpointMixin, WeightSenderMixin, Worker):
+class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker):
     """The policy on its own (config.actor.parallel) layout: rollouts with the rank's vLLM
     replica (built on the first generate or sync; none when rollout.placement is separate,
     where WeightSenderMixin sends the weights to the rollout ranks), log-probs, PPO updates."""
@@ -72,12 +72,6 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, Worker):
         sync/bytes (per replica), sync/seconds (split into sync/gather_s, sync/broadcast_s,
         sync/reload_s), sync/gb_per_s, sync/skipped."""
         return self._replica().sync(self.export_weights)
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def memory_metrics(self) -> dict[str, float]:
-        """memory/<method>/* of this rank's calls since the last ask (see rlhf.engine.offload;
-        the driver takes the worst rank with `worst_memory`)."""
-        return self.offload.take_memory_metrics()
 
     def export_weights(self):
         """The policy's full HF tensors in rollout.sync_bucket_mb buckets (collective)."""

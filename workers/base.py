@@ -7,6 +7,7 @@ role picks its own tp/pp layout with `build_mesh`, and the dispatcher reads it f
 
 from __future__ import annotations
 
+from rlhf.controller import Dispatch, register
 from rlhf.controller.colocate import WorkerContext
 from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh
@@ -32,3 +33,14 @@ class Worker:
         if self.mesh is None:
             return Layout(dp=self.ctx.world_size)
         return self.mesh.layout
+
+
+class MemoryReportMixin:
+    """`memory_metrics` for a role whose methods run under `in_phase` (needs `offload`, an
+    rlhf.engine.offload.Offloader)."""
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def memory_metrics(self) -> dict[str, float]:
+        """memory/<method>/* of this rank's calls since the last ask (see rlhf.engine.offload;
+        the driver takes the worst rank with `worst_memory`)."""
+        return self.offload.take_memory_metrics()

@@ -17,13 +17,13 @@ from rlhf.data.batch_plan import GroupPlan
 from rlhf.data.fields import MASK
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
-from workers.base import Worker
+from workers.base import MemoryReportMixin, Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
                             require_fields, response_fields, token_share)
 from workers.engine_state import CheckpointMixin
 
 
-class CriticWorker(CheckpointMixin, Worker):
+class CriticWorker(CheckpointMixin, MemoryReportMixin, Worker):
     """The value model on its own (config.critic.parallel) layout: values and value updates.
 
     Loads critic.model_path, or model.path with a value head drawn from trainer.seed.

@@ -8,12 +8,12 @@ from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
-from workers.base import Worker
+from workers.base import MemoryReportMixin, Worker
 from workers.common import (TOKENS, build_engine, forward_micro_batches, require_fields,
                             response_fields, sampling_temperature)
 
 
-class ReferenceWorker(Worker):
+class ReferenceWorker(MemoryReportMixin, Worker):
     """The reference policy on its own (config.ref.parallel) layout."""
 
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):

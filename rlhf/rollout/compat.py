@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 
 RELOAD_MODULE = "vllm.model_executor.model_loader.reload"
 RELOAD_FUNCTIONS = ("initialize_layerwise_reload", "finalize_layerwise_reload")
+# What the sync's completeness count reads of the layer-wise reload (rlhf.rollout.weights):
+# (module under RELOAD_MODULE, attribute, attributes of that attribute).
+RELOAD_INTERNALS = (("layerwise", "get_layerwise_info", ()),
+                    ("meta", "SKIP_LOAD_TENSORS", ()),
+                    ("types", "LayerReloadingInfo",
+                     ("load_numel", "load_numel_total", "kernel_tensors", "can_load")))
 # A source tree (or an editable install) has pyproject.toml beside the package; it wins over the
 # installed metadata, which an editable install freezes at install time.
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -71,8 +77,8 @@ def check_vllm_internals(llm) -> None:
     """VLLMVersionError naming the installed version unless the reload functions exist and
     every worker of `llm` (a `vllm.LLM`) holds its model at `model_runner.model`; a warning when
     the internals are there but the version lies outside TESTED_VLLM."""
-    missing = missing_reload_functions()
-    problems = [f"{RELOAD_MODULE}.{name}" for name in missing]
+    problems = [f"{RELOAD_MODULE}.{name}" for name in missing_reload_functions()]
+    problems += missing_reload_internals()
     if not all(llm.collective_rpc(_has_runner_model)):
         problems.append("worker.model_runner.model")
     if problems:
@@ -95,6 +101,22 @@ def missing_reload_functions() -> list[str]:
     except ImportError:
         return list(RELOAD_FUNCTIONS)
     return [name for name in RELOAD_FUNCTIONS if not callable(getattr(module, name, None))]
+
+
+def missing_reload_internals() -> list[str]:
+    """Dotted names of RELOAD_INTERNALS the installed vLLM lacks (a dataclass field counts as
+    present when the class declares it)."""
+    missing = []
+    for module_name, name, members in RELOAD_INTERNALS:
+        dotted = f"{RELOAD_MODULE}.{module_name}.{name}"
+        try:
+            owner = getattr(importlib.import_module(f"{RELOAD_MODULE}.{module_name}"), name)
+        except (ImportError, AttributeError):
+            missing.append(dotted)
+            continue
+        fields = getattr(owner, "__dataclass_fields__", {})
+        missing += [f"{dotted}.{m}" for m in members if m not in fields and not hasattr(owner, m)]
+    return missing
 
 
 def installed_vllm_version() -> str:

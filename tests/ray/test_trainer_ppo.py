@@ -26,7 +26,8 @@ REQUIRED = {"reward/mean", "actor/pg_loss", "actor/entropy", "actor/kl_ref", "ac
             "timing/generate", "timing/update_actor", "timing/update_critic", "timing/step",
             "throughput/tokens_per_s"}
 # Wall-clock figures differ between runs; everything else must repeat exactly.
-VARYING = ("timing/", "throughput/", "sync/", "rollout/seconds", "rollout/tokens_per_s")
+VARYING = ("timing/", "throughput/", "sync/", "rollout/seconds", "rollout/tokens_per_s",
+           "memory/")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,8 @@ def test_steps_log_every_metric_and_validate(job):
     assert records[1]["actor/kl_ref"] == 0.0 and records[3]["actor/kl_ref"] != 0.0  # ref == start
     assert "actor/kl" not in records[1]  # two quantities, two names
     assert records[1]["actor/grad_norm"] > 0 and records[1]["critic/value_loss"] > 0
+    for method in ("update_actor", "update_critic", "compute_ref_log_prob", "generate"):
+        assert records[1][f"memory/{method}/host_rss_gb"] > 0  # each role's calls, on the CPU
 
 
 def test_metrics_are_exported_as_ray_gauges_from_a_named_actor(job):

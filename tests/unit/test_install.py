@@ -20,6 +20,7 @@ from packaging.requirements import Requirement
 from rlhf import doctor
 from rlhf.models import attention
 from rlhf.rollout import compat
+from tests.unit.rollout.vllm_fakes import install_fake_reload
 
 REPO = Path(__file__).resolve().parents[2]
 EXTRAS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
@@ -57,10 +58,7 @@ def test_range_membership_and_the_cpu_pin():
 
 
 def test_engine_start_up_warns_outside_the_range(monkeypatch, caplog):
-    reload = types.ModuleType(compat.RELOAD_MODULE)
-    for name in compat.RELOAD_FUNCTIONS:
-        setattr(reload, name, lambda *a: None)
-    monkeypatch.setitem(sys.modules, compat.RELOAD_MODULE, reload)
+    reload = install_fake_reload(monkeypatch)
     llm = types.SimpleNamespace(collective_rpc=lambda fn: [True])
     for version, warned in (("0.32.1", False), ("0.33.0", True)):
         monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))

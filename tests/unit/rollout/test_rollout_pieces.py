@@ -119,6 +119,10 @@ def test_engine_settings_follow_the_device_and_the_launcher_rank(monkeypatch):
     assert engine_settings(device_type="cpu")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     spread = engine_settings(device_type="cuda", launcher_rank=5)
     assert (spread["RANK"], spread["LOCAL_RANK"]) == ("5", "0")
+    noset = engine_settings(device_type="cuda", launcher_rank=5, device_index=3)
+    assert noset["LOCAL_RANK"] == "3"  # every GPU visible: the launcher runs on the rank's own
+    with pytest.raises(ConfigError, match="NOSET_CUDA_VISIBLE_DEVICES"):
+        engine_settings(device_type="cuda", device_index=3)  # one-rank vLLM would take cuda:0
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")  # the launcher's choice is kept
     assert engine_settings(device_type="cuda")["VLLM_CONFIGURE_LOGGING"] == "1"
 

@@ -22,6 +22,7 @@ from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
 from rlhf.rollout.residency import replica_sleeps
 from rlhf.trainer.async_loop import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.metrics import PhaseTimer
+from tests.unit.rollout.vllm_fakes import install_fake_reload
 from workers.actor import ActorWorker
 from workers.rollout import RolloutWorker
 
@@ -82,11 +83,8 @@ def fake_cuda(monkeypatch):
     vllm = types.ModuleType("vllm")
     vllm.LLM = lambda model, **kw: DiscardingLLM(model, log, **kw)
     vllm.SamplingParams, vllm.__version__ = (lambda **kw: SimpleNamespace(**kw)), "0.99.fake"
-    reload = types.ModuleType(compat.RELOAD_MODULE)
-    reload.initialize_layerwise_reload = reload.finalize_layerwise_reload = lambda *a: None
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, compat.RELOAD_MODULE, reload)
-    monkeypatch.setattr(replica_module, "configure_engine_process", lambda **kw: None)
+    reload = install_fake_reload(monkeypatch)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
     monkeypatch.setattr(gc, "collect", lambda *a: log.append(("gc",)) or 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * 2**30, 80 * 2**30))

@@ -14,6 +14,7 @@ from rlhf.rollout import compat, weights as weights_module
 from rlhf.rollout.compat import VLLMVersionError, check_vllm_internals
 from rlhf.rollout.engine import RolloutEngine
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
+from tests.unit.rollout.vllm_fakes import install_fake_reload
 
 
 class FakeLLM:
@@ -51,10 +52,8 @@ class FakeLLM:
 def fake_vllm(monkeypatch):
     vllm = types.ModuleType("vllm")
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, lambda **kw: kw, "0.99.fake"
-    reload = types.ModuleType(compat.RELOAD_MODULE)
-    reload.initialize_layerwise_reload = reload.finalize_layerwise_reload = lambda *a: None
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, compat.RELOAD_MODULE, reload)
+    reload = install_fake_reload(monkeypatch)
     return SimpleNamespace(vllm=vllm, reload=reload)
 
 
@@ -136,6 +135,23 @@ def test_the_installed_vllm_has_the_internals_the_sync_uses():
     assert compat.missing_reload_functions() == []
     for name in compat.RELOAD_FUNCTIONS:  # the functions the check looks for are those used
         assert name in weights_module._layerwise_reload.__code__.co_names
+    assert compat.missing_reload_internals() == []
+
+
+def test_the_start_up_check_names_a_missing_reload_internal(monkeypatch):
+    pytest.importorskip("vllm")
+    from vllm.model_executor.model_loader.reload import types
+
+    monkeypatch.delattr(types.LayerReloadingInfo, "can_load")
+    assert compat.missing_reload_internals() == [
+        f"{compat.RELOAD_MODULE}.types.LayerReloadingInfo.can_load"]
+
+    class FakeLLM:
+        def collective_rpc(self, fn):
+            return [True]
+
+    with pytest.raises(compat.VLLMVersionError, match="LayerReloadingInfo.can_load"):
+        compat.check_vllm_internals(FakeLLM())
 
 
 def test_the_gpu_extra_pins_the_tested_vllm_range():
