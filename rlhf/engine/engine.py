@@ -36,7 +36,8 @@ from torch.utils.checkpoint import checkpoint
 from rlhf.algorithms.losses import loss_normalizers
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.engine import checkpoint as ckpt
-from rlhf.engine.grads import GradBuffer, clip_, gather_grads, grad_norm, sync_grads
+from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
+                               sync_grads)
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
@@ -59,11 +60,14 @@ class TrainEngine:
 
     `table`: the model's ParamTable (from `build_model`; rebuilt from the model if None).
     `bucket_numel`: elements per grad / ZeRO-1 bucket (`rlhf.engine.zero`).
+    `scatter_grads`: ZeRO-1 reduce-scatters DP grads rather than all-reducing them (None:
+    `grads.scatters_grads` decides from the backend).
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, optim: OptimizerConfig | None,
                  table: ParamTable | None = None, total_steps: int = 1, head: Head | None = None,
-                 recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL):
+                 recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL,
+                 scatter_grads: bool | None = None):
         self.model, self.mesh, self.optim_config = model, mesh, optim
         self.head: Head = head or ("value" if isinstance(model, ValueModel) else "lm")
         self.device = next(model.parameters()).device
@@ -90,7 +94,9 @@ class TrainEngine:
         part = partition([p.numel() for p in params], shards, bucket_numel=bucket_numel)
         self.table = self.table.with_partition(part)
         self._shard_rank = mesh.dp_rank if self.distributed else 0
-        self.grads = GradBuffer(params, part, device=self.device)
+        if scatter_grads is None:
+            scatter_grads = scatters_grads(part, mesh.dp_group)
+        self.grads = GradBuffer(params, part, device=self.device, scatter=scatter_grads)
         self.optimizer = ShardedAdamW(params, part, rank=self._shard_rank, config=optim,
                                       dp_group=mesh.dp_group, device=self.device)
 
