@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rlhf.algorithms.losses import loss_normalizers
+from rlhf.algorithms.losses import normalizer_counts
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.engine import checkpoint as ckpt
 from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
@@ -166,18 +166,19 @@ class TrainEngine:
         self._require_optimizer("step")
         norm = grad_norm(self.grads, self.table, self.mesh, rank=self._shard_rank)
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
-        if not math.isfinite(float(norm)):
-            warnings.warn(f"gradient norm is {float(norm)} at step {self.step_count}; "
+        norm_value = float(norm)  # the step's one read: skipping needs it on the host
+        if not math.isfinite(norm_value):
+            warnings.warn(f"gradient norm is {norm_value} at step {self.step_count}; "
                           "skipping this update", RuntimeWarning, stacklevel=2)
             self.zero_grad()
-            return {"grad_norm": float(norm), "lr": lr}
+            return {"grad_norm": norm_value, "lr": lr}
         if self.optim_config.grad_clip is not None:
             clip_(self.grads, norm, self.optim_config.grad_clip, rank=self._shard_rank)
         self.optimizer.step(self.grads.flat, lr=lr, step=self.step_count + 1)
         self.optimizer.copy_to_model()
         self.zero_grad()
         self.step_count += 1
-        return {"grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": norm_value, "lr": lr}
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -223,14 +224,15 @@ class TrainEngine:
         """(global_tokens, global_seqs) over these micro-batches on every DP rank, counting
         positions where `mb.tensors[mask_key]` is set (None: every position predicting a
         response token): the normalisers `loss_fn` divides by. Collective over DP."""
-        counts = [loss_normalizers(mb.tensors[mask_key].bool() if mask_key is not None
-                                   else mb.predicts_response_T, mb.packed.cu_seqlens)
-                  for mb in micro_batches]
-        total = torch.tensor([sum(c[0] for c in counts), sum(c[1] for c in counts)],
-                             dtype=torch.int64, device=self.device)
+        total = torch.zeros(2, dtype=torch.int64, device=self.device)
+        for mb in micro_batches:
+            mask_T = (mb.tensors[mask_key].bool() if mask_key is not None
+                      else mb.predicts_response_T)
+            total += normalizer_counts(mask_T, mb.packed.cu_seqlens).to(self.device)
         if group_size(self.mesh.dp_group) > 1:
             dist.all_reduce(total, group=self.mesh.dp_group)
-        return int(total[0]), int(total[1])
+        tokens, seqs = total.tolist()  # one read for the whole mini-batch
+        return tokens, seqs
 
     # ---- weights -----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from rlhf.data.packing import PackedSequences, pack_prompt_response, response_values
 from rlhf.data.ragged import Ragged
+from rlhf.models.attention import VarlenLayout, varlen_layout
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,14 @@ class MicroBatch:
     packed: PackedSequences
     tensors: dict[str, Tensor] = field(default_factory=dict)  # each (T, ...), predicting positions
     sample_ids: Tensor | None = None  # (n,) int64: row of each sequence in the caller's batch
+    # Attention's host lengths, read once here (where the stream is still on the CPU), so no
+    # layer reads them back from the device.
+    layout: VarlenLayout = field(default=None, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.layout is None:
+            object.__setattr__(self, "layout", varlen_layout(self.packed.cu_seqlens,
+                                                             self.packed.prefix))
 
     @property
     def num_tokens(self) -> int:
@@ -52,7 +61,7 @@ class MicroBatch:
             response_lens=p.response_lens,
             prefix=None if p.prefix is None else p.prefix.to(device))
         tensors = {k: v.to(device) for k, v in self.tensors.items()}
-        return MicroBatch(packed, tensors, self.sample_ids)
+        return MicroBatch(packed, tensors, self.sample_ids, self.layout.to(device))
 
 
 def predicting_positions(packed: PackedSequences) -> Tensor:
