@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlhf.data.packing import SharedPrefix
+from rlhf.parallel.host import to_device
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
@@ -83,8 +84,8 @@ class VarlenLayout:
     def to(self, device: torch.device | str) -> VarlenLayout:
         if self.source_K is None:
             return self
-        return dataclasses.replace(self, source_K=self.source_K.to(device),
-                                   cu_k=self.cu_k.to(device))
+        return dataclasses.replace(self, source_K=to_device(self.source_K, device),
+                                   cu_k=to_device(self.cu_k, device))
 
     def padded(self, num_tokens: int) -> VarlenLayout:
         """The layout with sequence parallelism's dummy sequence appended up to `num_tokens`
@@ -119,8 +120,8 @@ def _layout(bounds: tuple[int, ...], starts: tuple[int, ...] | None,
     prefix = SharedPrefix(torch.tensor(starts, dtype=torch.int64),
                           torch.tensor(lens, dtype=torch.int64))
     source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device("cpu"), total=sum(kv_lens))
-    return VarlenLayout(bounds, starts, lens, source_K.to(device),
-                        kv_cu.to(device=device, dtype=torch.int32), max(kv_lens, default=0))
+    return VarlenLayout(bounds, starts, lens, to_device(source_K, device),
+                        to_device(kv_cu.to(torch.int32), device), max(kv_lens, default=0))
 
 
 def pick_kernel(device_type: str, dtype: torch.dtype, *, flash_available: bool) -> Callable:

@@ -52,7 +52,9 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(args)
 
     def forward(self, position_ids_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = self.inv_freq.to(position_ids_T.device)
+        if self.inv_freq.device != position_ids_T.device:  # once per device, not per call: a
+            self.inv_freq = self.inv_freq.to(position_ids_T.device)  # host copy syncs CUDA
+        inv_freq = self.inv_freq
         freqs_TF = position_ids_T[:, None].float() * inv_freq[None, :]
         emb_TD = torch.cat((freqs_TF, freqs_TF), dim=-1)
         return emb_TD.cos().to(dtype), emb_TD.sin().to(dtype)
