@@ -106,10 +106,16 @@ def aggregate(loss_T: Tensor, mask_T: Tensor | None, cu_seqlens: Tensor, mode: s
 def loss_normalizers(mask_T: Tensor | None, cu_seqlens: Tensor) -> tuple[int, int]:
     """(valid tokens, sequences with a valid token) of one micro-batch; sum these over the
     mini-batch and DP ranks to get `global_tokens` and `global_seqs`."""
+    tokens, seqs = normalizer_counts(mask_T, cu_seqlens).tolist()
+    return tokens, seqs
+
+
+def normalizer_counts(mask_T: Tensor | None, cu_seqlens: Tensor) -> Tensor:
+    """`loss_normalizers` as a (2,) int64 tensor, left where it was computed (no host read)."""
     num_tokens = mask_T.shape[0] if mask_T is not None else int(cu_seqlens[-1])
     seg = segments(cu_seqlens, num_tokens, cu_seqlens.device)
     valid_T = valid_mask(mask_T, num_tokens, cu_seqlens.device)
-    return int(valid_T.sum()), int((count_per_sample(valid_T, seg) > 0).sum())
+    return torch.stack([valid_T.sum(), (count_per_sample(valid_T, seg) > 0).sum()])
 
 
 def _zero_masked(valid_T: Tensor, *tensors_T: Tensor | None) -> list[Tensor | None]:

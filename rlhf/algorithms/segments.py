@@ -54,14 +54,16 @@ def segments(cu_seqlens: Tensor, num_tokens: int, device: torch.device | None = 
         raise ValueError(f"cu_seqlens must hold integers, got {cu_seqlens.dtype}")
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lengths_N = cu[1:] - cu[:-1]
-    # One host sync for all three checks: a wrong offset would silently mix samples otherwise.
-    bad = (cu[0] != 0) | (cu[-1] != num_tokens) | (lengths_N < 0).any()
-    if bool(bad):
-        raise ValueError(
-            f"cu_seqlens {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''} does not bound a "
-            f"stream of {num_tokens} tokens: it must start at 0, never decrease and end at "
-            f"{num_tokens}"
-        )
+    # A wrong offset would silently mix samples. The check is queued, not waited for: on a
+    # device it fails asynchronously, on the CPU at once (then raised as a ValueError).
+    ok = (cu[0] == 0) & (cu[-1] == num_tokens) & (lengths_N >= 0).all()
+    message = (f"cu_seqlens does not bound a stream of {num_tokens} tokens: it must start at 0, "
+               f"never decrease and end at {num_tokens}")
+    try:
+        torch._assert_async(ok, message)
+    except RuntimeError:
+        raise ValueError(f"{message} (got {cu.tolist()[:8]}"
+                         f"{'...' if cu.numel() > 8 else ''})") from None
     sample_T = torch.repeat_interleave(
         torch.arange(lengths_N.numel(), device=cu.device), lengths_N, output_size=num_tokens
     )

@@ -219,8 +219,13 @@ def shifted_targets(packed: Packed) -> tuple[Tensor, Tensor]:
         raise ValueError(f"shifted_targets needs 1-D token ids, got shape {tuple(tokens_T.shape)}")
     cu = packed.cu_seqlens.long().to(tokens_T.device)
     lengths = cu[1:] - cu[:-1]
-    valid_T = torch.ones_like(tokens_T, dtype=torch.bool)
-    valid_T[cu[1:][lengths > 0] - 1] = False  # last position of every non-empty sequence
+    num_tokens = tokens_T.shape[0]
+    # Last position of every non-empty sequence; an empty one writes past the end, which is
+    # cut off (a boolean index would read the mask back to the host).
+    last = torch.where(lengths > 0, cu[1:] - 1, num_tokens)
+    valid_T = torch.ones(num_tokens + 1, dtype=torch.bool, device=tokens_T.device)
+    valid_T[last] = False
+    valid_T = valid_T[:num_tokens]
     targets_T = torch.where(valid_T, torch.roll(tokens_T, -1), torch.zeros_like(tokens_T))
     return targets_T, valid_T
 

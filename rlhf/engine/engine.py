@@ -33,10 +33,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from rlhf.algorithms.losses import loss_normalizers
+from rlhf.algorithms.losses import normalizer_counts
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.engine import checkpoint as ckpt
-from rlhf.engine.grads import GradBuffer, clip_, gather_grads, grad_norm, sync_grads
+from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
+                               sync_grads)
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
@@ -59,11 +60,14 @@ class TrainEngine:
 
     `table`: the model's ParamTable (from `build_model`; rebuilt from the model if None).
     `bucket_numel`: elements per grad / ZeRO-1 bucket (`rlhf.engine.zero`).
+    `scatter_grads`: ZeRO-1 reduce-scatters DP grads rather than all-reducing them (None:
+    `grads.scatters_grads` decides from the backend).
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, optim: OptimizerConfig | None,
                  table: ParamTable | None = None, total_steps: int = 1, head: Head | None = None,
-                 recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL):
+                 recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL,
+                 scatter_grads: bool | None = None):
         self.model, self.mesh, self.optim_config = model, mesh, optim
         self.head: Head = head or ("value" if isinstance(model, ValueModel) else "lm")
         self.device = next(model.parameters()).device
@@ -90,7 +94,9 @@ class TrainEngine:
         part = partition([p.numel() for p in params], shards, bucket_numel=bucket_numel)
         self.table = self.table.with_partition(part)
         self._shard_rank = mesh.dp_rank if self.distributed else 0
-        self.grads = GradBuffer(params, part, device=self.device)
+        if scatter_grads is None:
+            scatter_grads = scatters_grads(part, mesh.dp_group)
+        self.grads = GradBuffer(params, part, device=self.device, scatter=scatter_grads)
         self.optimizer = ShardedAdamW(params, part, rank=self._shard_rank, config=optim,
                                       dp_group=mesh.dp_group, device=self.device)
 
@@ -160,18 +166,19 @@ class TrainEngine:
         self._require_optimizer("step")
         norm = grad_norm(self.grads, self.table, self.mesh, rank=self._shard_rank)
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
-        if not math.isfinite(float(norm)):
-            warnings.warn(f"gradient norm is {float(norm)} at step {self.step_count}; "
+        norm_value = float(norm)  # the step's one read: skipping needs it on the host
+        if not math.isfinite(norm_value):
+            warnings.warn(f"gradient norm is {norm_value} at step {self.step_count}; "
                           "skipping this update", RuntimeWarning, stacklevel=2)
             self.zero_grad()
-            return {"grad_norm": float(norm), "lr": lr}
+            return {"grad_norm": norm_value, "lr": lr}
         if self.optim_config.grad_clip is not None:
             clip_(self.grads, norm, self.optim_config.grad_clip, rank=self._shard_rank)
         self.optimizer.step(self.grads.flat, lr=lr, step=self.step_count + 1)
         self.optimizer.copy_to_model()
         self.zero_grad()
         self.step_count += 1
-        return {"grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": norm_value, "lr": lr}
 
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
@@ -217,14 +224,16 @@ class TrainEngine:
         """(global_tokens, global_seqs) over these micro-batches on every DP rank, counting
         positions where `mb.tensors[mask_key]` is set (None: every position predicting a
         response token): the normalisers `loss_fn` divides by. Collective over DP."""
-        counts = [loss_normalizers(mb.tensors[mask_key].bool() if mask_key is not None
-                                   else mb.predicts_response_T, mb.packed.cu_seqlens)
-                  for mb in micro_batches]
-        total = torch.tensor([sum(c[0] for c in counts), sum(c[1] for c in counts)],
-                             dtype=torch.int64, device=self.device)
+        total = torch.zeros(2, dtype=torch.int64)
+        for mb in micro_batches:  # summed where the micro-batches are (the host, usually)
+            mask_T = (mb.tensors[mask_key].bool() if mask_key is not None
+                      else mb.predicts_response_T)
+            total = total.to(mask_T.device) + normalizer_counts(mask_T, mb.packed.cu_seqlens)
+        total = total.to(self.device)
         if group_size(self.mesh.dp_group) > 1:
             dist.all_reduce(total, group=self.mesh.dp_group)
-        return int(total[0]), int(total[1])
+        tokens, seqs = total.tolist()  # one read for the whole mini-batch
+        return tokens, seqs
 
     # ---- weights -----------------------------------------------------------------------------
 

@@ -8,8 +8,8 @@ training and by `rlhf verify-model`:
 1. grads partial over TP (`ParamInfo.tp_partial_grad`) are summed over TP;
 2. the two copies of a parameter shared across pipeline stages are summed (`shared`);
 3. over DP the grads are SUMMED (loss_fn normalises by global counts): reduce-scattered into
-   each rank's shard under ZeRO-1 (only the owned ranges are then valid; on gloo, whose
-   reduce-scatter is slower than its all-reduce, all-reduced), else all-reduced.
+   each rank's shard under ZeRO-1 when `GradBuffer.scatter` (only the owned ranges are then
+   valid), else all-reduced whole. `scatters_grads` decides `scatter` once, from the backend.
 
 `grad_norm` is the whole model's norm from the owned ranges: TP-replicated grads counted on
 TP rank 0 only, a tied copy not at all, then summed over DP (ZeRO-1) and the model group.
@@ -32,11 +32,14 @@ from rlhf.parallel.mesh import ParallelMesh
 
 
 class GradBuffer:
-    """fp32 grads of `params` in one flat buffer (allocated here, zeroed, kept for good)."""
+    """fp32 grads of `params` in one flat buffer (allocated here, zeroed, kept for good);
+    `scatter`: DP sums are reduce-scattered into the owned ranges (needs `part.shards > 1`)."""
 
     def __init__(self, params: Sequence[nn.Parameter], part: Partition, *,
-                 device: torch.device):
-        self.params, self.part = list(params), part
+                 device: torch.device, scatter: bool = False):
+        if scatter and part.shards == 1:
+            raise ValueError("scatter needs a partition with several shards (ZeRO-1)")
+        self.params, self.part, self.scatter = list(params), part, scatter
         self.flat = torch.zeros(part.total, dtype=torch.float32, device=device)
         for i, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._accumulate(i))
@@ -56,6 +59,14 @@ class GradBuffer:
         return hook
 
 
+def scatters_grads(part: Partition, dp_group) -> bool:
+    """Whether a ZeRO-1 engine reduce-scatters its DP grads (the one reading of the backend).
+
+    gloo's reduce-scatter is slower than its all-reduce of the same bucket, so on gloo buckets
+    are all-reduced in place, which leaves the same sums in the owned ranges."""
+    return part.shards > 1 and dist.get_backend(dp_group) != "gloo"
+
+
 def sync_grads(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *, rank: int) -> None:
     """Sum the grads over TP, pipeline ties and DP (see the module docstring), in place.
     `rank`: this rank's shard of `grads.part` (its DP rank under ZeRO-1, else 0)."""
@@ -69,13 +80,9 @@ def sync_grads(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *, rank
     if group_size(mesh.dp_group) == 1:
         return
     part, flat = grads.part, grads.flat
-    # gloo's reduce-scatter of a 64 MiB bucket took 1.7-2x its all-reduce (111 vs 65 ms at
-    # dp 2, 238 vs 119 ms at dp 4): on gloo the bucket is all-reduced in place instead, which
-    # leaves the same sums in this rank's range (and in the others', unused)
-    whole = part.shards == 1 or dist.get_backend(mesh.dp_group) == "gloo"
     for bucket, (lo, hi) in zip(part.buckets, part.shard_ranges(rank)):
         chunk = flat[bucket.start:bucket.start + bucket.numel]
-        if whole:
+        if not grads.scatter:
             dist.all_reduce(chunk, group=mesh.dp_group)
         else:
             mine = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)

@@ -19,10 +19,11 @@ LossFn = Callable[[Outputs, MicroBatch], "tuple[Tensor, dict[str, float | Tensor
 
 @dataclass(frozen=True)
 class MicroBatchResult:
-    """The detached loss and metrics of one micro-batch (last pipeline stage only)."""
+    """The detached loss and metrics of one micro-batch (last pipeline stage only), left on
+    the device: `reduce_metrics` reads them back once per step, not once per micro-batch."""
 
-    loss: float
-    metrics: dict[str, float]
+    loss: Tensor | float
+    metrics: dict[str, Tensor | float]
 
 
 def check_loss(loss) -> None:
@@ -32,7 +33,6 @@ def check_loss(loss) -> None:
                          f"{type(loss).__name__} of shape {getattr(loss, 'shape', None)}")
 
 
-def floats(metrics: dict) -> dict[str, float]:
-    """Metric values as Python floats."""
-    return {k: float(v.detach()) if isinstance(v, Tensor) else float(v)
-            for k, v in metrics.items()}
+def detached(metrics: dict) -> dict[str, Tensor | float]:
+    """Metric values detached from autograd, tensors kept where they are (no host sync)."""
+    return {k: v.detach() if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}

@@ -1,5 +1,6 @@
 """Reducing the per-micro-batch loss and metrics of one `forward_backward` with tensor
-collectives only (no pickled objects on the hot path).
+collectives only (no pickled objects on the hot path). The schedules leave every loss and
+metric on the device; they are summed there and read back once, here, per call.
 
 DP ranks may report different metric names (a rank may have no micro-batches at all), so the
 names are agreed first: each rank's sorted names, joined as bytes, are all-gathered as uint8
@@ -9,6 +10,7 @@ broadcasts the names and the reduced values over the pipeline group as one float
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -30,11 +32,12 @@ def reduce_metrics(results: Sequence[MicroBatchResult], mesh: ParallelMesh, *,
     dp_group = mesh.dp_group
     if group_size(dp_group) > 1:  # a rank may lack a key (or micro-batches altogether)
         keys = _union(keys, dp_group, device)
-    row = [sum(r.loss for r in results), len(results)]
-    for k in keys:
-        row += [sum(r.metrics.get(k, 0.0) for r in results),
-                sum(k in r.metrics for r in results)]
-    totals = torch.tensor(row, dtype=torch.float64, device=device)
+    # Values stay on the device until the one read below; counts are host ints.
+    sums = [_sum([r.loss for r in results], device)]
+    sums += [_sum([r.metrics[k] for r in results if k in r.metrics], device) for k in keys]
+    counts = [len(results)] + [sum(k in r.metrics for r in results) for k in keys]
+    counts_t = torch.tensor(counts, dtype=torch.float64, device=device)
+    totals = torch.stack([torch.stack(sums), counts_t], dim=1).reshape(-1)  # sum, count, ...
     if group_size(dp_group) > 1:
         dist.all_reduce(totals, group=dp_group)
     if mesh.pp_size > 1:  # results exist on the last stage only
@@ -45,6 +48,15 @@ def reduce_metrics(results: Sequence[MicroBatchResult], mesh: ParallelMesh, *,
     for i, k in enumerate(keys):
         out[k] = values[2 + 2 * i] / max(values[3 + 2 * i], 1.0)
     return out
+
+
+def _sum(values, device: torch.device) -> torch.Tensor:
+    """float64 0-d sum on `device`: tensors added there, Python floats on the host."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tensors = [v.reshape(()) for v in values if isinstance(v, torch.Tensor)]
+    if tensors:
+        total = total + torch.stack(tensors).to(device=device, dtype=torch.float64).sum()
+    return total + math.fsum(float(v) for v in values if not isinstance(v, torch.Tensor))
 
 
 def _encode(keys: Sequence[str]) -> bytes:

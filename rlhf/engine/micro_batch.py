@@ -9,14 +9,18 @@ position by position, and every other position holds zeros.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from rlhf.data.packing import PackedSequences, pack_prompt_response, response_values
+from rlhf.data.packing import (PackedSequences, SharedPrefix, pack_prompt_response,
+                               response_values)
 from rlhf.data.ragged import Ragged
+from rlhf.models.attention import VarlenLayout, varlen_layout
+from rlhf.parallel.host import to_device
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,14 @@ class MicroBatch:
     packed: PackedSequences
     tensors: dict[str, Tensor] = field(default_factory=dict)  # each (T, ...), predicting positions
     sample_ids: Tensor | None = None  # (n,) int64: row of each sequence in the caller's batch
+    # Attention's host lengths, read once here (where the stream is still on the CPU), so no
+    # layer reads them back from the device.
+    layout: VarlenLayout = field(default=None, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self):
+        if self.layout is None:
+            object.__setattr__(self, "layout", varlen_layout(self.packed.cu_seqlens,
+                                                             self.packed.prefix))
 
     @property
     def num_tokens(self) -> int:
@@ -45,14 +57,16 @@ class MicroBatch:
         if self.packed.tokens.device == torch.device(device):
             return self
         p = self.packed
+        move = functools.partial(to_device, device=device)  # no stream sync per tensor
+        prefix = None if p.prefix is None else SharedPrefix(move(p.prefix.starts),
+                                                            move(p.prefix.lens))
         packed = PackedSequences(
-            tokens=p.tokens.to(device), cu_seqlens=p.cu_seqlens.to(device),
-            position_ids=p.position_ids.to(device), max_seqlen=p.max_seqlen,
-            response_mask=p.response_mask.to(device), prompt_lens=p.prompt_lens,
-            response_lens=p.response_lens,
-            prefix=None if p.prefix is None else p.prefix.to(device))
-        tensors = {k: v.to(device) for k, v in self.tensors.items()}
-        return MicroBatch(packed, tensors, self.sample_ids)
+            tokens=move(p.tokens), cu_seqlens=move(p.cu_seqlens),
+            position_ids=move(p.position_ids), max_seqlen=p.max_seqlen,
+            response_mask=move(p.response_mask), prompt_lens=p.prompt_lens,
+            response_lens=p.response_lens, prefix=prefix)
+        tensors = {k: move(v) for k, v in self.tensors.items()}
+        return MicroBatch(packed, tensors, self.sample_ids, self.layout.to(device))
 
 
 def predicting_positions(packed: PackedSequences) -> Tensor:

@@ -6,12 +6,12 @@ values, reward scores). Every rank gets the same micro-batch list, so it knows e
 shape (`p2p.activation_shape`). Results (outputs, losses, metrics) exist on the last stage; the
 other stages return empty lists. `peak_held` records the most (micro-batch, chunk) activation
 sets the last run kept alive at once: for 1F1B at most pp - stage; `last_wait_s` the seconds
-it spent blocked on messages (its share of the pipeline bubble, for benchmarks).
+it spent blocked on messages (its share of the pipeline bubble, for benchmarks; on CUDA timed
+with events on the stream, read back only when asked, since NCCL's waits do not block the host).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
@@ -20,13 +20,14 @@ from torch import Tensor, nn
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
                                         training_plan, units)
-from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, floats
+from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.models.outputs import check_outputs, head_outputs, sp_pad
 from rlhf.models.parallelize import tp_state
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.p2p import (ACTIVATION, GRADIENT, Recv, Send, activation_shape, exchange,
                                message_tag)
 from rlhf.parallel.stages import StageChunk, stage_rank
+from rlhf.parallel.timing import Stopwatch
 
 
 class PipelineSchedule:
@@ -41,7 +42,7 @@ class PipelineSchedule:
         self.vpp, self.pp, self.rank = len(chunks), mesh.pp_size, mesh.pp_rank
         self.num_virtual = self.pp * self.vpp
         self.peak_held = 0
-        self.last_wait_s = 0.0
+        self._last_wait = Stopwatch("cpu")
         self.tagged = True  # False: untagged messages, matched in posting order as under NCCL
         state = tp_state(model)
         self._tp, self._sp = state.tp, state.sequence_parallel
@@ -50,6 +51,11 @@ class PipelineSchedule:
     def training_order(self, num_micro_batches: int) -> tuple[list[Step], bool]:
         """This rank's steps, and whether a forward and the next backward exchange together."""
         raise NotImplementedError
+
+    @property
+    def last_wait_s(self) -> float:
+        """Seconds the last run spent waiting on messages (on CUDA this waits for the run)."""
+        return self._last_wait.seconds
 
     # ---- the two schedule methods --------------------------------------------------------------
 
@@ -62,7 +68,7 @@ class PipelineSchedule:
         with torch.no_grad():
             run.execute(forward_only_order(len(micro_batches), pp=self.pp, vpp=self.vpp),
                         pair=False)
-        self.last_wait_s = run.wait_s
+        self._last_wait = run.wait
         return [run.outputs[i] for i in sorted(run.outputs)]
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *,
@@ -74,7 +80,7 @@ class PipelineSchedule:
                    outputs=outputs, temperature=temperature)
         order, pair = self.training_order(len(micro_batches))
         run.execute(order, pair=pair)
-        self.peak_held, self.last_wait_s = run.peak_held, run.wait_s
+        self.peak_held, self._last_wait = run.peak_held, run.wait
         return [run.results[i] for i in sorted(run.results)]
 
 
@@ -116,7 +122,7 @@ class _Run:
         self.output_names, self.temperature = outputs, temperature
         self.pending: list[Send] = []  # the last unit's sends, posted with the next receives
         self.held: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
-        self.peak_held, self.wait_s = 0, 0.0
+        self.peak_held, self.wait = 0, Stopwatch(schedule.device)
         self.outputs: dict[int, Outputs] = {}
         self.results: dict[int, MicroBatchResult] = {}
 
@@ -132,11 +138,10 @@ class _Run:
         self._exchange([])  # the last sends
 
     def _exchange(self, recvs: list[Recv]) -> list[Tensor]:
-        start = time.perf_counter()
-        out = exchange(self.pending, recvs, device=self.s.device, group=self.s.mesh.pp_group,
-                       tagged=self.s.tagged)
+        with self.wait():
+            out = exchange(self.pending, recvs, device=self.s.device, group=self.s.mesh.pp_group,
+                           tagged=self.s.tagged)
         self.pending = []
-        self.wait_s += time.perf_counter() - start
         return out
 
     def _peer(self, virtual_stage: int) -> int:
@@ -174,7 +179,8 @@ class _Run:
             torch.is_grad_enabled())
         hidden = s.model.model.run(x, run.position_ids, run.cu_seqlens, run.max_seqlen,
                                    layers=chunk.layer_names, embed=chunk.has_embedding,
-                                   norm=chunk.has_head, prefix=run.prefix)
+                                   norm=chunk.has_head, prefix=run.prefix,
+                                   layout=mb.layout.padded(run.tokens.shape[0]))
         if not chunk.has_head:
             self._send(hidden, i, v + 1, ACTIVATION)
             if self.loss_fn is not None:
@@ -187,7 +193,7 @@ class _Run:
             return
         loss, metrics = self.loss_fn(out, mb)
         check_loss(loss)
-        self.results[i] = MicroBatchResult(float(loss.detach()), floats(metrics))
+        self.results[i] = MicroBatchResult(loss.detach(), detached(metrics))
         self.held[(i, k)] = (x, loss)
 
     def backward_step(self, i: int, k: int, received: Tensor | None) -> None:

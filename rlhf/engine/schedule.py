@@ -19,10 +19,11 @@ from typing import Protocol
 
 from torch import nn
 
-from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, floats
+from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
-from rlhf.models.outputs import model_outputs
+from rlhf.models.outputs import check_outputs, head_outputs, sp_pad
+from rlhf.models.parallelize import tp_state
 from rlhf.parallel.mesh import ParallelMesh
 
 __all__ = ["LossFn", "MicroBatchResult", "NoPipeline", "Outputs", "Schedule", "make_schedule"]
@@ -44,22 +45,35 @@ class NoPipeline:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, device):
         self.model, self.mesh, self.device = model, mesh, device
+        state = tp_state(model)
+        if mesh.tp_size != state.tp:
+            raise ValueError(f"the model was sharded for tp={state.tp} but the mesh has "
+                             f"tp={mesh.tp_size}; pass the mesh the model was built with")
+        self._tp, self._sp = state.tp, state.sequence_parallel
 
     def _outputs(self, mb: MicroBatch, outputs: tuple[str, ...], temperature: float) -> Outputs:
-        return model_outputs(self.model, mb.packed, mesh=self.mesh, outputs=outputs,
-                             temperature=temperature)
+        # model_outputs' steps, with the micro-batch's host layout passed to every layer
+        if mb.num_tokens == 0:
+            raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
+        run = sp_pad(mb.packed, self._tp) if self._sp else mb.packed
+        out = self.model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
+                         prefix=run.prefix, layout=mb.layout.padded(run.tokens.shape[0]))
+        return head_outputs(self.model, out[:mb.num_tokens], mb.packed, mesh=self.mesh,
+                            outputs=outputs, temperature=temperature)
 
     def forward(self, micro_batches, *, outputs, temperature=1.0):
+        check_outputs(self.model, outputs, temperature)
         return [self._outputs(mb.to(self.device), outputs, temperature) for mb in micro_batches]
 
     def forward_backward(self, micro_batches, loss_fn, *, outputs, temperature=1.0):
+        check_outputs(self.model, outputs, temperature)
         results = []
         for mb in micro_batches:
             mb = mb.to(self.device)
             loss, metrics = loss_fn(self._outputs(mb, outputs, temperature), mb)
             check_loss(loss)
             loss.backward()  # frees this micro-batch's activations before the next one
-            results.append(MicroBatchResult(float(loss.detach()), floats(metrics)))
+            results.append(MicroBatchResult(loss.detach(), detached(metrics)))
         return results
 
 

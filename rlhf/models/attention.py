@@ -14,6 +14,10 @@ values are then that run followed by its own, gathered once per call, and the ca
 aligned to the bottom right (query i sees every prefix key and its own keys up to i), which is
 flash-attn's convention for unequal query and key lengths.
 
+What the kernels need on the host (sequence bounds, prefix runs, flash-attn's key bounds and
+longest key run) is a `VarlenLayout`, built once per micro-batch while its stream is still on
+the CPU and passed to every layer: no layer reads a device tensor back.
+
 Why not padding, FlexAttention or nested tensors (measured on torch 2.13, CPU, fp32): padded
 length buckets add padding and a gather whose backward is slower than the split's, while
 batching sequences of exactly one length pads nothing and saves the per-call cost (one layer's
@@ -25,6 +29,7 @@ splitting) made each sequence's backward write a zero-filled gradient of the who
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
@@ -36,6 +41,7 @@ from torch import Tensor
 
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.varlen_kernels import torch_varlen, torch_varlen_fn
+from rlhf.parallel.host import to_device
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
@@ -43,12 +49,15 @@ FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
 
 def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                      max_seqlen: int, causal: bool = True, scale: float,
-                     prefix: SharedPrefix | None = None) -> Tensor:
+                     prefix: SharedPrefix | None = None,
+                     layout: VarlenLayout | None = None) -> Tensor:
     """Attention of every packed sequence with itself (and its shared `prefix`, if any);
     returns out_THD (heads of q).
 
     k/v may have fewer heads than q (grouped-query attention: each k/v head serves
     num_heads / num_kv_heads consecutive query heads). `cu_seqlens` is (n+1,) int32.
+    `layout`: the same stream's `VarlenLayout` (built once per micro-batch); None builds it
+    here, which reads `cu_seqlens` and `prefix` back to the host.
     """
     if prefix is not None and not causal:
         raise ValueError("a shared prefix needs causal attention")
@@ -62,7 +71,63 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
                                                       flash_available=flash_available):
         _warn_missing_flash_once(device_type, q_THD.dtype)
     return kernel(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                  causal=causal, scale=scale, prefix=prefix)
+                  causal=causal, scale=scale, prefix=prefix, layout=layout)
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """Where each sequence of one packed stream and its shared prefix sit, as host ints, plus
+    flash-attn's key rows and key bounds on the device: built once per micro-batch on the host
+    (`varlen_layout`) and read by every layer, so no layer reads a device tensor back."""
+
+    bounds: tuple[int, ...]  # cu_seqlens
+    prefix_starts: tuple[int, ...] | None  # None: nothing shared
+    prefix_lens: tuple[int, ...] | None
+    source_K: Tensor | None  # (K,) int64 stream row of every key (prefix, then own), or None
+    cu_k: Tensor | None  # (n+1,) int32 bounds of each sequence's keys, or None
+    max_k: int  # longest key run (prefix + own), max sequence length without a prefix
+
+    def to(self, device: torch.device | str) -> VarlenLayout:
+        if self.source_K is None:
+            return self
+        return dataclasses.replace(self, source_K=to_device(self.source_K, device),
+                                   cu_k=to_device(self.cu_k, device))
+
+    def padded(self, num_tokens: int) -> VarlenLayout:
+        """The layout with sequence parallelism's dummy sequence appended up to `num_tokens`
+        (`rlhf.models.outputs.sp_pad`); itself when nothing is appended."""
+        extra = num_tokens - self.bounds[-1]
+        if extra == 0:
+            return self
+        device = self.source_K.device if self.source_K is not None else "cpu"
+        return _layout((*self.bounds, num_tokens),
+                       None if self.prefix_starts is None else (*self.prefix_starts, 0),
+                       None if self.prefix_lens is None else (*self.prefix_lens, 0), device)
+
+
+def varlen_layout(cu_seqlens: Tensor, prefix: SharedPrefix | None, *,
+                  device: torch.device | str | None = None) -> VarlenLayout:
+    """The `VarlenLayout` of a packed stream (one read of `cu_seqlens` and `prefix`; free
+    for the CPU tensors a micro-batch is packed in); its device tensors on `device` (None:
+    `cu_seqlens`'s)."""
+    return _layout(tuple(cu_seqlens.tolist()),
+                   None if prefix is None else tuple(prefix.starts.tolist()),
+                   None if prefix is None else tuple(prefix.lens.tolist()),
+                   cu_seqlens.device if device is None else device)
+
+
+def _layout(bounds: tuple[int, ...], starts: tuple[int, ...] | None,
+            lens: tuple[int, ...] | None, device) -> VarlenLayout:
+    seq_lens = [stop - start for start, stop in zip(bounds[:-1], bounds[1:])]
+    if starts is None:
+        return VarlenLayout(bounds, None, None, None, None, max(seq_lens, default=0))
+    kv_lens = [n + p for n, p in zip(seq_lens, lens)]
+    cu = torch.tensor(bounds, dtype=torch.int64)
+    prefix = SharedPrefix(torch.tensor(starts, dtype=torch.int64),
+                          torch.tensor(lens, dtype=torch.int64))
+    source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device("cpu"), total=sum(kv_lens))
+    return VarlenLayout(bounds, starts, lens, to_device(source_K, device),
+                        to_device(kv_cu.to(torch.int32), device), max(kv_lens, default=0))
 
 
 def pick_kernel(device_type: str, dtype: torch.dtype, *, flash_available: bool,
@@ -96,7 +161,8 @@ def _warn_missing_flash_once(device_type: str, dtype: torch.dtype) -> None:
 
 def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                max_seqlen: int, causal: bool, scale: float,
-               prefix: SharedPrefix | None = None) -> Tensor:
+               prefix: SharedPrefix | None = None,
+               layout: VarlenLayout | None = None) -> Tensor:
     """PyTorch's fused SDPA kernel over the packed sequences, no padding (max_seqlen unused).
 
     Sequences of one length (and one shared-prefix length) go through one batched call: their
@@ -108,15 +174,16 @@ def sdpa_split(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tenso
     sequence). 4-D inputs, because SDPA's fused kernels refuse 3-D ones; GQA inside the kernel
     (enable_gqa) instead of materialised repeated k/v.
     """
-    bounds = tuple(cu_seqlens.tolist())
+    if layout is None:
+        layout = varlen_layout(cu_seqlens, prefix, device=q_THD.device)
+    bounds = layout.bounds
     if bounds[-1] - bounds[0] != q_THD.shape[0]:
         raise ValueError(f"cu_seqlens covers {bounds[-1] - bounds[0]} tokens but the packed "
                          f"tensors hold {q_THD.shape[0]}; build cu_seqlens from the same packed "
                          "batch")
     attend = functools.partial(_sdpa_batch, causal=causal, scale=scale,
                                gqa=q_THD.shape[1] != k_THD.shape[1])
-    groups = _length_groups(bounds, None if prefix is None else tuple(prefix.starts.tolist()),
-                            None if prefix is None else tuple(prefix.lens.tolist()),
+    groups = _length_groups(bounds, layout.prefix_starts, layout.prefix_lens,
                             str(q_THD.device))
     if groups is None:  # nothing to attend
         return q_THD.new_zeros(q_THD.shape[0], q_THD.shape[1], v_THD.shape[2])
@@ -175,7 +242,8 @@ def _length_groups(bounds: tuple[int, ...], prefix_starts: tuple[int, ...] | Non
     if prefix_lens is not None:
         prefix = SharedPrefix(torch.tensor(prefix_starts, dtype=torch.int64),
                               torch.tensor(prefix_lens, dtype=torch.int64))
-        source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device(device))
+        source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device(device),
+                                         total=bounds[-1] - bounds[0] + sum(prefix_lens))
     q_rows, kv_rows, shapes = [], [], []
     for (length, prefix_len), seqs in runs.items():
         ids = torch.tensor(seqs, device=device)
@@ -204,7 +272,8 @@ def _sdpa_batch(q_BSHD: Tensor, k_BSHD: Tensor, v_BSHD: Tensor, prefix_len: int,
 
 def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                 max_seqlen: int, causal: bool, scale: float,
-                prefix: SharedPrefix | None = None) -> Tensor:
+                prefix: SharedPrefix | None = None,
+                layout: VarlenLayout | None = None) -> Tensor:
     """Reference only: plain per-sequence SDPA on 3-D slices (the unfused math path); a
     sequence with a prefix attends to k/v of its prefix's slice then its own, through an
     explicit mask."""
@@ -233,31 +302,36 @@ def sdpa_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tens
 
 def flash_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                  max_seqlen: int, causal: bool, scale: float,
-                 prefix: SharedPrefix | None = None) -> Tensor:  # GPU only
+                 prefix: SharedPrefix | None = None,
+                 layout: VarlenLayout | None = None) -> Tensor:  # GPU only
     """flash-attn's varlen kernel over the packed stream (handles GQA itself); with a prefix,
-    over gathered k/v with their own cu_seqlens (its causal mask is bottom-right aligned)."""
+    over gathered k/v with their own cu_seqlens (its causal mask is bottom-right aligned).
+    Every length it needs on the host comes from `layout`, so it reads nothing back."""
     flash_attn_varlen_func = _flash_fn()
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
     cu_k, max_k = cu, max_seqlen
     if prefix is not None:
-        source_K, cu_k = prefix_kv_rows(cu, prefix, q_THD.device)
-        k_THD, v_THD = k_THD.index_select(0, source_K), v_THD.index_select(0, source_K)
-        cu_k = cu_k.to(torch.int32)
-        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+        if layout is None or layout.source_K is None:
+            layout = varlen_layout(cu_seqlens, prefix, device=q_THD.device)
+        k_THD = k_THD.index_select(0, layout.source_K)
+        v_THD = v_THD.index_select(0, layout.source_K)
+        cu_k, max_k = layout.cu_k, layout.max_k
     return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu_k, max_seqlen, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal)
 
 
-def prefix_kv_rows(cu_seqlens: Tensor, prefix: SharedPrefix,
-                   device: torch.device) -> tuple[Tensor, Tensor]:
+def prefix_kv_rows(cu_seqlens: Tensor, prefix: SharedPrefix, device: torch.device, *,
+                   total: int | None = None) -> tuple[Tensor, Tensor]:
     """(source_K, kv_cu): the stream row of every key when each sequence's keys are its
     prefix's tokens then its own, sequence after sequence, and the (n+1,) int64 bounds of
-    each sequence's keys in that order. The one rule of what a sequence attends to."""
+    each sequence's keys in that order. The one rule of what a sequence attends to.
+    `total`: the number of keys when the caller knows it (None: read back from kv_cu)."""
     cu = cu_seqlens.to(device=device, dtype=torch.int64)
     lens, shared = cu[1:] - cu[:-1], prefix.lens.to(device)
     kv_lens = lens + shared
     kv_cu = torch.cat([cu.new_zeros(1), kv_lens.cumsum(0)])
-    total = int(kv_cu[-1])
+    if total is None:
+        total = int(kv_cu[-1])
     seq_K = torch.repeat_interleave(torch.arange(len(lens), device=device), kv_lens,
                                     output_size=total)
     local_K = torch.arange(total, device=device) - kv_cu[:-1][seq_K]

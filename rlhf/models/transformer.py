@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf.data.packing import SharedPrefix
-from rlhf.models.attention import varlen_attention
+from rlhf.models.attention import VarlenLayout, varlen_attention
 from rlhf.models.config import ModelArgs
 
 
@@ -52,7 +52,9 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(args)
 
     def forward(self, position_ids_T: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        inv_freq = self.inv_freq.to(position_ids_T.device)
+        if self.inv_freq.device != position_ids_T.device:  # once per device, not per call: a
+            self.inv_freq = self.inv_freq.to(position_ids_T.device)  # host copy syncs CUDA
+        inv_freq = self.inv_freq
         freqs_TF = position_ids_T[:, None].float() * inv_freq[None, :]
         emb_TD = torch.cat((freqs_TF, freqs_TF), dim=-1)
         return emb_TD.cos().to(dtype), emb_TD.sin().to(dtype)
@@ -100,7 +102,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int, prefix: SharedPrefix | None = None) -> Tensor:
+                max_seqlen: int, prefix: SharedPrefix | None = None,
+                layout: VarlenLayout | None = None) -> Tensor:
         # -1 on the token axis: with sequence parallelism q_proj's output has more tokens
         # (all-gathered) than hidden_TH.
         q_THD = self.q_proj(hidden_TH).view(-1, self.num_heads, self.head_dim)
@@ -111,7 +114,7 @@ class Attention(nn.Module):
         q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
         out_THD = varlen_attention(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
                                    max_seqlen=max_seqlen, causal=True, scale=self.scale,
-                                   prefix=prefix)
+                                   prefix=prefix, layout=layout)
         return self.o_proj(out_THD.reshape(out_THD.shape[0], -1))
 
 
@@ -139,9 +142,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int, prefix: SharedPrefix | None = None) -> Tensor:
+                max_seqlen: int, prefix: SharedPrefix | None = None,
+                layout: VarlenLayout | None = None) -> Tensor:
         hidden_TH = hidden_TH + self.self_attn(self.input_layernorm(hidden_TH), cos_TD, sin_TD,
-                                               cu_seqlens, max_seqlen, prefix)
+                                               cu_seqlens, max_seqlen, prefix, layout)
         return hidden_TH + self.mlp(self.post_attention_layernorm(hidden_TH))
 
 
@@ -176,26 +180,29 @@ class Transformer(nn.Module):
         self.rotary_emb = RotaryEmbedding(args)
 
     def forward(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int, *, prefix: SharedPrefix | None = None) -> Tensor:
+                max_seqlen: int, *, prefix: SharedPrefix | None = None,
+                layout: VarlenLayout | None = None) -> Tensor:
         """tokens_T (with the embedding) or hidden_TH (a later stage) -> hidden_TH.
 
         The output is after the final norm when this part has it. `prefix`: the packing's
         shared prompts (rlhf.data.packing.SharedPrefix), None when nothing is shared.
+        `layout`: the stream's host lengths (`attention.VarlenLayout`), built once per
+        micro-batch; None: each layer's attention reads them back.
         """
         return self.run(inputs, position_ids_T, cu_seqlens, max_seqlen, layers=self.layers.keys(),
                         embed=self.embed_tokens is not None, norm=self.norm is not None,
-                        prefix=prefix)
+                        prefix=prefix, layout=layout)
 
     def run(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor, max_seqlen: int,
             *, layers: Iterable[str], embed: bool, norm: bool,
-            prefix: SharedPrefix | None = None) -> Tensor:
+            prefix: SharedPrefix | None = None, layout: VarlenLayout | None = None) -> Tensor:
         """The embedding (if `embed`), the named `layers` in order, the norm (if `norm`):
         one pipeline chunk of this part."""
         hidden_TH = self.embed_tokens(inputs) if embed else inputs
         cos_TD, sin_TD = self.rotary_emb(position_ids_T, hidden_TH.dtype)
         for name in layers:
             hidden_TH = self.layers[name](hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen,
-                                          prefix)
+                                          prefix, layout)
         return self.norm(hidden_TH) if norm else hidden_TH
 
 
@@ -250,8 +257,10 @@ class CausalLM(_WithBody):
         return self.lm_head(hidden_TH)
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int, *, prefix: SharedPrefix | None = None) -> Tensor:
-        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix)
+                max_seqlen: int, *, prefix: SharedPrefix | None = None,
+                layout: VarlenLayout | None = None) -> Tensor:
+        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix,
+                               layout=layout)
         return self.head(hidden_TH) if self.lm_head is not None else hidden_TH
 
 
@@ -273,6 +282,8 @@ class ValueModel(_WithBody):
         return self.score(hidden_TH).squeeze(-1)
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int, *, prefix: SharedPrefix | None = None) -> Tensor:
-        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix)
+                max_seqlen: int, *, prefix: SharedPrefix | None = None,
+                layout: VarlenLayout | None = None) -> Tensor:
+        hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix,
+                               layout=layout)
         return self.head(hidden_TH) if self.score is not None else hidden_TH

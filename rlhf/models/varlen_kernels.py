@@ -44,21 +44,24 @@ def call_keywords(fn: Callable) -> frozenset[str]:
 
 def torch_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                  max_seqlen: int, causal: bool, scale: float,
-                 prefix: SharedPrefix | None = None) -> Tensor:  # CUDA, half precision only
+                 prefix: SharedPrefix | None = None,
+                 layout=None) -> Tensor:  # CUDA, half precision only
     """torch's varlen flash kernel over the packed stream; with a prefix, over gathered k/v
-    with their own cu_seqlens (bottom-right causal)."""
+    with their own cu_seqlens (bottom-right causal), taken from `layout` (an
+    rlhf.models.attention.VarlenLayout) as flash_varlen takes them, so nothing is read back."""
     varlen_attn = torch_varlen_fn()
     keywords = call_keywords(varlen_attn)
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
     cu_k, max_k = cu, max_seqlen
     if prefix is not None:
-        # attention.py imports this module for its kernel choice: import back at call time.
-        from rlhf.models.attention import prefix_kv_rows
+        if layout is None or layout.source_K is None:
+            # attention.py imports this module for its kernel choice: import back at call time.
+            from rlhf.models.attention import varlen_layout
 
-        source_K, cu_k = prefix_kv_rows(cu, prefix, q_THD.device)
-        k_THD, v_THD = k_THD.index_select(0, source_K), v_THD.index_select(0, source_K)
-        cu_k = cu_k.to(torch.int32)
-        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 0
+            layout = varlen_layout(cu_seqlens, prefix, device=q_THD.device)
+        k_THD = k_THD.index_select(0, layout.source_K)
+        v_THD = v_THD.index_select(0, layout.source_K)
+        cu_k, max_k = layout.cu_k, layout.max_k
     kwargs = {}
     if causal:
         kwargs.update({"window_size": (-1, 0)} if "window_size" in keywords

@@ -26,7 +26,10 @@ _BAR_KEYS = (("reward/mean", "reward"), ("val/accuracy", "val_acc"), ("actor/pg_
 
 
 class PhaseTimer:
-    """`with timer("generate"): ...` adds the seconds to `timing/generate`."""
+    """`with timer("generate"): ...` adds the seconds to `timing/generate`.
+
+    The driver's clock: each phase ends when the workers' results are on the host (ray.get),
+    so it is exact here. Device work inside a worker is timed with `rlhf.parallel.timing`."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}

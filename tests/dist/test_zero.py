@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.engine import MicroBatchResult, TrainEngine, make_micro_batches
+from rlhf.engine import grads as grads_module
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.errors import RLHFError
 from rlhf.models.parallelize import build_model
@@ -42,14 +43,15 @@ CASES = {
     "pp2-vpp2-dp2": ("llama", 4, dict(pp=2, vpp=2), "float32"),
     "dp4-bf16": ("llama", 4, {}, "bfloat16"),
 }
+SCATTERED = ("dp2", "dp4-tied", "tp2-dp2-sp-tied", "pp2-vpp2-dp2")  # also run reduce-scattering
 
 
-def _engine(folder, mesh, plan, dtype, *, distributed):
+def _engine(folder, mesh, plan, dtype, *, distributed, scatter_grads=None):
     model, table = build_model(folder, mesh=mesh, plan=plan, head="lm",
                                dtype=getattr(torch, dtype))
     optim = dataclasses.replace(OPTIM, distributed=distributed)
     return TrainEngine(model, mesh, optim=optim, table=table, total_steps=10,
-                       bucket_numel=BUCKET)
+                       bucket_numel=BUCKET, scatter_grads=scatter_grads)
 
 
 def _step(engine, seed):
@@ -89,6 +91,27 @@ def _run_case(mesh, folder, plan, dtype, ckpt):
             "optimizer_bytes": (_bytes(zero, "optimizer"), _bytes(plain, "optimizer")),
             "master_bytes": (_bytes(zero, "masters"), _bytes(plain, "masters")),
             "buckets": len(zero.grads.part.buckets), "dp": mesh.dp_size}
+
+
+def _scattered(folder, mesh, plan, dtype):
+    """The ZeRO-1 engine with NCCL's grad sync forced on gloo (reduce-scatter into the owned
+    ranges): three steps, counting the reduce-scatters that ran."""
+    engine = _engine(folder, mesh, plan, dtype, distributed=True, scatter_grads=True)
+    default = _engine(folder, mesh, plan, dtype, distributed=True)
+    calls = []
+    real = grads_module.reduce_scatter_single
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    grads_module.reduce_scatter_single = counting
+    try:
+        stats = [_step(engine, seed) for seed in SEEDS]
+    finally:
+        grads_module.reduce_scatter_single = real
+    return {"params": exported(engine), "stats": stats, "reduce_scatters": len(calls),
+            "buckets": len(engine.grads.part.buckets), "default_scatters": default.grads.scatter}
 
 
 def _resumed_elsewhere(folder, mesh, ckpt, *, distributed):
@@ -135,6 +158,8 @@ def _run_all(rank, world, folders, root):
         mesh = ParallelMesh(list(range(n)), tp=plan.tp, pp=plan.pp, cache=cache)
         if mesh.is_member:
             results[name] = _run_case(mesh, folders[model], plan, dtype, f"{root}/{name}")
+            if name in SCATTERED:
+                results[f"{name}-scatter"] = _scattered(folders[model], mesh, plan, dtype)
     dp2 = ParallelMesh([0, 1], cache=cache)
     dp4 = ParallelMesh([0, 1, 2, 3], cache=cache)
     llama = folders["llama"]
@@ -177,6 +202,22 @@ def test_zero1_equals_the_non_distributed_optimizer_and_the_reference(setup, nam
             rel = 1e-6 if fp32 else 1e-2
             assert zero["grad_norm"] == pytest.approx(plain["grad_norm"], rel=rel)
             assert zero["grad_norm"] == pytest.approx(want, rel=1e-5 if fp32 else 5e-2)
+
+
+@pytest.mark.parametrize("name", SCATTERED)
+def test_zero1_reduce_scatter_path_equals_the_replicated_optimizer(setup, name):
+    """NCCL's branch (reduce-scatter into the owned ranges), forced on gloo."""
+    refs, results = setup
+    model, n, _, _ = CASES[name]
+    for rank in range(n):
+        got, case = results[rank][f"{name}-scatter"], results[rank][name]
+        assert not got["default_scatters"]  # gloo's own choice is the all-reduce
+        assert got["reduce_scatters"] == got["buckets"] * len(SEEDS), rank
+        assert max_param_error(got["params"], case["plain"]) < TOL, rank
+        assert max_param_error(got["params"], refs[model]["params"]) < TOL, rank
+        for mine, plain in zip(got["stats"], case["stats"]["plain"]):
+            assert mine["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+            assert mine["loss"] == pytest.approx(plain["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CASES))
