@@ -15,7 +15,6 @@ seconds each rank spends gathering and broadcasting, for the sync metrics.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from torch import Tensor
 from rlhf.models.hf_io import bucketed
 from rlhf.parallel.collectives import all_gather_coalesced, byte_offsets, byte_view
 from rlhf.parallel.mesh import ParallelMesh
+from rlhf.parallel.timing import Stopwatch
 
 Bucket = list[tuple[str, Tensor]]
 Spec = tuple[str, tuple[int, ...], torch.dtype]  # HF name, full shape, dtype
@@ -45,21 +45,30 @@ class ExportItem:
         return self.name, self.shape, self.local.dtype
 
 
-@dataclass
 class ExportTimes:
     """Seconds this rank spent so far in the TP gathers and in the PP broadcasts (waiting for
-    the owning stage included)."""
+    the owning stage included), as the device saw them (CUDA events on a GPU, where the
+    collectives return before they finish)."""
 
-    gather_s: float = 0.0
-    broadcast_s: float = 0.0
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.gather, self.broadcast = Stopwatch(device), Stopwatch(device)
+
+    @property
+    def gather_s(self) -> float:
+        return self.gather.seconds
+
+    @property
+    def broadcast_s(self) -> float:
+        return self.broadcast.seconds
 
 
 class ExportStream(Iterator[Bucket]):
     """Buckets of HF-named full tensors, made as they are consumed (collective: every rank
     of the model group must consume them all, in step); `times` so far."""
 
-    def __init__(self, make: Callable[[ExportTimes], Iterator[Bucket]]):
-        self.times = ExportTimes()
+    def __init__(self, make: Callable[[ExportTimes], Iterator[Bucket]], *,
+                 device: torch.device | str = "cpu"):
+        self.times = ExportTimes(device)
         self._buckets = make(self.times)
 
     def __next__(self) -> Bucket:
@@ -76,9 +85,12 @@ def export_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, *,
     """
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    device = items[0].local.device if items else "cpu"
     if mesh.pp_size == 1:
-        return ExportStream(lambda times: _stage_buckets(items, mesh, bucket_bytes, times))
-    return ExportStream(lambda times: _pipeline_buckets(items, mesh, bucket_bytes, times))
+        return ExportStream(lambda times: _stage_buckets(items, mesh, bucket_bytes, times),
+                            device=device)
+    return ExportStream(lambda times: _pipeline_buckets(items, mesh, bucket_bytes, times),
+                        device=device)
 
 
 def _plan(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
@@ -91,9 +103,8 @@ def _plan(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
 def _stage_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, bucket_bytes: int,
                    times: ExportTimes) -> Iterator[Bucket]:
     for plan in _plan([it.spec for it in items], bucket_bytes):
-        start = time.perf_counter()
-        bucket = _gathered([items[i] for i in plan], mesh)
-        times.gather_s += time.perf_counter() - start
+        with times.gather():
+            bucket = _gathered([items[i] for i in plan], mesh)
         yield bucket
 
 
@@ -112,12 +123,10 @@ def _pipeline_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, bucket_by
             views = [byte_view(buffer, offset, shape, dtype)
                      for offset, (_, shape, dtype) in zip(offsets, planned)]
             if stage == mesh.pp_rank:
-                start = time.perf_counter()
-                _gathered([items[i] for i in plan], mesh, into=views)
-                times.gather_s += time.perf_counter() - start
-            start = time.perf_counter()
-            dist.broadcast(buffer, src=src, group=mesh.pp_group)
-            times.broadcast_s += time.perf_counter() - start
+                with times.gather():
+                    _gathered([items[i] for i in plan], mesh, into=views)
+            with times.broadcast():
+                dist.broadcast(buffer, src=src, group=mesh.pp_group)
             yield [(name, view) for (name, _, _), view in zip(planned, views)]
 
 

@@ -238,11 +238,18 @@ def test_sync_pushes_only_after_the_policy_changed(world):
     assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
 
 
-def test_sync_splits_its_seconds_when_the_exporter_times_itself(world):
+def test_sync_splits_its_seconds_when_the_exporter_times_itself(world, monkeypatch):
+    from rlhf.parallel import timing
+
+    clock = [100.0]  # the export's stopwatches read this clock; the sync's total its own
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
     def exporter(times):  # stands in for the TP gathers and PP broadcasts of a real export
-        times.gather_s += 0.25
+        with times.gather():
+            clock[0] += 0.25
         yield [("a", torch.zeros(3))]
-        times.broadcast_s += 0.5
+        with times.broadcast():
+            clock[0] += 0.5
         yield [("b", torch.zeros(2))]
 
     replica = fake_replica(world)
