@@ -72,8 +72,11 @@ class StageMemory:
     pp_rank: int
     state: dict[str, int]  # STATE_KINDS -> bytes, exact
     activations: int  # update: saved for backward over the in-flight micro-batches
-    logits: int  # update: the LM head's log-prob/entropy workspace at its peak (last stage)
-    forward: int  # a forward-only pass: one layer's working set plus the head's workspace
+    # update: what the LM head's log-prob/entropy workspace (`head`) adds to `activations`.
+    # Backward starts at the head, before any layer is recomputed, so only the head's excess
+    # over the recomputed working set counts: activations + logits is the update's peak.
+    logits: int
+    forward: int  # a forward-only pass: one layer's working set or the head's, the larger
     activations_by_recompute: dict[str, int]  # what `activations` would be in each mode
     replicated_state: dict[str, int]  # `state` without ZeRO-1 (the same when it is off)
     head: dict[str, int] = field(default_factory=dict)  # `logits` by op (head_workspace)
@@ -214,10 +217,13 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
         head_forward = _head_ops(spec, shapes, backward=False)
         by_mode = {mode: _update_activations(spec, mode, pp_rank=pp_rank, layers=layers)
                    for mode in RECOMPUTE_MODES} if spec.trains else {}
+        recomputed = int(tokens * recomputed_bytes(spec, spec.recompute))
+        # without grad a layer's intermediates are freed as it goes; the head runs after
+        layer = int(tokens * layer_activation_bytes(spec, "none"))
         out.append(StageMemory(
             pp_rank=pp_rank, state=state, activations=by_mode.get(spec.recompute, 0),
-            logits=sum(head.values()),
-            forward=int(tokens * layer_activation_bytes(spec, "none")) + sum(head_forward.values()),
+            logits=max(0, sum(head.values()) - recomputed) if spec.trains else 0,
+            forward=max(layer, sum(head_forward.values())),
             activations_by_recompute=by_mode, replicated_state=replicated, head=head,
             head_forward=head_forward))
     return out
@@ -238,8 +244,21 @@ def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int)
     """Bytes saved for backward on this stage under recompute `mode` (see the module doc)."""
     plan = spec.plan
     per_layer = spec.tokens * layer_activation_bytes(spec, mode)
-    held = in_flight_chunks(plan.pp, plan.vpp, pp_rank) * layers / plan.vpp * per_layer
-    return int(held + spec.tokens * recomputed_bytes(spec, mode))
+    micro_batches = in_flight_chunks(plan.pp, plan.vpp, pp_rank) / plan.vpp
+    per_batch = layers * per_layer + spec.tokens * _stage_extra_bytes(
+        spec, last=pp_rank == plan.pp - 1)
+    return int(micro_batches * per_batch + spec.tokens * recomputed_bytes(spec, mode))
+
+
+def _stage_extra_bytes(spec: RoleSpec, *, last: bool) -> float:
+    """Per token, what a stage saves beside its layers: the RoPE cos/sin tables its layers
+    share, and on the last stage the final norm (its fp32 input, the normalised copy, and the
+    head's input, all-gathered under sequence parallelism)."""
+    args, d = spec.args, spec.dtype.itemsize
+    chunk = spec.plan.tp if spec.plan.sequence_parallel else 1
+    rope = 2 * args.head_dim * d
+    final_norm = ((4 + d) * args.hidden_size + 4) / chunk + d * args.hidden_size
+    return rope + (final_norm if last else 0)
 
 
 # ---- per device and phase ----------------------------------------------------------------------

@@ -108,7 +108,8 @@ def format_plan(plan, advice, *, title: str) -> str:
 def _role_lines(plan) -> list[str]:
     kinds = list(plan.stages["actor"][0].state)  # weights, grads, masters, optimizer
     div, unit = _unit(v for stages in plan.stages.values() for s in stages
-                      for v in (*s.state.values(), s.activations, s.logits, s.forward))
+                      for v in (*s.state.values(), s.activations, sum(s.head.values()),
+                                s.forward))
 
     def f(n):
         return f"{n / div:.2f}"
@@ -116,7 +117,7 @@ def _role_lines(plan) -> list[str]:
     rows = [["role", "stage", *kinds, "activations", "head", "forward"]]
     for name, stages in plan.stages.items():
         rows += [[name, str(s.pp_rank), *(f(s.state[k]) for k in kinds), f(s.activations),
-                  f(s.logits), f(s.forward)] for s in stages]
+                  f(sum(s.head.values())), f(s.forward)] for s in stages]
     lines = [f"per rank of each role, {unit} (state and head exact; activations, forward "
              "estimated):", *_table(rows)]
     for name, spec in plan.roles.items():

@@ -21,9 +21,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # a view or an in-place result shares an input's storage: nothing new (this also keeps
+        # storages made before the block, such as the weights, out of the count)
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._track(t.untyped_storage())
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:
+                    self._track(storage)
         self.peak = max(self.peak, self.live)
         return out
 
