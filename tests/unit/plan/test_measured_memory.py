@@ -132,3 +132,32 @@ def test_head_workspace_is_the_live_peak_of_the_head(tokens, columns, real, dtyp
                                      dtype=dtype, backward=backward,
                                      chunk_elements=chunk).values())
         assert abs(peak / planned - 1) <= TOLERANCE, (backward, peak, planned)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens,columns,dtype", [(16384, 38016, torch.bfloat16),
+                                                  (4096, 32768, torch.float32)])
+def test_head_workspace_is_the_cuda_peak_of_the_head(tokens, columns, dtype):
+    from rlhf.parallel.vocab_parallel import head_workspace, vocab_parallel_log_probs_entropy
+
+    device = torch.device("cuda")
+    logits = (torch.randn(tokens, columns, device=device) * 3).to(dtype)
+    targets = torch.randint(0, columns, (tokens,), device=device)
+    kw = dict(group=None, vocab_start=0, vocab_end=columns, real_vocab_size=columns,
+              temperature=0.7)
+    for backward in (True, False):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.set_grad_enabled(backward):
+            x = logits.clone().requires_grad_(backward)
+            log_probs, entropy = vocab_parallel_log_probs_entropy(x, targets, **kw)
+            if backward:
+                (log_probs.sum() + entropy.sum()).backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del x, log_probs, entropy
+        planned = sum(head_workspace(tokens=tokens, columns=columns, real_columns=columns,
+                                     dtype=dtype, backward=backward).values())
+        assert abs(peak / planned - 1) <= TOLERANCE, (backward, peak, planned)
