@@ -6,8 +6,9 @@ State tensors are exact: the shapes come from the project's own build path on th
 
 The LM head's log-prob/entropy workspace is counted op by op from the code that allocates it
 (`rlhf.parallel.vocab_parallel.head_workspace`: the logits, their grad, two float32 token
-chunks, per-token statistics). Activations are an estimate for flash attention (the CUDA kernel), per token of one decoder
-layer, `d` bytes per element of the compute dtype (see `layer_activation_bytes`). The pipeline
+chunks, per-token statistics). Activations are an estimate for flash attention (the CUDA
+kernel), per token of one decoder layer, `d` bytes per element of the compute dtype (see
+`layer_activation_bytes`), plus the final norm and RoPE tables of a stage. The pipeline
 keeps several micro-batches in flight: pipeline rank r holds pp - r of them under 1F1B and
 2 (pp - r - 1) + (vpp - 1) pp + 1 model chunks under interleaved 1F1B (Megatron's warm-up),
 an upper bound that is reached when a mini-batch has that many micro-batches.
@@ -15,8 +16,8 @@ an upper bound that is reached when a mini-batch has that many micro-batches.
 Phases of one PPO step and what a device holds in each (colocated roles share the device):
   sync       actor weights + vLLM's weights + the bucket being moved (full tensors)
   generate   vLLM's weights and KV cache
-  forward R  role R's forward pass over one micro-batch (one layer's work + logits)
-  update R   role R's saved activations of its in-flight micro-batches + logits
+  forward R  role R's forward pass over one micro-batch (one layer's work or the head's)
+  update R   role R's saved activations of its in-flight micro-batches + the head's excess
 plus, in every phase, what each role keeps resident: weights, grads, fp32 masters and AdamW
 state, minus what `<role>.offload` moves to the host while that role does not need it (the
 placement table of rlhf.engine.offload). On CUDA vLLM sleeps outside sync and generate (it
@@ -32,7 +33,7 @@ pool, which sleeping does not release. PyTorch's caching allocator keeps what a 
 reserved for the next (`carry_cache`): the cache is emptied before each vLLM wake (sync,
 generate) and before a phase that needs the freed memory to fit; elsewhere the reserved-but-
 free bytes a phase carries in are a line of their own. The offloaded state's host copies are
-pinned host memory, counted per node against its RAM (`host_pinned`).
+pinned host memory, counted per node against its RAM (`_host_pinned`).
 """
 
 from __future__ import annotations
