@@ -222,6 +222,9 @@ class TrainerConfig:
     """Train only the critic for this many first steps (the actor waits for useful values)."""
     device_memory_gb: float | None = None
     """Memory of one device in GiB for `rlhf plan`; null = the detected GPU (RAM on the CPU)."""
+    host_memory_gb: float | None = None
+    """RAM of one node in GiB for `rlhf plan`'s check of the offloaded state's pinned host
+    copies; null = this machine's RAM."""
     skip_memory_check: bool = False
     """Start `rlhf train` even when `rlhf plan` predicts the job does not fit (experts only)."""
     init_timeout_s: float = 600.0
@@ -240,7 +243,7 @@ class TrainerConfig:
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
-        require_positive_or_none(self, "device_memory_gb")
+        require_positive_or_none(self, "device_memory_gb", "host_memory_gb")
         if self.init_timeout_s <= 0:
             raise ConfigError(f"init_timeout_s must be positive, got {self.init_timeout_s}")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")

@@ -20,7 +20,7 @@ from rlhf.models.parallelize import tp_state
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.tensor_parallel import ParallelLMHead
-from rlhf.parallel.vocab_parallel import vocab_parallel_entropy, vocab_parallel_log_probs
+from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
 
 LM_OUTPUTS = ("log_probs", "entropy")
 VALUE_OUTPUTS = ("values",)
@@ -67,7 +67,8 @@ def forward_packed(model: nn.Module, packed: Packed, *, mesh: ParallelMesh) -> T
 
 
 def vocab_shard(model: CausalLM, mesh: ParallelMesh) -> dict:
-    """Keyword arguments of vocab_parallel_log_probs / _entropy for this model's LM head."""
+    """Keyword arguments of the vocab_parallel log-prob / entropy functions for this model's
+    LM head."""
     head = model.lm_head
     if isinstance(head, ParallelLMHead):
         return dict(group=mesh.tp_group, vocab_start=head.vocab_start, vocab_end=head.vocab_end,
@@ -106,15 +107,18 @@ def head_outputs(model: nn.Module, out: Tensor, packed: Packed, *, mesh: Paralle
     or values_T): also what the last pipeline stage computes."""
     if isinstance(model, ValueModel):
         return {"values": out.float()}
-    # Upcast, then divide: bf16 logits / temperature would round once more, which vLLM's fp32
-    # sampler log-probs do not.
-    logits_TV_local = out.float() if temperature == 1.0 else out.float() / temperature
-    shard = vocab_shard(model, mesh)
-    result = {}
+    # One fused pass gives both outputs; it divides by the temperature in float32 (bf16
+    # logits / temperature would round once more, which vLLM's fp32 sampler log-probs do not),
+    # and its backward skips the entropy term when the loss does not use the entropy.
+    targets_T = valid_T = None
     if "log_probs" in outputs:
         targets_T, valid_T = shifted_targets(packed)
-        log_probs_T = vocab_parallel_log_probs(logits_TV_local, targets_T.to(out.device), **shard)
+        targets_T = targets_T.to(out.device)
+    log_probs_T, entropy_T = vocab_parallel_log_probs_entropy(
+        out, targets_T, **vocab_shard(model, mesh), temperature=temperature)
+    result = {}
+    if "log_probs" in outputs:
         result["log_probs"] = log_probs_T.masked_fill(~valid_T.to(out.device), 0.0)
     if "entropy" in outputs:
-        result["entropy"] = vocab_parallel_entropy(logits_TV_local, **shard)
+        result["entropy"] = entropy_T
     return result

@@ -40,6 +40,10 @@ def candidates(cfg: JobConfig, plan: MemoryPlan) -> list[tuple[str, ...]]:
     """Single changes worth trying, most local first; see the module docstring."""
     out: list[tuple[str, ...]] = []
     pool = cfg.trainer.pool_size
+    if not plan.host_fits:  # pinned host copies over the node's RAM: offload less
+        for spec in plan.roles.values():
+            out += [(f"{spec.name}.offload.{k}=false",) for k in ("optimizer", "grads", "params")
+                    if getattr(spec.offload, k)]
     trainers = [s for s in plan.roles.values() if s.trains]
     for spec in trainers:
         if spec.dp > 1 and not spec.zero1:

@@ -149,3 +149,12 @@ def model_args(path: str, *, cfg: JobConfig | None, key: str,
     raise UnknownArchitecture(f"{key}: {path} has no config.json (searched {searched}); planning needs "
                       f"the architecture: put the model's config.json in a folder named "
                       f"{folder.name!r} under configs/models/ (or a folder given with --models)")
+
+
+def host_memory(cfg: JobConfig) -> tuple[int, str]:
+    """(one node's RAM in bytes, where it comes from): trainer.host_memory_gb, else this
+    machine's RAM (the planning machine stands for the workers' nodes)."""
+    size_gb = cfg.trainer.host_memory_gb
+    if size_gb is not None:
+        return int(size_gb * GIB), "trainer.host_memory_gb"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "detected RAM of this machine"

@@ -4,8 +4,11 @@ State tensors are exact: the shapes come from the project's own build path on th
 (`shapes.stage_shapes`) and the bytes of weights, grads, fp32 masters and AdamW moments from
 `rlhf.engine.zero.state_bytes`, the function the engine allocates by (ZeRO-1 or not).
 
-Activations are an estimate for flash attention (the CUDA kernel), per token of one decoder
-layer, `d` bytes per element of the compute dtype (see `layer_activation_bytes`). The pipeline
+The LM head's log-prob/entropy workspace is counted op by op from the code that allocates it
+(`rlhf.parallel.vocab_parallel.head_workspace`: the logits, their grad, two float32 token
+chunks, per-token statistics). Activations are an estimate for flash attention (the CUDA
+kernel), per token of one decoder layer, `d` bytes per element of the compute dtype (see
+`layer_activation_bytes`), plus the final norm and RoPE tables of a stage. The pipeline
 keeps several micro-batches in flight: pipeline rank r holds pp - r of them under 1F1B and
 2 (pp - r - 1) + (vpp - 1) pp + 1 model chunks under interleaved 1F1B (Megatron's warm-up),
 an upper bound that is reached when a mini-batch has that many micro-batches.
@@ -13,8 +16,8 @@ an upper bound that is reached when a mini-batch has that many micro-batches.
 Phases of one PPO step and what a device holds in each (colocated roles share the device):
   sync       actor weights + vLLM's weights + the bucket being moved (full tensors)
   generate   vLLM's weights and KV cache
-  forward R  role R's forward pass over one micro-batch (one layer's work + logits)
-  update R   role R's saved activations of its in-flight micro-batches + logits
+  forward R  role R's forward pass over one micro-batch (one layer's work or the head's)
+  update R   role R's saved activations of its in-flight micro-batches + the head's excess
 plus, in every phase, what each role keeps resident: weights, grads, fp32 masters and AdamW
 state, minus what `<role>.offload` moves to the host while that role does not need it (the
 placement table of rlhf.engine.offload). On CUDA vLLM sleeps outside sync and generate (it
@@ -22,25 +25,46 @@ wakes in two parts: weights for the sync, then the KV cache). On the CPU vLLM ne
 an offloaded tensor's host copy is in the same RAM, so offloading there only adds bytes.
 With rollout.placement separate, vLLM lives on the rollout pool's ranks instead (resident in
 every phase, no training state) and the actor's ranks hold none.
+
+On CUDA every rank also holds, in every phase, named overheads (`rank_overheads`): its CUDA
+context, one reserve per NCCL communicator its process joins (every group of size > 1 that a
+role's mesh, ZeRO-1, pipeline p2p or vLLM's TP uses; `communicators`), and vLLM's CUDA-graph
+pool, which sleeping does not release. PyTorch's caching allocator keeps what a phase freed
+reserved for the next (`carry_cache`): the cache is emptied before each vLLM wake (sync,
+generate) and before a phase that needs the freed memory to fit; elsewhere the reserved-but-
+free bytes a phase carries in are a line of their own. The offloaded state's host copies are
+pinned host memory, counted per node against its RAM (`_host_pinned`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from rlhf.config import JobConfig
 from rlhf.engine.offload import offloaded_kinds, placement
 from rlhf.engine.zero import state_bytes
 from rlhf.parallel.stages import rank_chunks
-from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, role_specs
+from rlhf.parallel.vocab_parallel import head_workspace
+from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, host_memory, role_specs
 from rlhf.plan.shapes import stage_shapes
 from rlhf.rollout.residency import replica_sleeps
 
 STATE_KINDS = ("weights", "grads", "masters", "optimizer")
 RECOMPUTE_MODES = ("none", "selective", "full")
-# CUDA context, NCCL buffers and allocator slack, which nothing here models: kept free.
-CUDA_RESERVE_BYTES = 2 * GIB
+MIB = 2**20
+# Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.
+CUDA_CONTEXT_BYTES = 768 * MIB
+# Per NCCL communicator a rank joins: its channel buffers and proxy state.
+NCCL_COMMUNICATOR_BYTES = 256 * MIB
+# vLLM's CUDA-graph memory pool (captured batch sizes up to max_num_seqs), unless enforce_eager.
+VLLM_GRAPH_POOL_BYTES = 1 * GIB
+WAKE_PHASES = ("sync", "generate")  # vLLM wakes: the allocator cache is emptied first
+# Pinned memory cannot be swapped or shared; the rest of a node's RAM is the processes' own
+# (Python, the data loader, Ray's object store).
+HOST_PINNED_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -50,10 +74,15 @@ class StageMemory:
     pp_rank: int
     state: dict[str, int]  # STATE_KINDS -> bytes, exact
     activations: int  # update: saved for backward over the in-flight micro-batches
-    logits: int  # update: LM-head logits and the fp32 log-softmax workspace (last stage)
-    forward: int  # a forward-only pass: one layer's working set plus logits
+    # update: what the LM head's log-prob/entropy workspace (`head`) adds to `activations`.
+    # Backward starts at the head, before any layer is recomputed, so only the head's excess
+    # over the recomputed working set counts: activations + logits is the update's peak.
+    logits: int
+    forward: int  # a forward-only pass: one layer's working set or the head's, the larger
     activations_by_recompute: dict[str, int]  # what `activations` would be in each mode
     replicated_state: dict[str, int]  # `state` without ZeRO-1 (the same when it is off)
+    head: dict[str, int] = field(default_factory=dict)  # `logits` by op (head_workspace)
+    head_forward: dict[str, int] = field(default_factory=dict)  # the same, forward only
 
 
 @dataclass(frozen=True)
@@ -63,6 +92,7 @@ class DeviceMemory:
     pool: str
     ranks: tuple[int, ...]
     phases: dict[str, dict[str, int]]  # phase -> component -> bytes
+    emptied: tuple[str, ...] = ()  # phases before which the allocator cache is emptied
 
     def total(self, phase: str) -> int:
         return sum(self.phases[phase].values())
@@ -77,6 +107,20 @@ class DeviceMemory:
 
 
 @dataclass(frozen=True)
+class NodeHost:
+    """Pinned host memory of one node of a pool: the offloaded state's host copies."""
+
+    pool: str
+    node: int
+    ranks: tuple[int, ...]
+    pinned: dict[str, int]  # "<role> <kind>" -> bytes summed over the node's ranks
+
+    @property
+    def total(self) -> int:
+        return sum(self.pinned.values())
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """Every role's per-stage memory and every device's per-phase memory of one job."""
 
@@ -85,14 +129,26 @@ class MemoryPlan:
     stages: dict[str, list[StageMemory]]
     vllm: dict[str, int]  # per actor rank: weights, kv_cache, sync_bucket
     devices: list[DeviceMemory] = field(default_factory=list)
+    host: list[NodeHost] = field(default_factory=list)  # nodes holding pinned copies
+    host_bytes: int = 0  # one node's RAM
+    host_source: str = ""  # where host_bytes comes from, for the report
 
     @property
     def peak(self) -> int:
         return max(d.peak for d in self.devices)
 
     @property
+    def host_peak(self) -> int:
+        return max((n.total for n in self.host), default=0)
+
+    @property
+    def host_fits(self) -> bool:
+        """The pinned copies leave a quarter of a node's RAM to the processes themselves."""
+        return self.host_peak <= HOST_PINNED_SHARE * self.host_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.peak <= self.hardware.device_bytes
+        return self.peak <= self.hardware.device_bytes and self.host_fits
 
 
 # ---- per role and stage ------------------------------------------------------------------------
@@ -159,25 +215,52 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
         chunks = rank_chunks(spec.args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
                              layers_per_stage=plan.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
-        head = [p for p in shapes if p.name == "lm_head.weight"]
-        vocab = head[0].shape[0] if head else 0  # this rank's rows of the padded vocabulary
-        logits = tokens * vocab * (spec.dtype.itemsize + 8)
+        head = _head_ops(spec, shapes, backward=True) if spec.trains else {}
+        head_forward = _head_ops(spec, shapes, backward=False)
         by_mode = {mode: _update_activations(spec, mode, pp_rank=pp_rank, layers=layers)
                    for mode in RECOMPUTE_MODES} if spec.trains else {}
+        recomputed = int(tokens * recomputed_bytes(spec, spec.recompute))
+        # without grad a layer's intermediates are freed as it goes; the head runs after
+        layer = int(tokens * layer_activation_bytes(spec, "none"))
         out.append(StageMemory(
             pp_rank=pp_rank, state=state, activations=by_mode.get(spec.recompute, 0),
-            logits=logits if spec.trains else 0,
-            forward=int(tokens * layer_activation_bytes(spec, "none")) + logits,
-            activations_by_recompute=by_mode, replicated_state=replicated))
+            logits=max(0, sum(head.values()) - recomputed) if spec.trains else 0,
+            forward=max(layer, sum(head_forward.values())),
+            activations_by_recompute=by_mode, replicated_state=replicated, head=head,
+            head_forward=head_forward))
     return out
+
+
+def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
+    """The log-prob/entropy workspace of a stage holding the LM head, by op; {} elsewhere."""
+    head = [p for p in shapes if p.name == "lm_head.weight"]
+    if not head:
+        return {}
+    columns = head[0].shape[0]  # this rank's rows of the padded vocabulary
+    return head_workspace(tokens=spec.tokens, columns=columns,
+                          real_columns=min(columns, spec.args.vocab_size), dtype=spec.dtype,
+                          backward=backward)
 
 
 def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int) -> int:
     """Bytes saved for backward on this stage under recompute `mode` (see the module doc)."""
     plan = spec.plan
     per_layer = spec.tokens * layer_activation_bytes(spec, mode)
-    held = in_flight_chunks(plan.pp, plan.vpp, pp_rank) * layers / plan.vpp * per_layer
-    return int(held + spec.tokens * recomputed_bytes(spec, mode))
+    micro_batches = in_flight_chunks(plan.pp, plan.vpp, pp_rank) / plan.vpp
+    per_batch = layers * per_layer + spec.tokens * _stage_extra_bytes(
+        spec, last=pp_rank == plan.pp - 1)
+    return int(micro_batches * per_batch + spec.tokens * recomputed_bytes(spec, mode))
+
+
+def _stage_extra_bytes(spec: RoleSpec, *, last: bool) -> float:
+    """Per token, what a stage saves beside its layers: the RoPE cos/sin tables its layers
+    share, and on the last stage the final norm (its fp32 input, the normalised copy, and the
+    head's input, all-gathered under sequence parallelism)."""
+    args, d = spec.args, spec.dtype.itemsize
+    chunk = spec.plan.tp if spec.plan.sequence_parallel else 1
+    rope = 2 * args.head_dim * d
+    final_norm = ((4 + d) * args.hidden_size + 4) / chunk + d * args.hidden_size
+    return rope + (final_norm if last else 0)
 
 
 # ---- per device and phase ----------------------------------------------------------------------
@@ -241,8 +324,6 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
                 parts["vllm weights"], parts["vllm kv_cache"] = vllm["weights"], vllm["kv_cache"]
             if phase == "sync":
                 parts["vllm weights"], parts["sync bucket"] = vllm["weights"], vllm["sync_bucket"]
-        if on_cuda:
-            parts["cuda reserve"] = CUDA_RESERVE_BYTES
         out[phase] = {k: v for k, v in parts.items() if v}
     return out
 
@@ -288,13 +369,16 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
         ranks = {r: rank_phases(cfg, hw, [], vllm=vllm, phases=phase_names(specs), resident=True)
                  for r in range(cfg.rollout.world_size)}
         devices += _group_devices("rollout", ranks, hw)
-    return MemoryPlan(hardware=hw, roles=by_name, stages=stages, vllm=vllm, devices=devices)
+    return _with_overheads(cfg, hw, MemoryPlan(hardware=hw, roles=by_name, stages=stages,
+                                               vllm=vllm, devices=devices), pools)
 
 
-def _group_devices(pool: str, ranks: dict[int, dict], hw: Hardware) -> list[DeviceMemory]:
+def _group_devices(pool: str, ranks: dict[int, dict], hw: Hardware, *,
+                   emptied: dict[int, tuple[str, ...]] | None = None) -> list[DeviceMemory]:
     """One device per rank on CUDA; on the CPU one per machine (its ranks summed). Devices
     with identical contents are listed once."""
     units: list[tuple[tuple[int, ...], dict]] = []
+    emptied = emptied or {}
     if hw.device_type == "cuda":
         units = [((r,), phases) for r, phases in ranks.items()]
     else:
@@ -309,10 +393,152 @@ def _group_devices(pool: str, ranks: dict[int, dict], hw: Hardware) -> list[Devi
             units.append((tuple(node), summed))
     grouped: dict[str, DeviceMemory] = {}
     for members, phases in units:
-        key = repr(sorted((p, sorted(c.items())) for p, c in phases.items()))
+        cleared = emptied.get(members[0], ())
+        key = repr((sorted((p, sorted(c.items())) for p, c in phases.items()), cleared))
         if key in grouped:
             old = grouped[key]
-            grouped[key] = DeviceMemory(pool, old.ranks + members, old.phases)
+            grouped[key] = DeviceMemory(pool, old.ranks + members, old.phases, old.emptied)
         else:
-            grouped[key] = DeviceMemory(pool, members, phases)
+            grouped[key] = DeviceMemory(pool, members, phases, cleared)
     return list(grouped.values())
+
+
+# ---- CUDA overheads, the allocator cache, pinned host memory -----------------------------------
+
+
+def communicators(members: list[RoleSpec], *, pool_size: int,
+                  vllm_tp: int = 1) -> dict[int, list[str]]:
+    """Per rank of a pool, the NCCL communicators its process joins, by name.
+
+    Every process builds every mesh over one `ProcessGroupCache`, so roles share a group when
+    they have the same ranks; NCCL creates a group's communicator at its first collective, so
+    only groups that communicate count: tp, pp and the p2p pairs of the pipeline (send/recv
+    between two stages gets a communicator of its own), and for a training role dp (grad sync,
+    ZeRO-1), mp (grad norm) and the tied-embedding pair. The job's world group counts once;
+    vLLM builds its own communicator for its tp group.
+    """
+    groups: dict[tuple[int, ...], str] = {}
+
+    def add(name: str, ranks) -> None:
+        ranks = tuple(int(r) for r in ranks)
+        if len(ranks) > 1:
+            groups.setdefault(ranks, name)
+
+    add("world", range(pool_size))
+    for spec in members:
+        plan, dp = spec.plan, spec.dp
+        grid = torch.arange(spec.world_size).reshape(dp, plan.pp, plan.tp)  # the mesh's order
+        used = ["tp", "pp"] + (["dp"] if spec.trains else [])
+        for index, axis in enumerate(("dp", "pp", "tp")):
+            if axis in used:
+                for row in grid.movedim(index, -1).reshape(-1, grid.shape[index]):
+                    add(f"{spec.name} {axis}", row.tolist())
+        if spec.trains:
+            for row in grid.reshape(dp, -1):
+                add(f"{spec.name} mp", row.tolist())
+        if plan.pp > 1:
+            lines = grid.movedim(1, -1).reshape(-1, plan.pp)  # one (dp, tp) line of stages
+            wrap = plan.vpp > 1  # interleaved: the last stage sends to the first
+            for line in lines.tolist():
+                pairs = list(zip(line, line[1:])) + ([(line[-1], line[0])] if wrap else [])
+                for a, b in pairs:  # a communicator per pair, beside any group's own
+                    groups.setdefault(("p2p", *sorted((a, b))), f"{spec.name} p2p")
+            if spec.trains and spec.args.tie_word_embeddings:
+                for line in lines.tolist():
+                    add(f"{spec.name} embedding", (line[0], line[-1]))
+    out: dict[int, list[str]] = {r: [] for r in range(pool_size)}
+    for ranks, name in groups.items():
+        for r in ranks:
+            if r != "p2p":
+                out[r].append(name)
+    if vllm_tp > 1:
+        for r in range(pool_size):
+            out[r].append("vllm tp")
+    return out
+
+
+def rank_overheads(cfg: JobConfig, comms: list[str], *, has_vllm: bool) -> dict[str, int]:
+    """The CUDA context, a reserve per NCCL communicator, and vLLM's CUDA-graph pool."""
+    out = {"cuda context": CUDA_CONTEXT_BYTES}
+    for name in comms:
+        key = f"nccl {name}"
+        out[key] = out.get(key, 0) + NCCL_COMMUNICATOR_BYTES
+    if has_vllm and not cfg.rollout.enforce_eager:
+        out["vllm cuda graphs"] = VLLM_GRAPH_POOL_BYTES
+    return out
+
+
+def _outside_allocator(component: str) -> bool:
+    """Memory PyTorch's caching allocator does not hold (vLLM's own allocator, NCCL, the
+    context): a phase that frees it leaves nothing cached."""
+    return component.startswith(("vllm ", "nccl ")) or component == "cuda context"
+
+
+def carry_cache(phases: dict[str, dict[str, int]], *,
+                device_bytes: int) -> tuple[dict[str, dict[str, int]], tuple[str, ...]]:
+    """Phases with an "allocator cache" line for what the previous phase left reserved, and
+    the phases before which the cache is emptied (each vLLM wake; any phase that would not
+    fit with it). The caching allocator reuses what it holds, so a phase carries only the
+    excess of the previous phase's peak over its own."""
+    out, emptied, reserved = {}, [], 0
+    for phase, parts in phases.items():
+        allocated = sum(v for k, v in parts.items() if not _outside_allocator(k))
+        carried = max(0, reserved - allocated)
+        if phase in WAKE_PHASES or (carried and sum(parts.values()) + carried > device_bytes):
+            emptied.append(phase)
+            carried = 0
+        out[phase] = {**parts, "allocator cache": carried} if carried else dict(parts)
+        reserved = allocated + carried
+    return out, tuple(emptied)
+
+
+def _on_device_bytes(phases: dict[str, dict[str, int]], role: str, kind: str) -> int:
+    """Bytes of `role`'s `kind` state on one device, read from the phases that hold it."""
+    return max((parts.get(f"{role} {kind}", 0) for parts in phases.values()), default=0)
+
+
+def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
+                    pools: dict[str, tuple[int, list[RoleSpec]]]) -> MemoryPlan:
+    """On CUDA: every rank's overhead lines and allocator cache, regrouped; pinned host memory
+    per node. The CPU has no context, NCCL or pinned copies (they share the RAM counted)."""
+    host_bytes, host_source = host_memory(cfg)
+    if hw.device_type != "cuda":
+        return replace(plan, host_bytes=host_bytes, host_source=host_source)
+    by_rank = {(d.pool, r): d.phases for d in plan.devices for r in d.ranks}
+    separate = cfg.rollout.placement == "separate"
+    sizes = {pool: (size, members) for pool, (size, members) in pools.items()}
+    if separate:
+        sizes["rollout"] = (cfg.rollout.world_size, [])
+    devices, host = [], []
+    for pool, (size, members) in sizes.items():
+        has_vllm = pool == "rollout" or (not separate and any(s.name == "actor" for s in members))
+        comms = communicators(members, pool_size=size,
+                              vllm_tp=cfg.rollout.tp if has_vllm else 1)
+        ranks, emptied = {}, {}
+        for r in range(size):
+            extra = rank_overheads(cfg, comms[r], has_vllm=has_vllm)
+            phases = {p: {**parts, **extra} for p, parts in by_rank[(pool, r)].items()}
+            if pool != "rollout":  # a resident vLLM's rank holds nothing PyTorch caches
+                phases, emptied[r] = carry_cache(phases, device_bytes=hw.device_bytes)
+            ranks[r] = phases
+        devices += _group_devices(pool, ranks, hw, emptied=emptied)
+        host += _host_pinned(pool, by_rank, size, members, hw.ranks_per_node)
+    return replace(plan, devices=devices, host=[n for n in host if n.total],
+                   host_bytes=host_bytes, host_source=host_source)
+
+
+def _host_pinned(pool: str, by_rank: dict, size: int, members: list[RoleSpec],
+                 ranks_per_node: int) -> list[NodeHost]:
+    """Per node of `pool`: the pinned host copies of every offloaded kind of state (allocated
+    once when the state first moves, kept for the job; rlhf.engine.offload)."""
+    out = []
+    for node, start in enumerate(range(0, size, ranks_per_node)):
+        node_ranks = tuple(range(start, min(size, start + ranks_per_node)))
+        pinned: dict[str, int] = {}
+        for spec in members:
+            for kind in sorted(offloaded_kinds(spec.offload)):
+                key = f"{spec.name} {kind}"
+                pinned[key] = sum(_on_device_bytes(by_rank[(pool, r)], spec.name, kind)
+                                  for r in node_ranks)
+        out.append(NodeHost(pool, node, node_ranks, {k: v for k, v in pinned.items() if v}))
+    return out

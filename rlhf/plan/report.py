@@ -101,23 +101,24 @@ def format_plan(plan, advice, *, title: str) -> str:
     hw = plan.hardware
     head = (f"memory plan of {title}: {hw.device_type}, {_gib(hw.device_bytes)} GiB per "
             f"{'GPU' if hw.device_type == 'cuda' else 'machine'} ({hw.source})")
-    return "\n".join([head, "", *_role_lines(plan), "", *_device_lines(plan)]) + "\n\n" \
-        + verdict(plan, advice)
+    return "\n".join([head, "", *_role_lines(plan), "", *_device_lines(plan), "",
+                      *_host_lines(plan)]) + "\n\n" + verdict(plan, advice)
 
 
 def _role_lines(plan) -> list[str]:
     kinds = list(plan.stages["actor"][0].state)  # weights, grads, masters, optimizer
     div, unit = _unit(v for stages in plan.stages.values() for s in stages
-                      for v in (*s.state.values(), s.activations, s.logits, s.forward))
+                      for v in (*s.state.values(), s.activations, sum(s.head.values()),
+                                s.forward))
 
     def f(n):
         return f"{n / div:.2f}"
 
-    rows = [["role", "stage", *kinds, "activations", "logits", "forward"]]
+    rows = [["role", "stage", *kinds, "activations", "head", "forward"]]
     for name, stages in plan.stages.items():
         rows += [[name, str(s.pp_rank), *(f(s.state[k]) for k in kinds), f(s.activations),
-                  f(s.logits), f(s.forward)] for s in stages]
-    lines = [f"per rank of each role, {unit} (state exact; activations, logits, forward "
+                  f(sum(s.head.values())), f(s.forward)] for s in stages]
+    lines = [f"per rank of each role, {unit} (state and head exact; activations, forward "
              "estimated):", *_table(rows)]
     for name, spec in plan.roles.items():
         lines.append(f"  {name}: {_layout(spec)}, {spec.tokens} tokens per micro-batch")
@@ -129,6 +130,11 @@ def _role_lines(plan) -> list[str]:
         if first.activations_by_recompute:
             lines.append("    stage 0 activations by recompute: " + ", ".join(
                 f"{mode} {f(b)}" for mode, b in first.activations_by_recompute.items()))
+        last = plan.stages[name][-1]
+        for label, ops in (("update", last.head), ("forward", last.head_forward)):
+            if ops:
+                lines.append(f"    head workspace by op ({label}, last stage): " + ", ".join(
+                    f"{op} {f(b)}" for op, b in ops.items()))
     host = "rollout" if any(d.pool == "rollout" for d in plan.devices) else "actor"
     lines.append(f"  vllm per {host} rank: weights {f(plan.vllm['weights'])}, "
                  f"kv cache {f(plan.vllm['kv_cache'])}")
@@ -136,6 +142,8 @@ def _role_lines(plan) -> list[str]:
 
 
 def _device_lines(plan) -> list[str]:
+    from rlhf.plan.memory import WAKE_PHASES
+
     div, unit = _unit(d.peak for d in plan.devices)
 
     def f(n):
@@ -148,19 +156,62 @@ def _device_lines(plan) -> list[str]:
                      f"{f(d.peak)} ({d.peak_phase})"])
     worst = max(plan.devices, key=lambda d: d.peak)
     parts = sorted(worst.phases[worst.peak_phase].items(), key=lambda kv: -kv[1])
-    return [f"per device and phase of a step, {unit} (what every colocated role keeps "
-            "resident plus the phase's work):", *_table(rows), "",
-            f"largest phase, {worst.peak_phase} on ranks {_ranks(worst.ranks)}:",
-            *(f"  {k:<22} {f(v):>8}" for k, v in parts)]
+    lines = [f"per device and phase of a step, {unit} (what every colocated role keeps "
+             "resident plus the phase's work):", *_table(rows), "",
+             f"largest phase, {worst.peak_phase} on ranks {_ranks(worst.ranks)}:",
+             *(f"  {k:<22} {f(v):>8}" for k, v in parts)]
+    if plan.hardware.device_type != "cuda":
+        return lines
+    fixed = {k: v for k, v in worst.phases[worst.peak_phase].items()
+             if k == "cuda context" or k.startswith("nccl ") or k == "vllm cuda graphs"}
+    lines += ["", f"outside the allocator on ranks {_ranks(worst.ranks)}, every phase: "
+              + ", ".join(f"{k} {f(v)}" for k, v in fixed.items())
+              + f" ({sum(1 for k in fixed if k.startswith('nccl '))} NCCL communicators)"]
+    lines.append("allocator cache (reserved but free, carried from the previous phase):")
+    for d in plan.devices:
+        carried = {p: parts["allocator cache"] for p, parts in d.phases.items()
+                   if "allocator cache" in parts}
+        needed = [p for p in d.emptied if p not in WAKE_PHASES]
+        text = (", ".join(f"{p} {f(v)}" for p, v in carried.items()) or "none") + "; emptied " \
+            f"before {', '.join(p for p in d.emptied if p in WAKE_PHASES) or 'no phase'} " \
+            "(vLLM wakes)" + (f" and {', '.join(needed)} (to fit)" if needed else "")
+        lines.append(f"  {d.pool} ranks {_ranks(d.ranks)}: {text}")
+    return lines
+
+
+def _host_lines(plan) -> list[str]:
+    from rlhf.plan.memory import HOST_PINNED_SHARE
+
+    if not plan.host:
+        why = ("no role offloads" if plan.hardware.device_type == "cuda"
+               else "on the CPU the host copies are in the RAM counted above")
+        return [f"pinned host memory: none ({why})"]
+    cap = plan.host_bytes
+    lines = [f"pinned host memory per node (offloaded state's host copies), GiB, of "
+             f"{_gib(cap)} GiB RAM ({plan.host_source}); at most {HOST_PINNED_SHARE:.0%} may be "
+             "pinned:"]
+    for n in plan.host:
+        lines.append(f"  {n.pool} node {n.node} (ranks {_ranks(n.ranks)}): {_gib(n.total)} = "
+                     + ", ".join(f"{k} {_gib(v)}" for k, v in n.pinned.items()))
+    return lines
 
 
 def verdict(plan, advice) -> str:
     """"fits" or "does not fit", with the changes that would make it fit."""
+    from rlhf.plan.memory import HOST_PINNED_SHARE
+
     cap = plan.hardware.device_bytes
     per = "GPU" if plan.hardware.device_type == "cuda" else "machine"
+    host = ""
+    if plan.host:
+        host = (f"; pinned host memory {_gib(plan.host_peak)} GiB of "
+                f"{_gib(HOST_PINNED_SHARE * plan.host_bytes)} GiB allowed per node")
     if plan.fits:
-        return f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}.\n"
-    text = f"does not fit: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}.\n"
+        return f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}{host}.\n"
+    text = f"does not fit: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}{host}.\n"
+    if not plan.host_fits:
+        text += ("The offloaded state's pinned host copies exceed the node's RAM: offload less, "
+                 "or set trainer.host_memory_gb if this machine's RAM is not the nodes'.\n")
     fitting = [a for a in advice if a.fits]
     if fitting:
         text += "Changes that fit (peak after the change):\n" + "".join(
@@ -187,14 +238,20 @@ def to_json(plan, advice) -> dict:
         "roles": {name: {"layout": _layout(spec), "tokens_per_micro_batch": spec.tokens,
                          "stages": [{"pp_rank": s.pp_rank, **s.state,
                                      "activations": s.activations, "logits": s.logits,
-                                     "forward": s.forward,
+                                     "forward": s.forward, "head": s.head,
+                                     "head_forward": s.head_forward,
                                      "activations_by_recompute": s.activations_by_recompute,
                                      "replicated_state": s.replicated_state}
                                     for s in plan.stages[name]]}
                   for name, spec in plan.roles.items()},
         "vllm": plan.vllm,
         "devices": [{"pool": d.pool, "ranks": list(d.ranks), "peak_bytes": d.peak,
-                     "peak_phase": d.peak_phase, "phases": d.phases} for d in plan.devices],
+                     "peak_phase": d.peak_phase, "phases": d.phases,
+                     "cache_emptied_before": list(d.emptied)} for d in plan.devices],
+        "host": {"bytes_per_node": plan.host_bytes, "source": plan.host_source,
+                 "fits": plan.host_fits,
+                 "nodes": [{"pool": n.pool, "node": n.node, "ranks": list(n.ranks),
+                            "pinned": n.pinned, "total": n.total} for n in plan.host]},
         "advice": [{"overrides": list(a.overrides), "peak_bytes": a.peak, "fits": a.fits}
                    for a in advice],
     }

@@ -19,6 +19,7 @@ from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
                                            RowParallelLinear, VocabParallelEmbedding,
                                            shard_for_rank)
 from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
+                                          vocab_parallel_log_probs_entropy,
                                           vocab_parallel_log_probs, vocab_shard_range)
 
 TOL = 1e-5
@@ -217,6 +218,41 @@ def _vocab_losses(group):
     return e.errors
 
 
+def _fused_head(group, *, temperature, chunk_elements, dtype):
+    """Log-probs and entropy in one fused pass, chunked over tokens, at a temperature; the
+    loss uses both, then only the log-probs (the entropy's backward term is skipped)."""
+    r, tp, e = C.group_rank(group), C.group_size(group), _Errors()
+    torch.manual_seed(8)
+    logits = (torch.randn(T, V) * 3).to(dtype)
+    g_lp, g_ent = torch.randn(T), torch.randn(T)
+    targets = torch.randint(0, V, (T,))
+    targets[0], targets[1] = 0, V - 1
+    vp = padded_vocab_size(V, tp)
+    start, end = vocab_shard_range(vp, r, tp)
+    padded = torch.cat([logits, torch.full((T, vp - V), 50.0, dtype=dtype)], dim=1)
+    kw = dict(group=group, vocab_start=start, vocab_end=end, real_vocab_size=V,
+              temperature=temperature, chunk_elements=chunk_elements)
+    for uses_entropy in (True, False):
+        ref_in = _leaf(logits.float())
+        logp_ref = torch.log_softmax(ref_in / temperature, -1)
+        ref_lp = logp_ref.gather(-1, targets[:, None])[:, 0]
+        ref_ent = -(logp_ref.exp() * logp_ref).sum(-1)
+        ((ref_lp * g_lp).sum() + uses_entropy * (ref_ent * g_ent).sum()).backward()
+        local = _leaf(padded[:, start:end])
+        lp, ent = vocab_parallel_log_probs_entropy(local, targets, **kw)
+        ((lp * g_lp).sum() + (ent * g_ent).sum() if uses_entropy else (lp * g_lp).sum()).backward()
+        tag = f"{dtype}_entropy_in_loss={uses_entropy}"
+        e.cmp(f"log_probs_{tag}", lp, ref_lp)
+        e.cmp(f"entropy_{tag}", ent, ref_ent)
+        grad = _real_vocab(local.grad.float(), -1, group)
+        if dtype == torch.float32:
+            e.cmp(f"grad_{tag}", grad, ref_in.grad)
+        else:  # the grad is rounded to bf16 once: half an ulp (2^-8 relative) is allowed
+            slack = (grad - ref_in.grad).abs() - ref_in.grad.abs() * 2**-8
+            e.errors[f"grad_{tag}"] = float(slack.clamp(min=0).max())
+    return e.errors
+
+
 def _mini_model(group, sp):
     """embedding -> replicated scale (a norm weight) -> residual MLP -> LM head -> log-probs."""
     r, tp, e = C.group_rank(group), C.group_size(group), _Errors()
@@ -319,6 +355,10 @@ CHECKS = {
     "lm_head": lambda g: _lm_head(g, sp=False),
     "lm_head_sp": lambda g: _lm_head(g, sp=True),
     "vocab_log_probs_entropy": _vocab_losses,
+    "vocab_fused_chunked_temperature": lambda g: _fused_head(
+        g, temperature=0.7, chunk_elements=3, dtype=torch.float32),
+    "vocab_fused_chunked_bf16": lambda g: _fused_head(
+        g, temperature=1.3, chunk_elements=20, dtype=torch.bfloat16),
     "mini_model": lambda g: _mini_model(g, sp=False),
     "mini_model_sp": lambda g: _mini_model(g, sp=True),
     "collectives": _collectives,

@@ -1,0 +1,95 @@
+"""The planner's CUDA lines: NCCL communicators per rank, the allocator cache carried between
+phases, pinned host memory per node, and the 7B config's `rlhf plan` output."""
+
+from pathlib import Path
+
+from rlhf.config import load_config
+from rlhf.config.roles import OffloadConfig, ParallelConfig
+from rlhf.models.config import ModelArgs
+from rlhf.plan.advice import plan_with_advice
+from rlhf.plan.inputs import GIB, RoleSpec
+from rlhf.plan.memory import (NCCL_COMMUNICATOR_BYTES, carry_cache, communicators, plan_job)
+from rlhf.plan.report import format_plan
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+MULTIGPU = CONFIGS / "qwen2.5-7b_ppo_multigpu.yaml"
+MODELS = (CONFIGS / "models",)
+
+
+def _spec(name, *, tp=1, pp=1, world=8, trains=True, tied=False, vpp=1):
+    args = ModelArgs.from_hf_config(dict(
+        model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        tie_word_embeddings=tied))
+    return RoleSpec(name=name, head="lm", args=args, plan=ParallelConfig(tp=tp, pp=pp, vpp=vpp),
+                    world_size=world, colocated=True, dtype=None, trains=trains,
+                    recompute="none", tokens=16, shards=1, offload=OffloadConfig())
+
+
+def test_communicators_of_a_rank_are_the_groups_of_size_above_one_it_uses():
+    actor = _spec("actor", tp=2, pp=2, tied=True)  # dp 2 over 8 ranks
+    ref = _spec("ref", tp=2, trains=False)  # tp pairs shared with the actor's; no dp group
+    comms = communicators([actor, ref], pool_size=8, vllm_tp=2)
+    # rank 0: tp (0,1), pp (0,2), dp (0,4), mp (0,1,2,3), tied embedding (0,2) is the pp pair,
+    # a p2p pair (0,2), the world, vLLM's own tp
+    assert sorted(comms[0]) == sorted(["world", "actor tp", "actor pp", "actor dp", "actor mp",
+                                       "actor p2p", "vllm tp"])
+    assert len(comms) == 8 and all(len(c) == 7 for c in comms.values())
+    alone = communicators([_spec("actor", world=1)], pool_size=1)
+    assert alone == {0: []}  # a one-rank job creates no communicator
+    interleaved = communicators([_spec("actor", pp=4, world=4, vpp=2)], pool_size=4)
+    assert interleaved[0].count("actor p2p") == 2  # stage 0 talks to 1 and, wrapping, to 3
+
+
+def test_the_allocator_cache_is_carried_until_a_wake_or_a_phase_that_needs_it():
+    phases = {
+        "sync": {"actor weights": 10, "cuda context": 5},
+        "generate": {"actor weights": 10, "vllm kv_cache": 50, "cuda context": 5},
+        "forward actor": {"actor weights": 10, "actor forward": 20, "cuda context": 5},
+        "update critic": {"actor weights": 10, "critic activations": 60, "cuda context": 5},
+        "update actor": {"actor weights": 10, "actor activations": 30, "cuda context": 5},
+    }
+    out, emptied = carry_cache(phases, device_bytes=100)
+    # vLLM's KV cache is not PyTorch's: nothing of it is carried into forward actor
+    assert "allocator cache" not in out["forward actor"]
+    assert out["update actor"]["allocator cache"] == 30  # the critic's 60 less the actor's 30
+    assert emptied == ("sync", "generate")
+    out, emptied = carry_cache(phases, device_bytes=60)  # carrying would not fit: emptied
+    assert "allocator cache" not in out["update actor"] and emptied[-1] == "update actor"
+
+
+def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
+    cfg = load_config(MULTIGPU)
+    plan, advice = plan_with_advice(cfg, model_dirs=MODELS)
+    assert plan.fits and plan.host_source == "trainer.host_memory_gb"
+    text = format_plan(plan, advice, title=str(MULTIGPU))
+    for line in ("head workspace by op (update, last stage): logits", "logits grad",
+                 "softmax chunk", "nccl actor tp", "nccl vllm tp", "cuda context",
+                 "vllm cuda graphs", "allocator cache (reserved but free",
+                 "pinned host memory per node", "critic optimizer"):
+        assert line in text, line
+    rank0 = next(d for d in plan.devices if 0 in d.ranks)
+    nccl = {k: v for k, v in rank0.phases["sync"].items() if k.startswith("nccl ")}
+    assert len(nccl) >= 8 and set(nccl.values()) == {NCCL_COMMUNICATOR_BYTES}
+    # the critic's freed update is carried into the actor's (not emptied: it fits)
+    assert rank0.phases["update actor"].get("allocator cache", 0) > GIB
+    # the offloaded critic (params, grads, optimizer) and ref (params) pin their copies:
+    # 8 ranks a node, one rank's shard of each
+    node = plan.host[0]
+    critic = plan.stages["critic"][0].state
+    assert node.pinned["critic optimizer"] == 8 * critic["optimizer"]
+    assert set(node.pinned) == {"critic weights", "critic grads", "critic masters",
+                                "critic optimizer", "ref weights"}
+
+
+def test_pinned_copies_beyond_a_nodes_ram_do_not_fit_and_advice_offloads_less():
+    cfg = load_config(MULTIGPU, ["trainer.host_memory_gb=200"])
+    plan, advice = plan_with_advice(cfg, model_dirs=MODELS)
+    assert not plan.host_fits and not plan.fits
+    assert plan.peak <= plan.hardware.device_bytes  # the GPUs alone would fit
+    fixes = [a.overrides for a in advice if a.fits]
+    assert any(o[0].endswith("=false") and ".offload." in o[0] for o in fixes), fixes
+    assert "pinned host copies exceed" in format_plan(plan, advice, title="x")
+    detected = plan_job(load_config(MULTIGPU, ["trainer.host_memory_gb=null"]),
+                        model_dirs=MODELS)
+    assert detected.host_source.startswith("detected RAM")
