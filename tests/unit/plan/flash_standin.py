@@ -32,7 +32,7 @@ class _FlashLike(torch.autograd.Function):
 
 
 def flash_like_varlen(q_THD, k_THD, v_THD, *, cu_seqlens, max_seqlen, causal, scale,
-                      prefix=None):
+                      prefix=None, layout=None):
     """flash_varlen's signature and saved tensors, computed on the CPU (no shared prefix)."""
     assert prefix is None, "the stand-in has no shared-prefix path"
     return _FlashLike.apply(q_THD, k_THD, v_THD, cu_seqlens, max_seqlen, causal, scale)
