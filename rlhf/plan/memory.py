@@ -426,26 +426,19 @@ def communicators(members: list[RoleSpec], *, pool_size: int,
 
     add("world", range(pool_size))
     for spec in members:
-        plan, dp = spec.plan, spec.dp
-        grid = torch.arange(spec.world_size).reshape(dp, plan.pp, plan.tp)  # the mesh's order
-        used = ["tp", "pp"] + (["dp"] if spec.trains else [])
-        for index, axis in enumerate(("dp", "pp", "tp")):
-            if axis in used:
-                for row in grid.movedim(index, -1).reshape(-1, grid.shape[index]):
-                    add(f"{spec.name} {axis}", row.tolist())
-        if spec.trains:
-            for row in grid.reshape(dp, -1):
-                add(f"{spec.name} mp", row.tolist())
+        layout, plan = spec.layout, spec.plan
+        for axis in ("tp", "pp") + (("dp", "mp") if spec.trains else ()):
+            for ranks in layout.groups(axis):
+                add(f"{spec.name} {axis}", ranks)
         if plan.pp > 1:
-            lines = grid.movedim(1, -1).reshape(-1, plan.pp)  # one (dp, tp) line of stages
             wrap = plan.vpp > 1  # interleaved: the last stage sends to the first
-            for line in lines.tolist():
+            for line in layout.groups("pp"):  # one (dp, tp) line of stages
                 pairs = list(zip(line, line[1:])) + ([(line[-1], line[0])] if wrap else [])
                 for a, b in pairs:  # a communicator per pair, beside any group's own
                     groups.setdefault(("p2p", *sorted((a, b))), f"{spec.name} p2p")
             if spec.trains and spec.args.tie_word_embeddings:
-                for line in lines.tolist():
-                    add(f"{spec.name} embedding", (line[0], line[-1]))
+                for ranks in layout.groups("embedding"):
+                    add(f"{spec.name} embedding", ranks)
     out: dict[int, list[str]] = {r: [] for r in range(pool_size)}
     for ranks, name in groups.items():
         for r in ranks:
