@@ -57,8 +57,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 MIB = 2**20
 # Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.
 CUDA_CONTEXT_BYTES = 768 * MIB
-# Per NCCL communicator a rank joins: its channel buffers and proxy state.
-NCCL_COMMUNICATOR_BYTES = 256 * MIB
+# Per NCCL communicator a rank joins: its channel buffers and proxy state (the H100 bring-up
+# saw 0.38-0.55 GiB for one-rank communicators, which carry no peer buffers: a lower bound).
+NCCL_COMMUNICATOR_BYTES = 512 * MIB
 # vLLM's CUDA-graph memory pool (captured batch sizes up to max_num_seqs), unless enforce_eager.
 VLLM_GRAPH_POOL_BYTES = 1 * GIB
 WAKE_PHASES = ("sync", "generate")  # vLLM wakes: the allocator cache is emptied first
@@ -233,7 +234,13 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
 
 def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
     """The log-prob/entropy workspace of a stage holding the LM head, by op; {} elsewhere."""
-    head = [p for p in shapes if p.name == "lm_head.weight"]
+    if spec.head != "lm":
+        return {}
+    # The head's weight: its own, or at pp=1 with tied embeddings the embedding itself (at
+    # pp > 1 the last stage holds the tied copy under the head's name).
+    head = ([p for p in shapes if p.name == "lm_head.weight"]
+            or [p for p in shapes if p.name == "model.embed_tokens.weight"
+                and spec.plan.pp == 1 and spec.args.tie_word_embeddings])
     if not head:
         return {}
     columns = head[0].shape[0]  # this rank's rows of the padded vocabulary

@@ -93,3 +93,27 @@ def test_pinned_copies_beyond_a_nodes_ram_do_not_fit_and_advice_offloads_less():
     detected = plan_job(load_config(MULTIGPU, ["trainer.host_memory_gb=null"]),
                         model_dirs=MODELS)
     assert detected.host_source.startswith("detected RAM")
+
+
+def test_a_tied_head_at_pp1_has_its_workspace_counted():
+    """At pp=1 with tied embeddings the LM head multiplies by the embedding's weight: its
+    log-prob workspace is the untied head's (it used to be counted as nothing)."""
+    import torch
+
+    from rlhf.config.roles import OffloadConfig, ParallelConfig
+    from rlhf.config.tiny import TinyModelConfig
+    from rlhf.models.config import ModelArgs
+    from rlhf.models.tiny import _hf_config
+    from rlhf.plan.inputs import RoleSpec
+    from rlhf.plan.memory import stage_memory
+
+    def head_bytes(tied: bool) -> int:
+        args = ModelArgs.from_hf_config(_hf_config(TinyModelConfig(tie_embeddings=tied),
+                                                   bos_id=0, eos_id=1, pad_id=2).to_dict())
+        spec = RoleSpec(name="actor", head="lm", args=args, plan=ParallelConfig(), world_size=1,
+                        colocated=True, dtype=torch.bfloat16, trains=True, recompute="none",
+                        tokens=1024, shards=1, offload=OffloadConfig())
+        (stage,) = stage_memory(spec)
+        return sum(stage.head.values())
+
+    assert head_bytes(tied=True) == head_bytes(tied=False) > 0
