@@ -221,10 +221,11 @@ def shifted_targets(packed: Packed) -> tuple[Tensor, Tensor]:
     lengths = cu[1:] - cu[:-1]
     num_tokens = tokens_T.shape[0]
     # Last position of every non-empty sequence; an empty one writes past the end, which is
-    # cut off (a boolean index would read the mask back to the host).
+    # cut off (a boolean index would read the mask back to the host, and `valid_T[last] =
+    # False` copies the scalar to the GPU with a wait: index_fill_ passes it to the kernel).
     last = torch.where(lengths > 0, cu[1:] - 1, num_tokens)
     valid_T = torch.ones(num_tokens + 1, dtype=torch.bool, device=tokens_T.device)
-    valid_T[last] = False
+    valid_T.index_fill_(0, last, False)
     valid_T = valid_T[:num_tokens]
     targets_T = torch.where(valid_T, torch.roll(tokens_T, -1), torch.zeros_like(tokens_T))
     return targets_T, valid_T
