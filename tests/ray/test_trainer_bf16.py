@@ -6,10 +6,9 @@ in float32, where it is orders of magnitude smaller."""
 import pytest
 
 from rlhf.config.rollout import RolloutConfig
-from rlhf.trainer.cli import _roles
 from rlhf.trainer.ppo import PPOTrainer
 from rlhf.trainer.session import RoleGroups
-from rlhf.trainer.setup import load_tokenizer
+from rlhf.trainer.setup import job_workers, load_tokenizer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(600)
@@ -25,7 +24,7 @@ def run_job(root, dtype: str) -> list[dict]:
     cfg = job_config(assets, root / f"run-{dtype}", trainer={"total_steps": STEPS},
                      actor=roles_dtype, critic=roles_dtype, ref=roles_dtype,
                      rollout={"max_logprob_gap": None})  # measured here, never stopped on
-    roles, role_configs = _roles(cfg)
+    roles, role_configs = job_workers(cfg)
     groups = RoleGroups(cfg, roles, job_name=f"bf16-test-{dtype}", role_configs=role_configs)
     try:
         trainer = PPOTrainer(cfg, groups.views, tokenizer=load_tokenizer(cfg.model.path),
