@@ -40,7 +40,7 @@ def sp_pad(packed: Packed, multiple: int) -> Packed:
     cu = packed.cu_seqlens
     return Packed(
         tokens=tokens,
-        cu_seqlens=torch.cat([cu, cu.new_tensor([num_tokens + pad])]),
+        cu_seqlens=torch.cat([cu, cu[-1:] + pad]),  # no host list copied to the GPU
         position_ids=torch.cat([packed.position_ids,
                                 torch.arange(pad, device=packed.position_ids.device)]),
         max_seqlen=max(packed.max_seqlen, pad),
