@@ -308,16 +308,26 @@ def flash_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Ten
     over gathered k/v with their own cu_seqlens (its causal mask is bottom-right aligned).
     Every length it needs on the host comes from `layout`, so it reads nothing back."""
     flash_attn_varlen_func = _flash_fn()
-    cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
-    cu_k, max_k = cu, max_seqlen
-    if prefix is not None:
-        if layout is None or layout.source_K is None:
-            layout = varlen_layout(cu_seqlens, prefix, device=q_THD.device)
-        k_THD = k_THD.index_select(0, layout.source_K)
-        v_THD = v_THD.index_select(0, layout.source_K)
-        cu_k, max_k = layout.cu_k, layout.max_k
+    k_THD, v_THD, cu, cu_k, max_k = flash_style_keys(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
+                                                     max_seqlen=max_seqlen, prefix=prefix,
+                                                     layout=layout)
     return flash_attn_varlen_func(q_THD, k_THD, v_THD, cu, cu_k, max_seqlen, max_k,
                                   dropout_p=0.0, softmax_scale=scale, causal=causal)
+
+
+def flash_style_keys(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
+                     max_seqlen: int, prefix: SharedPrefix | None,
+                     layout: VarlenLayout | None) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+    """(k, v, cu_q, cu_k, max_k) as the flash-style varlen kernels take them: int32 bounds on
+    q's device, and with a prefix each sequence's keys gathered (prefix, then own) with their
+    own bounds and longest run from `layout` (built here when missing, a host read)."""
+    cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
+    if prefix is None:
+        return k_THD, v_THD, cu, cu, max_seqlen
+    if layout is None or layout.source_K is None:
+        layout = varlen_layout(cu_seqlens, prefix, device=q_THD.device)
+    return (k_THD.index_select(0, layout.source_K), v_THD.index_select(0, layout.source_K), cu,
+            layout.cu_k, layout.max_k)
 
 
 def prefix_kv_rows(cu_seqlens: Tensor, prefix: SharedPrefix, device: torch.device, *,

@@ -51,17 +51,12 @@ def torch_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Ten
     rlhf.models.attention.VarlenLayout) as flash_varlen takes them, so nothing is read back."""
     varlen_attn = torch_varlen_fn()
     keywords = call_keywords(varlen_attn)
-    cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
-    cu_k, max_k = cu, max_seqlen
-    if prefix is not None:
-        if layout is None or layout.source_K is None:
-            # attention.py imports this module for its kernel choice: import back at call time.
-            from rlhf.models.attention import varlen_layout
+    # attention.py imports this module for its kernel choice: import back at call time.
+    from rlhf.models.attention import flash_style_keys
 
-            layout = varlen_layout(cu_seqlens, prefix, device=q_THD.device)
-        k_THD = k_THD.index_select(0, layout.source_K)
-        v_THD = v_THD.index_select(0, layout.source_K)
-        cu_k, max_k = layout.cu_k, layout.max_k
+    k_THD, v_THD, cu, cu_k, max_k = flash_style_keys(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
+                                                     max_seqlen=max_seqlen, prefix=prefix,
+                                                     layout=layout)
     kwargs = {}
     if causal:
         kwargs.update({"window_size": (-1, 0)} if "window_size" in keywords

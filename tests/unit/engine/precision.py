@@ -11,17 +11,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlhf.algorithms.losses import entropy_bonus, ppo_policy_loss
 from rlhf.config.roles import OptimizerConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.ragged import Ragged
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.models.tiny import make_tiny_model
+from tests.unit.engine.reference import CLIP, ENTROPY_COEF, actor_loss_fn
 
 # Head size 32: the attention runs the CPU path here and vLLM-CPU has a kernel for it.
 SPEC = dict(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256,
             vocab_size=512, max_position_embeddings=128)
-CLIP, ENTROPY_COEF = 0.2, 0.01
 MAX_TOKENS = 64  # several micro-batches: the engine accumulates their grads
 # The bound on "engine bf16 error / transformers bf16 error" (see test_bf16.py's docstring).
 FACTOR = 1.5
@@ -101,18 +100,6 @@ def hf_run(folder: Path, dtype: torch.dtype, sample: Sample, *, temperature: flo
     return out
 
 
-def engine_loss_fn(global_tokens: int):
-    """`ppo_loss` through the project's loss functions, on packed outputs."""
-    def loss_fn(outputs, mb):
-        mask_T, cu = mb.tensors["loss_mask"].bool(), mb.packed.cu_seqlens
-        pg, _ = ppo_policy_loss(outputs["log_probs"], mb.tensors["old_log_probs"],
-                                mb.tensors["advantages"], mask_T, cu, clip_low=CLIP,
-                                clip_high=CLIP, global_tokens=global_tokens)
-        ent = entropy_bonus(outputs["entropy"], mask_T, cu, global_tokens=global_tokens)
-        return pg - ENTROPY_COEF * ent, {}
-    return loss_fn
-
-
 def engine_run(engine: TrainEngine, sample: Sample, old: torch.Tensor, *,
                temperature: float, dp_rank: int = 0, dp_size: int = 1) -> dict:
     """The engine's response log-probs (fp64 copy, sample order; forward) and the grads of
@@ -128,7 +115,7 @@ def engine_run(engine: TrainEngine, sample: Sample, old: torch.Tensor, *,
             lps[sid] = lp.double()
     local = mbs[dp_rank::dp_size]
     tokens, _ = engine.loss_normalizers(local, mask_key="loss_mask")
-    engine.forward_backward(local, engine_loss_fn(tokens), temperature=temperature)
+    engine.forward_backward(local, actor_loss_fn(tokens), temperature=temperature)
     return {"log_probs": torch.cat(lps), "grads": engine.full_grads(),
             "log_prob_dtypes": sorted(map(str, dtypes)), "num_micro_batches": len(mbs)}
 
