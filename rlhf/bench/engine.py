@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["auto", "sdpa_split", "torch_varlen", "flash_varlen"],
                         help="auto: the one rlhf.models.attention.pick_kernel picks; else force "
                              "one for this run (to compare kernels)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile one step (torch.profiler) and print its N costliest "
+                             "kernels (device time on CUDA, CPU time elsewhere)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -114,6 +117,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
               "tokens_per_step": sum(mb.num_tokens for mb in mbs), "seq_len": args.seq_len,
               "recompute": args.recompute}]
     lines.append(_time_steps(engine, mbs, args, model_args, device))
+    if args.profile:
+        lines.append(profile_step(engine, mbs, device, top=args.profile))
     lines.append(_memory(engine, mbs, spec, device))
     if not args.no_offload:
         lines.append(offload_round_trip(engine, device))
@@ -189,6 +194,31 @@ def _step(engine: TrainEngine, mbs: list[MicroBatch], device: torch.device | Non
     if split is not None:
         _sync(device)
         split.append((middle - start, time.perf_counter() - middle))
+
+
+def profile_step(engine: TrainEngine, mbs: list[MicroBatch], device: torch.device, *,
+                 top: int) -> dict:
+    """One more step under torch.profiler: the `top` ops and kernels by their own time (the
+    device's on CUDA), with calls, and the step's total, so where the time goes is a figure."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    _sync(device)
+    with profile(activities=activities) as prof:
+        _step(engine, mbs)
+        _sync(device)
+    own = (lambda e: e.self_device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
+    events = sorted(prof.key_averages(), key=own, reverse=True)
+    # CUDA lists each kernel and the aten op that launched it; the op rows (CPU-side names)
+    # alone add up to the device's total without counting a kernel twice.
+    ops = [e for e in events if not on_cuda or e.self_cpu_time_total > 0]
+    total_ms = sum(own(e) for e in ops) / 1e3
+    return {"bench": "engine", "kind": "profile", "time": "device" if on_cuda else "cpu",
+            "total_ms": round(total_ms, 3),
+            "top": [{"name": e.key[:80], "ms": round(own(e) / 1e3, 3), "calls": e.count,
+                     "share": round(own(e) / 1e3 / max(total_ms, 1e-9), 4)}
+                    for e in events[:top]]}
 
 
 def _sync(device: torch.device) -> None:

@@ -43,3 +43,18 @@ def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement
     for pair in ("engine_bf16_vs_transformers_fp64", "transformers_bf16_vs_transformers_fp64"):
         assert 0 < logprobs[pair]["max_abs_diff"] < 0.05
     assert logprobs["engine_fp32_vs_transformers_fp64"]["max_abs_diff"] < 1e-4
+
+
+def test_bench_engine_profiles_a_step_on_request():
+    argv = ["--size", "tiny", "--layers", "2", "--tokens", "128", "--seq-len", "64",
+            "--micro-batches", "1", "--steps", "1", "--no-logprobs", "--no-offload",
+            "--profile", "5"]
+    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "engine", *argv],
+                          capture_output=True, text=True, timeout=580, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = {x["kind"]: x for x in map(json.loads, proc.stdout.strip().splitlines())}
+    profile = lines["profile"]
+    assert profile["time"] == "cpu" and len(profile["top"]) == 5
+    times = [row["ms"] for row in profile["top"]]
+    assert times == sorted(times, reverse=True) and 0 < sum(times) <= profile["total_ms"]
+    assert any(row["name"] in ("aten::mm", "aten::addmm", "aten::bmm") for row in profile["top"])
