@@ -224,12 +224,12 @@ class TrainEngine:
         """(global_tokens, global_seqs) over these micro-batches on every DP rank, counting
         positions where `mb.tensors[mask_key]` is set (None: every position predicting a
         response token): the normalisers `loss_fn` divides by. Collective over DP."""
-        total = torch.zeros(2, dtype=torch.int64)
-        for mb in micro_batches:  # summed where the micro-batches are (the host, usually)
-            mask_T = (mb.tensors[mask_key].bool() if mask_key is not None
-                      else mb.predicts_response_T)
-            total = total.to(mask_T.device) + normalizer_counts(mask_T, mb.packed.cu_seqlens)
-        total = total.to(self.device)
+        # Summed where the micro-batches are (the host, usually), then moved once.
+        counts = [normalizer_counts(mb.tensors[mask_key].bool() if mask_key is not None
+                                    else mb.predicts_response_T, mb.packed.cu_seqlens)
+                  for mb in micro_batches]
+        total = (torch.stack(counts).sum(0) if counts
+                 else torch.zeros(2, dtype=torch.int64)).to(self.device)
         if group_size(self.mesh.dp_group) > 1:
             dist.all_reduce(total, group=self.mesh.dp_group)
         tokens, seqs = total.tolist()  # one read for the whole mini-batch
