@@ -28,7 +28,7 @@ from rlhf.envs.runner import EnvRunner
 from rlhf.envs.tools import calculator, parse_tool_calls
 from rlhf.rollout.engine import Completion
 from rlhf.rollout.multiturn import Episode, env_metrics, run_episodes
-from rlhf.trainer.setup import load_tokenizer
+from rlhf.trainer.jobs import load_tokenizer
 
 
 class GreedyHFEngine:

@@ -1,22 +1,124 @@
 """The `rlhf` command line. Heavy imports happen inside each command, so `--help` is instant."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from rlhf.bench import cli as bench_cli
 from rlhf.plan import report as plan_report
-from rlhf.trainer import cli as trainer_cli
 from rlhf.errors import RLHFError
 from rlhf.config.loader import add_job_arguments
 
 
+def _add_job_commands(commands: argparse._SubParsersAction) -> None:
+    """`rlhf train`, `rlhf sft` and `rlhf export-hf`."""
+    for name, run, text in (
+            ("train", _train, "PPO/GRPO training: connects to RAY_ADDRESS when set, else starts "
+                              "a local Ray; writes trainer.output_dir"),
+            ("sft", _sft, "supervised fine-tuning on prompt/answer rows (the sft section); "
+                          "writes an HF folder to warm-start a policy")):
+        parser = commands.add_parser(name, help=text)
+        add_job_arguments(parser, example="trainer.total_steps=5 actor.parallel.tp=2")
+        parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+        parser.set_defaults(run=run)
+    export = commands.add_parser(
+        "export-hf", help="write a Hugging Face folder of the policy in a training checkpoint")
+    export.add_argument("checkpoint", help="a checkpoint folder, OUTPUT_DIR/checkpoints/step_N")
+    export.add_argument("out", help="folder to create")
+    export.set_defaults(run=_export_hf)
+
+
+def _load(args):
+    from rlhf.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def env_address() -> str | None:
+    """The launcher edge: `ray job submit` sets RAY_ADDRESS for the driver it starts."""
+    return os.environ.get("RAY_ADDRESS") or None
+
+
+def _start(args, command: str):
+    """The checked config of `command`, with Ray joined or started (nothing else yet)."""
+    from rlhf.logs import filter_worker_output, setup_driver_logging
+    from rlhf.plan.report import check_fits
+    from rlhf.preflight import check_cluster_fits, preflight
+    from rlhf.trainer.device import use_gpu
+    from rlhf.trainer.jobs import init_ray
+    from rlhf.trainer.run_folder import move_old_run_aside
+
+    cfg = _load(args)
+    checked = preflight(cfg, command=command, ray_address=env_address())
+    joins = bool(cfg.ray.address or env_address())
+    # The plan refuses, before any worker, a job that won't fit; on a cluster it is made after
+    # joining, since only the cluster knows whether trainer.device=auto means GPUs.
+    if command == "train" and not joins:
+        check_fits(cfg, config_path=args.config)
+    if checked.move_old_run_aside:
+        print(f"trainer.overwrite: moved the previous run aside to "
+              f"{move_old_run_aside(cfg.trainer.output_dir)}", flush=True)
+    log_dir = Path(cfg.trainer.output_dir) / ("logs" if command == "train" else "sft/logs")
+    setup_driver_logging(log_dir)
+    init_ray(cfg, env_address=env_address())
+    filter_worker_output(log_dir)
+    if joins:
+        check_cluster_fits(cfg, command, use_gpu=use_gpu(cfg))
+        if command == "train":
+            check_fits(cfg, config_path=args.config)
+    return cfg
+
+
+def _train(args) -> int:
+    from rlhf.trainer.jobs import run_train
+
+    cfg = _start(args, "train")
+    records = run_train(cfg, progress=not args.no_progress)
+    _print_summary(records, Path(cfg.trainer.output_dir))
+    return 0
+
+
+def _sft(args) -> int:
+    from rlhf.config import sft_output_path
+    from rlhf.trainer.sft import run_sft
+
+    cfg = _start(args, "sft")
+    records = run_sft(cfg, job_name=f"{cfg.trainer.experiment_name}-sft",
+                      progress=not args.no_progress)
+    print(f"sft: loss {records[0]['sft/nll']:.4f} (step {records[0]['step']}) -> "
+          f"{records[-1]['sft/nll']:.4f} (step {records[-1]['step']}); wrote "
+          f"{sft_output_path(cfg)}", flush=True)
+    return 0
+
+
+def _print_summary(records: list[dict], out: Path) -> None:
+    from rlhf.trainer.jobs import FINAL_MODEL
+
+    vals = [(r["step"], r["val/accuracy"]) for r in records if "val/accuracy" in r]
+    if len(vals) >= 2:
+        (s0, a0), (s1, a1) = vals[0], vals[-1]
+        print(f"val/accuracy: {a0:.3f} at step {s0} -> {a1:.3f} at step {s1}", flush=True)
+    print(f"metrics: {out / 'metrics.jsonl'}; policy: {out / FINAL_MODEL}", flush=True)
+
+
+def _export_hf(args) -> int:
+    from rlhf.trainer.jobs import checkpoint_config, export_checkpoint, init_ray
+
+    cfg, folder = checkpoint_config(Path(args.checkpoint))
+
+    init_ray(cfg, env_address=env_address())
+    export_checkpoint(cfg, folder, Path(args.out))
+    print(f"wrote the policy of {folder} to {args.out}")
+    return 0
+
+
 def _config_show(args) -> int:
     from rlhf.config import format_config, load_config
-    from rlhf.config.preflight import preflight
+    from rlhf.preflight import preflight
 
     cfg = load_config(args.config, args.overrides)
-    checked = preflight(cfg, command="show", ray_address=trainer_cli.env_address())
+    checked = preflight(cfg, command="show", ray_address=env_address())
     for note in checked.notes:
         print(note, file=sys.stderr)
     print(format_config(cfg), end="")
@@ -31,7 +133,7 @@ def _config_docs(args) -> int:
 
 
 def _make_tiny_model(args) -> int:
-    from rlhf.config.tiny import TinyModelConfig
+    from rlhf.config.schema import TinyModelConfig
     from rlhf.models.tiny import make_tiny_model
 
     spec = TinyModelConfig(
@@ -68,7 +170,7 @@ def _make_arith(args) -> int:
 
 def _make_calc(args) -> int:
     from rlhf.data.calc import TRACE_KINDS, CalcTask, write_calc_dataset
-    from rlhf.trainer.setup import load_tokenizer
+    from rlhf.trainer.jobs import load_tokenizer
 
     _reject(args, "calc", form=args.form, max_value=args.max_value, terms=args.terms)
     given = {"ops": args.ops}
@@ -211,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_report.add_command(commands)
     bench_cli.add_commands(commands)
-    trainer_cli.add_commands(commands)
+    _add_job_commands(commands)
     return parser
 
 

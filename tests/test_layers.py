@@ -27,12 +27,11 @@ LAYERS = [
     ["rlhf.rollout"],
     ["rlhf.controller"],
     ["workers"],
-    ["rlhf.plan"],
     ["rlhf.trainer"],
-    ["rlhf.bench", "rlhf.cli", "rlhf.doctor", "rlhf.preflight", "rlhf.verify"],
+    ["rlhf.bench", "rlhf.cli", "rlhf.doctor", "rlhf.plan", "rlhf.preflight", "rlhf.verify"],
 ]
-# Apps on the top layer are entry points; they may call each other.
-PEERS_ALLOWED = {"rlhf.bench", "rlhf.cli", "rlhf.doctor", "rlhf.preflight", "rlhf.verify"}
+# The top layer's apps are entry points over the library; they may call each other.
+PEERS_ALLOWED = set(LAYERS[-1])
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -5,7 +5,7 @@ RolloutWorker hosts vLLM engines (rlhf.rollout.RolloutReplica, the same replica 
 uses when colocated) and no training engine. Its weights arrive over the transfer group
 (rlhf.rollout.transfer): the driver calls `actor.send_weights()` and
 `rollout.receive_weights()` at the same time. The group is made once, at start, by
-`connect_weight_transfer` (rlhf.trainer.async_loop).
+`connect_weight_transfer` (rlhf.trainer.rollout_source).
 """
 
 from __future__ import annotations

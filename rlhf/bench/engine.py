@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_per_token
 from rlhf.engine.offload import Offloader
-from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
+from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
 from rlhf.models.config import ModelArgs
 from rlhf.models.transformer import CausalLM
@@ -354,7 +354,7 @@ def offload_round_trip(engine: TrainEngine, device: torch.device, *,
                        baseline_bytes: int = 2**31) -> dict:
     """The engine's whole state to the host and back twice (rlhf.engine.offload), against a
     plain device <-> pinned-host copy of min(state, `baseline_bytes`) bytes."""
-    from rlhf.config.roles import OffloadConfig
+    from rlhf.config.schema import OffloadConfig
 
     tensors = {id(t): t for ts in engine.state_tensors().values() for t in ts}
     total = sum(t.numel() * t.element_size() for t in tensors.values())

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.roles import OptimizerConfig, ParallelConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.data.planner import plan_micro_batches
 from rlhf.data.ragged import Ragged
 from rlhf.engine.engine import TrainEngine

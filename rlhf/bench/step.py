@@ -110,8 +110,8 @@ def fit_job(cfg, *, warmup: int, views: Callable | None = None,
     import ray
 
     from rlhf.trainer.ppo import PPOTrainer
-    from rlhf.trainer.session import RoleGroups, init_ray
-    from rlhf.trainer.setup import job_workers, load_tokenizer
+    from rlhf.trainer.jobs import RoleGroups, init_ray
+    from rlhf.trainer.jobs import job_workers, load_tokenizer
 
     started = not ray.is_initialized()
     init_ray(cfg, env_address=None)
@@ -268,7 +268,7 @@ def _rank_pids() -> list[int]:
 def _step_prompts(cfg) -> tuple[list[list[list[int]]], list[list]]:
     """Per step, the prompt ids and answers our trainer's loader gives it (in order, unshuffled)."""
     from rlhf.data.dataset import build_prompt_dataset
-    from rlhf.trainer.setup import job_workers, load_tokenizer
+    from rlhf.trainer.jobs import job_workers, load_tokenizer
 
     data = build_prompt_dataset(cfg.data.train_files, load_tokenizer(cfg.model.path), cfg.data)
     size, steps = cfg.data.train_batch_size, cfg.trainer.total_steps

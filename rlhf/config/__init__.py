@@ -7,13 +7,12 @@ values with a ConfigError that names the dotted key, before any process starts.
 from rlhf.config.checks import check_config
 from rlhf.config.loader import config_from_dict, config_to_dict, format_config, load_config
 from rlhf.config.reference import reference_markdown
-from rlhf.config.roles import (TRAINED_ROLES, CriticConfig, ForwardRoleConfig, OffloadConfig,
-                               OptimizerConfig, ParallelConfig, ReferenceConfig, RewardConfig,
-                               RewardFunctionConfig, TrainRoleConfig, job_roles)
-from rlhf.config.schema import (AlgorithmConfig, DataConfig, JobConfig, ModelConfig, RayConfig,
-                                RolloutConfig, TrainerConfig)
-from rlhf.config.sft import SFTConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import (TRAINED_ROLES, AlgorithmConfig, CriticConfig, DataConfig,
+                                ForwardRoleConfig, JobConfig, ModelConfig, OffloadConfig,
+                                OptimizerConfig, ParallelConfig, RayConfig, ReferenceConfig,
+                                RewardConfig, RewardFunctionConfig, RolloutConfig, SFTConfig,
+                                TinyModelConfig, TrainerConfig, TrainRoleConfig, job_roles,
+                                sft_output_path)
 from rlhf.errors import ConfigError
 
 __all__ = [
@@ -22,5 +21,5 @@ __all__ = [
     "JobConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig", "ParallelConfig", "RayConfig",
     "ReferenceConfig", "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "SFTConfig", "TinyModelConfig", "TrainerConfig",
     "TrainRoleConfig", "check_config", "config_from_dict", "config_to_dict", "format_config",
-    "job_roles", "load_config", "reference_markdown",
+    "job_roles", "load_config", "reference_markdown", "sft_output_path",
 ]

@@ -1,16 +1,328 @@
-"""Load a JobConfig from YAML files and `section.key=value` overrides, and write it back."""
+"""Load a JobConfig from YAML files and `section.key=value` overrides, and write it back.
+
+Plain YAML values become typed dataclasses, naming the dotted key on any error. YAML is read
+with 1.2-style scalars: PyYAML follows YAML 1.1, where `yes`/`on` are booleans, `1e-5` is a
+string, `017` is octal and `2024-01-01` is a date; configs use the 1.2 rules instead (only
+true/false are booleans, 1e-5 is a float, integers are decimal, everything else stays a
+string), and duplicate keys are an error rather than "last one wins".
+"""
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import difflib
+import math
+import re
+import types
+import typing
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any, Literal
 
 import yaml
 
 from rlhf.config.checks import check_config
-from rlhf.config.coerce import build, field_types, unknown_key_error, unwrap_optional
 from rlhf.config.schema import JobConfig
-from rlhf.config.yaml_io import dump_yaml, parse_yaml, read_yaml_mapping
 from rlhf.errors import ConfigError
+
+_BOOL = "tag:yaml.org,2002:bool"
+_INT = "tag:yaml.org,2002:int"
+_FLOAT = "tag:yaml.org,2002:float"
+_TIMESTAMP = "tag:yaml.org,2002:timestamp"
+
+_RAW_LINE_BREAKS = "\x85\u2028\u2029"
+_BOOL_RE = re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")
+_INT_RE = re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$")
+_FLOAT_RE = re.compile(r"""^(?:[-+]?(?:\.[0-9]+|[0-9][0-9_]*(?:\.[0-9_]*)?)(?:[eE][-+]?[0-9]+)?
+                           |[-+]?\.(?:inf|Inf|INF)
+                           |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+def _yaml12_resolvers() -> dict:
+    """PyYAML's implicit resolvers minus the YAML 1.1 bool/int/float/timestamp ones."""
+    replaced = (_BOOL, _INT, _FLOAT, _TIMESTAMP)
+    return {first: [(tag, regexp) for tag, regexp in entries if tag not in replaced]
+            for first, entries in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+class _Loader(yaml.SafeLoader):
+    yaml_implicit_resolvers = _yaml12_resolvers()
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"found duplicate key {key!r}", key_node.start_mark)
+            if isinstance(key, str):
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    # Same resolvers as the loader, so a string like "1e-5" or "017" gets quoted on output.
+    yaml_implicit_resolvers = _yaml12_resolvers()
+
+    def represent_list(self, data):
+        # Lists of scalars read best inline ([0.9, 0.999]); lists of mappings as blocks.
+        inline = all(not isinstance(item, (dict, list)) for item in data)
+        return self.represent_sequence("tag:yaml.org,2002:seq", data, flow_style=inline)
+
+
+_Dumper.add_representer(list, _Dumper.represent_list)
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver(_BOOL, _BOOL_RE, list("tTfF"))
+    _cls.add_implicit_resolver(_INT, _INT_RE, list("-+0123456789"))
+    _cls.add_implicit_resolver(_FLOAT, _FLOAT_RE, list("-+0123456789."))
+
+
+def parse_yaml(text: str) -> Any:
+    """Parse YAML text with the config scalar rules; raises yaml.YAMLError."""
+    return yaml.load(text, Loader=_Loader)
+
+
+def dump_yaml(data: Any) -> str:
+    """Block-style YAML whose lists of scalars are written inline; key order is kept."""
+    text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                     allow_unicode=True, width=100)
+    if any(char in text for char in _RAW_LINE_BREAKS):
+        # PyYAML writes these raw but reads them back as line breaks; escape all non-ASCII.
+        text = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False,
+                         allow_unicode=False, width=100)
+    return text
+
+
+def read_yaml_mapping(path: Path) -> dict:
+    """Read a YAML file that must hold a mapping; errors name the file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from None
+    try:
+        data = parse_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections "
+                          f"(model:, actor:, ...), got a {type(data).__name__}")
+    return data
+
+
+_MISSING = dataclasses.MISSING
+
+
+def unwrap_optional(tp) -> tuple[Any, bool]:
+    """(inner type, whether None is allowed) of `X | None`; other types come back as is."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"config fields support only `X | None` unions, got {tp}")
+        return args[0], True
+    return tp, False
+
+
+def field_types(cls) -> dict[str, Any]:
+    """Resolved annotations of a dataclass's fields, in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def type_name(tp) -> str:
+    """How a field type reads in messages and in the reference (YAML terms, not Python's)."""
+    inner, optional = unwrap_optional(tp)
+    origin, args = typing.get_origin(inner), typing.get_args(inner)
+    if origin is Literal:
+        name = " | ".join(repr(a) for a in args)
+    elif origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        name = f"list[{type_name(args[0])}]"
+    elif origin is tuple:
+        name = "[" + ", ".join(type_name(a) for a in args) + "]"
+    elif dataclasses.is_dataclass(inner) or origin is dict:
+        name = "mapping"
+    else:
+        name = inner.__name__
+    return f"{name} | null" if optional else name
+
+
+def dotted_keys(cls, prefix: str = "") -> Iterator[str]:
+    """Every key below a dataclass, dotted (`parallel.tp`); list items read `functions[].path`."""
+    for name, tp in field_types(cls).items():
+        key = prefix + name
+        yield key
+        inner, _ = unwrap_optional(tp)
+        if dataclasses.is_dataclass(inner):
+            yield from dotted_keys(inner, key + ".")
+        elif typing.get_origin(inner) is tuple:
+            item = typing.get_args(inner)[0]
+            if dataclasses.is_dataclass(item):
+                yield from dotted_keys(item, key + "[].")
+
+
+def _similarity(wrong: str, candidate: str) -> float:
+    leaf = candidate.rsplit(".", 1)[-1]
+    if wrong == leaf:  # right name, wrong level: `actor.tp` for `actor.parallel.tp`
+        return 1.0
+    initials = "".join(word[0] for word in wrong.split("_") if word)
+    if len(initials) > 1 and initials == leaf:  # learning_rate -> lr
+        return 0.9
+    return max(difflib.SequenceMatcher(None, wrong, leaf).ratio(),
+               difflib.SequenceMatcher(None, wrong, candidate).ratio())
+
+
+def unknown_key_error(key: str, cls, parent: str) -> ConfigError:
+    """`unknown key 'a.b'; did you mean 'a.c'?`, choosing among the keys below `cls`."""
+    wrong = key.rsplit(".", 1)[-1]
+    candidates = [c for c in dotted_keys(cls) if "[]" not in c]
+    scored = [(_similarity(wrong, c), -c.count("."), c) for c in candidates]
+    score, _, best = max(scored, default=(0.0, 0, ""))
+    hint = f"; did you mean '{parent}{best}'?" if score >= 0.6 else ""
+    valid = ", ".join(f.name for f in dataclasses.fields(cls))
+    return ConfigError(f"unknown key '{key}'{hint} (valid keys under "
+                       f"'{parent.rstrip('.') or 'the top level'}': {valid})")
+
+
+def _type_error(key: str, tp, value, hint: str = "") -> ConfigError:
+    got = "null" if value is None else f"{value!r} ({type(value).__name__})"
+    return ConfigError(f"{key}: expected {type_name(tp)}, got {got}{hint}")
+
+
+def _to_int(key: str, tp, value) -> int:
+    if isinstance(value, bool):
+        raise _type_error(key, tp, value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    raise _type_error(key, tp, value)
+
+
+def _to_float(key: str, tp, value) -> float:
+    result = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            pass
+    if result is None:
+        raise _type_error(key, tp, value)
+    if not math.isfinite(result):  # no config float means anything as nan or inf
+        raise ConfigError(f"{key}: expected a finite float, got {value!r}")
+    return result
+
+
+def _to_bool(key: str, tp, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    raise _type_error(key, tp, value, " (write true or false)")
+
+
+def _to_tuple(key: str, tp, value) -> tuple:
+    args = typing.get_args(tp)
+    if args[1:] == (Ellipsis,) and args[0] is str and isinstance(value, str):
+        return (value,)  # a single path or stop string needs no brackets
+    if not isinstance(value, (list, tuple)):
+        raise _type_error(key, tp, value, " (write a YAML list, e.g. [a, b])")
+    if args[1:] == (Ellipsis,):
+        return tuple(convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(value))
+    if len(value) != len(args):
+        raise ConfigError(f"{key}: expected {len(args)} items {type_name(tp)}, got {list(value)!r}")
+    return tuple(convert(item, arg, f"{key}[{i}]") for i, (item, arg) in
+                 enumerate(zip(value, args)))
+
+
+def convert(value, tp, key: str, base=None):
+    """Check and coerce one YAML value to field type `tp`; `base` seeds a nested dataclass."""
+    inner, optional = unwrap_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise _type_error(key, tp, value)
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        if value not in typing.get_args(inner) or isinstance(value, bool):
+            allowed = ", ".join(repr(a) for a in typing.get_args(inner))
+            raise ConfigError(f"{key}: expected one of {allowed}; got {value!r}")
+        return value
+    if origin is tuple:
+        return _to_tuple(key, inner, value)
+    if dataclasses.is_dataclass(inner):
+        return build(inner, value, key, base=base if isinstance(base, inner) else None)
+    if origin is dict:  # free-form keyword arguments handed to user code, taken as written
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise _type_error(key, tp, value, " (write a mapping with string keys)")
+        return dict(value)
+    if inner is bool:
+        return _to_bool(key, tp, value)
+    if inner is int:
+        return _to_int(key, tp, value)
+    if inner is float:
+        return _to_float(key, tp, value)
+    if inner is str:
+        if not isinstance(value, str):
+            raise _type_error(key, tp, value, " (quote it to make it a string)")
+        return value
+    raise TypeError(f"{key}: unsupported config field type {tp}")
+
+
+def build(cls, value, key: str, *, base=None):
+    """Build dataclass `cls` from a mapping; missing keys come from `base` or the defaults."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise _type_error(key, cls, value, f" (write a mapping of {cls.__name__} keys)")
+    prefix = f"{key}." if key else ""
+    types_by_name = field_types(cls)
+    for name in value:
+        if name not in types_by_name:
+            raise unknown_key_error(f"{prefix}{name}", cls, prefix)
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        current = getattr(base, f.name) if base is not None else _default(f)
+        if f.name in value:
+            kwargs[f.name] = convert(value[f.name], types_by_name[f.name], prefix + f.name,
+                                     base=current)
+        elif current is not _MISSING:
+            kwargs[f.name] = current
+        else:
+            expected = type_name(types_by_name[f.name])
+            raise ConfigError(f"missing key '{prefix}{f.name}' ({expected})")
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # ConfigError included: __post_init__ names bare fields
+        raise ConfigError(qualify_message(str(exc), cls, prefix)) from None
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not _MISSING:
+        return f.default
+    if f.default_factory is not _MISSING:
+        return f.default_factory()
+    return _MISSING
+
+
+def qualify_message(message: str, cls, prefix: str) -> str:
+    """Rewrite bare field names of `cls` in a message as dotted keys (`lr` -> `actor.optim.lr`)."""
+    if not prefix:
+        return message
+    names = sorted((f.name for f in dataclasses.fields(cls)), key=len, reverse=True)
+    # Not after a dot, quote or word character, so values and dotted keys stay untouched.
+    pattern = re.compile(r"(?<![\w.'\"])(" + "|".join(map(re.escape, names)) + r")(?![\w'\"])")
+    qualified, count = pattern.subn(lambda m: prefix + m.group(1), message)
+    return qualified if count else f"{prefix.rstrip('.')}: {message}"
+
 
 BASE_KEY = "base"
 

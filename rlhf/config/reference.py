@@ -6,7 +6,7 @@ import inspect
 import textwrap
 import typing
 
-from rlhf.config.coerce import field_types, type_name, unwrap_optional
+from rlhf.config.loader import field_types, type_name, unwrap_optional
 from rlhf.config.schema import JobConfig
 
 _INTRO = """\

@@ -1,20 +1,516 @@
-"""The job configuration: one frozen `JobConfig` made of per-section dataclasses.
+"""The job configuration: one frozen `JobConfig` made of per-section dataclasses, and
+`job_roles`, which roles a job creates.
 
 Defaults live here and only here. Relative paths are relative to the working directory.
-Checks that involve one section run in `__post_init__`; checks across sections (and against
-the model's config.json) are in `rlhf.config.checks`.
+Checks that involve one section run in `__post_init__` (the small range checks they share come
+first; their messages name the bare field, which the loader rewrites into the dotted key, so a
+message reads the same from Python and from YAML); checks across sections, and against the
+model's config.json, are in `rlhf.config.checks`.
 """
 
-from dataclasses import dataclass, field
-from typing import Literal
+from __future__ import annotations
 
-from rlhf.config.roles import (CriticConfig, ForwardRoleConfig, ReferenceConfig, RewardConfig,
-                               TrainRoleConfig)
-from rlhf.config.rules import require_min, require_positive_or_none, require_range
-from rlhf.config.rollout import RolloutConfig
-from rlhf.config.sft import SFTConfig
-from rlhf.config.tiny import TinyModelConfig
+import re
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
 from rlhf.errors import ConfigError
+
+
+def require_min(obj, low: float, *names: str) -> None:
+    """Raise ConfigError unless every named field of `obj` is at least `low`."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < low:
+            raise ConfigError(f"{name} must be at least {low}, got {value}")
+
+
+def require_range(obj, name: str, low: float, high: float, *, low_open: bool = False,
+                  high_open: bool = False) -> None:
+    """Raise ConfigError unless field `name` lies in the interval from `low` to `high`."""
+    value = getattr(obj, name)
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must be in {interval}, got {value}")
+
+
+def require_positive_or_none(obj, *names: str) -> None:
+    """Raise ConfigError unless every named optional field is None or > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name} must be positive (or null to turn it off), got {value}")
+
+
+def require_placement(obj) -> None:
+    """`placement` and `world_size` agree: separate needs world_size >= 1, colocated none."""
+    if obj.placement == "separate" and obj.world_size is None:
+        raise ConfigError("placement 'separate' needs world_size (the ranks of its own pool)")
+    if obj.placement == "colocated" and obj.world_size is not None:
+        raise ConfigError("world_size is only for placement 'separate'; a colocated role uses "
+                          "trainer.nnodes * trainer.ranks_per_node ranks: remove world_size")
+    if obj.world_size is not None:
+        require_min(obj, 1, "world_size")
+
+
+# vLLM's CPU attention kernels only exist for these head sizes.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# Byte-level BPE needs its 256-symbol alphabet plus the special tokens before any merge.
+MIN_TINY_VOCAB = 320
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyModelConfig:
+    """A Llama-family model small enough to train on two CPU cores."""
+
+    arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
+    """Model family: llama, qwen2 (qkv bias), qwen3 (q/k norm) or mistral."""
+    num_layers: int = 4
+    """Number of transformer layers."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_heads: int = 4
+    """Attention heads; hidden_size / num_heads is the head size (vLLM on CPU needs >= 32)."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    intermediate_size: int = 256
+    """Width of the SwiGLU MLP."""
+    vocab_size: int = 512
+    """Embedding rows; the trained tokenizer has at most this many tokens."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the LM head."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model accepts."""
+    seed: int = 0
+    """Seed of the random weights and of the tokenizer's training text."""
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.arch not in ("llama", "qwen2", "qwen3", "mistral"):
+            raise ConfigError(f"arch must be one of llama, qwen2, qwen3, mistral; got {self.arch!r}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
+                             f"({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.vocab_size < MIN_TINY_VOCAB:
+            raise ConfigError(f"vocab_size must be at least {MIN_TINY_VOCAB} (byte-level BPE "
+                             f"alphabet plus special tokens), got {self.vocab_size}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvConfig:
+    """An environment that answers every model turn (rlhf.envs.Env); null path = single turn."""
+
+    path: str | None = None
+    """'package.module:Class' or 'path/to/file.py:Class' (an rlhf.envs.Env); null = no environment."""
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keeps configs hashable
+    """Keyword arguments of the environment's constructor."""
+    num_workers: int = 2
+    """Environment worker processes per rollout rank; 0 = in the rank's process, no time limit."""
+    timeout_s: float = 30.0
+    """Seconds one environment call (reset or step) may take before it counts as an error."""
+    on_error: Literal["raise", "fallback"] = "raise"
+    """On an environment error or timeout: raise (stop training) or end the episode with fallback_reward."""
+    fallback_reward: float = 0.0
+    """Reward of an episode whose environment failed, when on_error is fallback."""
+
+    def __post_init__(self):
+        if self.path is not None and ":" not in self.path:
+            raise ConfigError(f"path must look like 'package.module:Class' or "
+                              f"'path/to/file.py:Class', got {self.path!r}")
+        if self.num_workers < 0:
+            raise ConfigError(f"num_workers must be at least 0, got {self.num_workers}")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"timeout_s must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Response sampling with the in-process vLLM engine of each actor rollout replica."""
+
+    tp: int = 1
+    """Tensor-parallel size of one vLLM replica; divides the actor's world size."""
+    n: int = 1
+    """Responses sampled per prompt (the group size of grpo/rloo)."""
+    temperature: float = 1.0
+    """Sampling temperature in [0, 2] (vLLM's range); 0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = off."""
+    max_new_tokens: int = 512
+    """Longest response, in tokens."""
+    stop: tuple[str, ...] = ()
+    """Extra stop strings (the tokenizer's EOS always stops)."""
+    seed: int = 0
+    """Sampling seed."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory vLLM may take (weights + KV cache), on CUDA."""
+    cpu_kv_cache_gb: float = 1.0
+    """KV-cache size in GiB per replica, on CPU."""
+    max_num_seqs: int = 256
+    """Most sequences vLLM decodes at once."""
+    enforce_eager: bool = False
+    """Disable CUDA graphs (slower decoding, faster start, less memory)."""
+    sync_bucket_mb: float = 256.0
+    """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
+    max_logprob_gap: float | None = 1.0
+    """Stop the job when, after a weight sync, the largest |log-prob| difference between vLLM's
+    sampled tokens and the trainer's exceeds this (a broken or half-synced engine); null = off.
+    A healthy gap comes from kernels and dtype only: about 1e-5 in float32 and 0.1 in bfloat16
+    on the quickstart's model, while a layer whose weights did not arrive gives nats."""
+    tis_cap: float | None = None
+    """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
+    seq_tis_cap: float | None = None
+    """Sequence-level TIS: weight a response's tokens by min(pi_train(y) / pi_vllm(y), cap)."""
+    reject_band: tuple[float, float] | None = None
+    """[low, high]: mask responses whose per-token geometric-mean pi_train / pi_vllm leaves it."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: a vLLM replica on every actor rank, synced in-process; separate: world_size
+    rollout ranks of their own (no training engine), sent weights over a transfer group."""
+    world_size: int | None = None
+    """Ranks of the separate rollout pool (a multiple of tp); set exactly when separate."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts: the environment that answers each model turn (rlhf/envs)."""
+    max_turns: int = 1
+    """Most model turns per episode when rollout.env is set (max_new_tokens is per turn)."""
+    max_episode_tokens: int | None = None
+    """Most response tokens of an episode (model + environment); null = max_turns x max_new_tokens."""
+
+    @property
+    def max_response_tokens(self) -> int:
+        """Longest response a rollout returns: a whole episode with an environment."""
+        if self.env.path is None:
+            return self.max_new_tokens
+        if self.max_episode_tokens is None:
+            return self.max_turns * self.max_new_tokens
+        return self.max_episode_tokens
+
+    def __post_init__(self):
+        require_min(self, 1, "tp", "n", "max_new_tokens", "max_num_seqs")
+        if self.sync_bucket_mb <= 0:
+            raise ConfigError("rollout.sync_bucket_mb must be positive, got "
+                              f"{self.sync_bucket_mb}")
+        require_range(self, "temperature", 0, 2)
+        require_range(self, "top_p", 0, 1, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
+        require_range(self, "gpu_memory_utilization", 0, 1, low_open=True)
+        if self.cpu_kv_cache_gb <= 0:
+            raise ConfigError(f"cpu_kv_cache_gb must be positive, got {self.cpu_kv_cache_gb}")
+        if self.max_logprob_gap is not None and self.max_logprob_gap <= 0:
+            raise ConfigError(f"max_logprob_gap must be positive or null, got "
+                              f"{self.max_logprob_gap}")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ConfigError(f"tis_cap must be at least 1 (a cap below 1 down-weights every "
+                              f"token) or null, got {self.tis_cap}")
+        if self.seq_tis_cap is not None and self.seq_tis_cap < 1:
+            raise ConfigError(f"seq_tis_cap must be at least 1 (a cap below 1 down-weights every "
+                              f"response) or null, got {self.seq_tis_cap}")
+        band = self.reject_band
+        if band is not None and not 0 < band[0] <= 1 <= band[1]:
+            raise ConfigError(f"reject_band must be [low, high] with 0 < low <= 1 <= high (a "
+                              f"ratio of 1 means sampler and trainer agree), got {list(band)}")
+        if "" in self.stop:
+            raise ConfigError("stop must not contain an empty string")
+        require_min(self, 1, "max_turns")
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            raise ConfigError(f"max_episode_tokens must be at least 1 or null, got "
+                              f"{self.max_episode_tokens}")
+        if self.env.path is not None and self.tp != 1:
+            raise ConfigError(f"env: multi-turn rollouts run on replicas of one rank; set "
+                              f"rollout.tp=1 (got {self.tp})")
+        require_placement(self)
+
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+
+# "pkg.module:function" or "path/to/file.py:function"
+_MODULE_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """How one role's model is split over its ranks; data parallelism takes the remaining ranks."""
+
+    tp: int = 1
+    """Tensor-parallel size (Megatron-style column/row split of every layer)."""
+    pp: int = 1
+    """Pipeline-parallel size (number of pipeline stages)."""
+    vpp: int = 1
+    """Virtual stages per pipeline rank (interleaved 1F1B when > 1; needs pp > 1)."""
+    sequence_parallel: bool = False
+    """Shard activations outside attention/MLP along the token axis (needs tp > 1)."""
+    layers_per_stage: tuple[int, ...] | None = None
+    """Uneven layer split, one entry per virtual stage (pp * vpp entries); null = even split."""
+
+    def __post_init__(self):
+        require_min(self, 1, "tp", "pp", "vpp")
+        if self.vpp > 1 and self.pp == 1:
+            raise ConfigError(f"vpp={self.vpp} needs pp > 1 (interleaving splits pipeline stages); "
+                              "set vpp to 1 or raise pp")
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("sequence_parallel needs tp > 1; set it to false or raise tp")
+        if self.layers_per_stage is not None:
+            stages = self.pp * self.vpp
+            if len(self.layers_per_stage) != stages:
+                raise ConfigError(
+                    f"layers_per_stage has {len(self.layers_per_stage)} entries but pp * vpp = "
+                    f"{stages}; give one layer count per virtual stage")
+            if min(self.layers_per_stage) < 1:
+                raise ConfigError(f"layers_per_stage entries must be at least 1, got "
+                                  f"{list(self.layers_per_stage)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with warmup and a decay schedule."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW beta1 and beta2, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to lr; must be below trainer.total_steps."""
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate shape after warmup."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate of linear/cosine decay, as a fraction of lr."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; null = no clipping."""
+    distributed: bool | None = None
+    """ZeRO-1: shard fp32 masters and Adam moments over the role's DP ranks; null = on if dp > 1."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ConfigError(f"lr must be positive, got {self.lr}")
+        for beta in self.betas:
+            if not 0 <= beta < 1:
+                raise ConfigError(f"betas must each be in [0, 1), got {list(self.betas)}")
+        if self.eps <= 0:
+            raise ConfigError(f"eps must be positive, got {self.eps}")
+        require_min(self, 0, "weight_decay", "warmup_steps")
+        require_range(self, "min_lr_ratio", 0, 1)
+        require_positive_or_none(self, "grad_clip")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Training state a colocated role keeps in host memory while it is not computing (vLLM
+    generates, another role runs); each kind comes back to the device when a phase needs it."""
+
+    params: bool = False
+    """Weights on the host except during this role's forward passes, updates and weight syncs."""
+    grads: bool = False
+    """Gradients on the host outside the updates."""
+    optimizer: bool = False
+    """fp32 master weights and AdamW moments on the host outside the updates."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardRoleConfig:
+    """A role that only runs forward passes (reference policy, reward model)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor/pipeline plan of this role."""
+    dtype: Dtype = "auto"
+    """Parameter and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    max_tokens_per_micro_batch: int = 4096
+    """Token budget of one packed micro-batch; one whole sequence must fit."""
+    share_prompts: bool = True
+    """Samples of one prompt in the same micro-batch hold its tokens once (same outputs; fewer
+    tokens to compute when rollout.n > 1)."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: share the trainer's pool of ranks; separate: a pool of world_size ranks."""
+    world_size: int | None = None
+    """Ranks of this role's own pool; set exactly when placement is separate."""
+
+    def __post_init__(self):
+        require_min(self, 1, "max_tokens_per_micro_batch")
+        require_placement(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainRoleConfig(ForwardRoleConfig):
+    """A role whose model is trained (the actor; the critic adds its own fields)."""
+
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer and learning-rate schedule."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none, selective (attention only) or full (whole layers)."""
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (each brings rollout.n samples); divides data.train_batch_size."""
+    micro_batch_size: int | None = None
+    """Optional cap on samples per micro-batch, on top of the token budget; null = tokens only."""
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """What this role moves to host memory around rollouts (see rlhf/engine/offload.py)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        require_min(self, 1, "ppo_mini_batch_size")
+        if self.micro_batch_size is not None:
+            require_min(self, 1, "micro_batch_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReferenceConfig(ForwardRoleConfig):
+    """The frozen reference policy: forward only, so only its weights can move to the host."""
+
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+    """Weights to host memory around rollouts (params only: the role has no grads or optimizer)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        for kind in ("grads", "optimizer"):
+            if getattr(self.offload, kind):
+                raise ConfigError(f"offload.{kind}: the reference is forward only and has no "
+                                  f"{kind} to move; set it to false (offload.params moves its "
+                                  "weights)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CriticConfig(TrainRoleConfig):
+    """The value model; used exactly when algorithm.adv_estimator is gae."""
+
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """Optimizer and learning-rate schedule."""
+    model_path: str | None = None
+    """Initial critic weights (HF folder); null = model.path with a freshly initialised head."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.model_path == "":
+            raise ConfigError("model_path must not be empty; use null for model.path")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardFunctionConfig:
+    """One rule-based reward function and its weight in the total reward."""
+
+    path: str
+    """'package.module:function' or 'path/to/file.py:function'."""
+    weight: float = 1.0
+    """Multiplier of this function's score in the summed reward."""
+
+    def __post_init__(self):
+        target, sep, function = self.path.rpartition(":")
+        module_ok = target.endswith(".py") or _MODULE_TARGET.fullmatch(target)
+        if not (sep and module_ok and _IDENTIFIER.fullmatch(function)):
+            raise ConfigError(f"path must look like 'package.module:function' or "
+                              f"'path/to/file.py:function', got {self.path!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RewardConfig(ForwardRoleConfig):
+    """Reward functions and an optional reward model; the role fields plan the reward model."""
+
+    functions: tuple[RewardFunctionConfig, ...] = ()
+    """Rule-based reward functions; their weighted scores are summed."""
+    model_path: str | None = None
+    """HF folder of a sequence-scoring reward model; null = no reward model."""
+    model_weight: float = 1.0
+    """Multiplier of the reward model's score in the summed reward."""
+    timeout_s: float = 10.0
+    """Seconds one reward-function call may take before it counts as an error."""
+    import_timeout_s: float = 60.0
+    """Seconds the import check of the reward functions (run before the job starts) may take."""
+    num_workers: int = 2
+    """Reward worker processes; 0 = run them in the calling process, without timeouts (debug)."""
+    on_error: Literal["raise", "fallback"] = "raise"
+    """On an exception or timeout: raise (stop training) or score fallback_score."""
+    fallback_score: float = 0.0
+    """Score given to a response whose reward function failed, when on_error is fallback."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        paths = [fn.path for fn in self.functions]
+        for path in paths:
+            if paths.count(path) > 1:
+                raise ConfigError(f"functions lists {path!r} twice; merge the entries' weights")
+        for key in ("timeout_s", "import_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key} must be positive, got {getattr(self, key)}")
+        require_min(self, 0, "num_workers")
+
+
+TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer, whose state a checkpoint holds
+
+
+def sft_output_path(cfg: JobConfig) -> Path:
+    """Where `rlhf sft` writes the fine-tuned HF folder."""
+    return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
+
+
+def job_roles(cfg: JobConfig) -> dict[str, ForwardRoleConfig | RolloutConfig]:
+    """The roles a PPO job creates, in build order, each with its config section: the actor;
+    the critic when algorithm.use_critic; the reference when algorithm.use_ref; the reward
+    model when reward.model_path is set; the rollout pool when rollout.placement is separate."""
+    roles: dict[str, ForwardRoleConfig | RolloutConfig] = {"actor": cfg.actor}
+    if cfg.algorithm.use_critic:
+        roles["critic"] = cfg.critic
+    if cfg.algorithm.use_ref:
+        roles["ref"] = cfg.ref
+    if cfg.reward.model_path is not None:
+        roles["reward"] = cfg.reward
+    if cfg.rollout.placement == "separate":
+        roles["rollout"] = cfg.rollout
+    return roles
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig(ForwardRoleConfig):
+    """`rlhf sft`: token-mean NLL of the answer given the prompt, on the actor's engine code."""
+
+    optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
+    """Optimizer and learning-rate schedule (the schedule spans sft.total_steps)."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: none, selective (attention only) or full (whole layers)."""
+    train_files: tuple[str, ...] = ()
+    """Prompt/answer files, JSONL or Parquet; required by `rlhf sft`."""
+    prompt_key: str = "prompt"
+    """Field of each row that holds the prompt (rendered like data.prompt_key)."""
+    response_key: str = "response"
+    """Field of each row that holds the answer text to imitate (the EOS token is appended)."""
+    batch_size: int = 32
+    """Samples per optimizer step."""
+    total_steps: int = 0
+    """Optimizer steps; 0 = no supervised fine-tuning."""
+    init_path: str | None = None
+    """HF folder SFT starts from; null = model.path. Built from model.tiny when missing."""
+    output_path: str | None = None
+    """HF folder SFT writes; null = <trainer.output_dir>/sft_model. Point model.path here to
+    start PPO from the fine-tuned policy."""
+    log_every: int = 10
+    """Print and log the loss every this many steps."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        require_min(self, 1, "batch_size", "log_every")
+        require_min(self, 0, "total_steps")
+        for key in ("prompt_key", "response_key"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key} must not be empty")
+        for key in ("init_path", "output_path"):
+            if getattr(self, key) == "":
+                raise ConfigError(f"{key} must not be empty; use null for the default")
+
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLEstimator = Literal["k1", "k2", "k3", "abs"]

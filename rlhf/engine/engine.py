@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from rlhf.algorithms.losses import normalizer_counts
-from rlhf.config.roles import OptimizerConfig, ParallelConfig
+from rlhf.config.schema import OptimizerConfig, ParallelConfig
 from rlhf.engine import checkpoint as ckpt
 from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
                                sync_grads)

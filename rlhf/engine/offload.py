@@ -46,7 +46,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rlhf.config.roles import OffloadConfig
+from rlhf.config.schema import OffloadConfig
 
 Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors

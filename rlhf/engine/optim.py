@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from rlhf.config.roles import OptimizerConfig
+from rlhf.config.schema import OptimizerConfig
 from rlhf.engine.zero import Partition, Piece, partition
 from rlhf.errors import RLHFError
 from rlhf.parallel.collectives import _all_gather_single as all_gather_single

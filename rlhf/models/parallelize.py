@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.schema import ParallelConfig
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.models.config import ModelArgs
 from rlhf.models.export import ExportItem, ExportStream, export_buckets

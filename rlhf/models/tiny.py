@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
                           PretrainedConfig, Qwen2Config, Qwen3Config)
 
-from rlhf.config.tiny import VLLM_CPU_HEAD_SIZES, TinyModelConfig
+from rlhf.config.schema import VLLM_CPU_HEAD_SIZES, TinyModelConfig
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
 from rlhf.models.tiny_tokenizer import train_tiny_tokenizer

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.roles import OptimizerConfig, ParallelConfig
+from rlhf.config.schema import OptimizerConfig, ParallelConfig
 from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config import JobConfig
-from rlhf.config.roles import TRAINED_ROLES, OffloadConfig, ParallelConfig, job_roles
+from rlhf.config.schema import TRAINED_ROLES, OffloadConfig, ParallelConfig, job_roles
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.zero import num_shards
 from rlhf.errors import ConfigError

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
 from rlhf.models.parallelize import apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel

@@ -1,16 +1,20 @@
-"""The PPO/GRPO loop: one controller drives the role worker groups step by step.
+"""The PPO/GRPO step and its loop: one controller drives the role worker groups step by step.
 
 One step (see workers/common.py for the fields each call reads and writes):
-sync weights -> generate -> rewards (with dynamic sampling, repeated on fresh prompts until the
-batch is full: dynamic_sampling.py) -> old log-probs -> ref log-probs -> values -> advantages
-(driver) -> masks and weights of the recipes (recipes.py) -> critic update -> actor update;
-every phase timed. Every role call gets the driver's plan of its mini- and micro-batches
-(step_plan.py); on-policy, the old log-probs come from the actor update's first forward instead
-of their own pass. Validation (greedy, held-out prompts) every trainer.val_every steps;
-checkpoints every save_every.
-Sampling goes through async_loop.RolloutSource (actor replicas or separate rollout ranks); with
-trainer.async_mode on, async_loop.RolloutPipeline samples the next batch while this one trains
-(one batch a step: dynamic sampling needs async_mode off).
+sync weights -> generate -> rewards (with DAPO's dynamic sampling, repeated on fresh prompts
+until the batch is full) -> old log-probs -> ref log-probs -> values -> advantages (driver) ->
+masks and weights of the per-response recipes -> critic update -> actor update; every phase
+timed. Every role call gets the driver's plan of its mini- and micro-batches (step_plan.py);
+on-policy, the old log-probs come from the actor update's first forward instead of their own
+pass. Validation (greedy, held-out prompts) every trainer.val_every steps; checkpoints every
+save_every.
+
+The driver-side pieces come first, in the order a step uses them: scoring and advantages, the
+recipes (overlong shaping of the scores, masking of truncated responses, sequence-level rollout
+correction; their math lives in rlhf.algorithms), dynamic sampling, then `PPOTrainer`.
+Sampling goes through rollout_source.RolloutSource (actor replicas or separate rollout ranks);
+with trainer.async_mode on, rollout_source.RolloutPipeline samples the next batch while this
+one trains (one batch a step: dynamic sampling needs async_mode off).
 """
 
 from __future__ import annotations
@@ -18,27 +22,249 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from rlhf.algorithms import build_kl_controller
+from rlhf.algorithms import (apply_kl_penalty, build_kl_controller, compute_advantage,
+                             scores_to_token_rewards, sequence_scores)
+from rlhf.algorithms.group_filters import get_group_filter
+from rlhf.algorithms.overlong import overlong_penalty, truncated
+from rlhf.algorithms.rollout_correction import (reject_outside_band, rollout_correction_metrics,
+                                                seq_tis_weights)
 from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles
 from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
-from rlhf.data.fields import response_mask
+from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
+from rlhf.data.ragged import Ragged
 from rlhf.engine.offload import worst_memory
 from rlhf.rewards import RewardRunner
+from rlhf.rewards.runner import combine_scores
 from rlhf.rollout import logprob_gap
 from rlhf.rollout.sampling import check_logprob_gap
-from rlhf.trainer.async_loop import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
-from rlhf.trainer.dynamic_sampling import fill_batch, round_seed
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
-from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
-from rlhf.trainer.recipes import prepare_update, rollout_corr_metrics, shape_scores
-from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
+from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.shared_folder import check_shared_folder
+from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
+
+
+def step_seed(base: int, step: int) -> int:
+    """The sampling seed of one step: a fixed function of (seed, step), so a resumed run
+    samples exactly as an uninterrupted one would."""
+    return (base * 1_000_003 + step * 7919) % 2**31
+
+
+def decode_responses(batch: Batch, tokenizer) -> list[str]:
+    """Response texts without special tokens (the EOS that stopped a response is dropped)."""
+    return tokenizer.batch_decode([row.tolist() for row in batch["response_ids"].to_list()],
+                                  skip_special_tokens=True)
+
+
+def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *,
+                rm_scores: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """(N,) float32 total rewards (functions + environment + reward model) and the metrics."""
+    result = runner.score(batch["raw_prompt"], decode_responses(batch, tokenizer),
+                          batch["ground_truth"], batch["extra"])
+    parts = [result.scores]
+    if "env_reward" in batch:  # multi-turn episodes: the environment's summed rewards
+        parts.append(batch["env_reward"])
+    scores = combine_scores(parts, [1.0] * len(parts), rm_scores=rm_scores,
+                            rm_weight=cfg.reward.model_weight)
+    metrics = {**result.metrics, "reward/mean": scores.mean().item(),
+               "reward/max": scores.max().item(), "reward/min": scores.min().item()}
+    if "env_reward" in batch:
+        metrics["reward/env_mean"] = batch["env_reward"].float().mean().item()
+    if rm_scores is not None:
+        metrics["reward/rm_mean"] = rm_scores.float().mean().item()
+    return scores, metrics
+
+
+def compute_advantages(batch: Batch, scores_N: Tensor, cfg: JobConfig,
+                       kl_ctrl) -> tuple[Batch, dict[str, float]]:
+    """`advantages` and `returns` (Ragged like response_ids) by algorithm.adv_estimator, with
+    the in-reward KL penalty when algorithm.kl_in_reward (which also updates `kl_ctrl`)."""
+    algo, responses = cfg.algorithm, batch["response_ids"]
+    cu, mask_T = responses.offsets, response_mask(batch).values
+    token_rewards_T = scores_to_token_rewards(scores_N.double(), cu, mask_T)
+    metrics: dict[str, float] = {}
+    if algo.kl_in_reward:
+        token_rewards_T, kl_N = apply_kl_penalty(
+            token_rewards_T, batch["old_log_probs"].values.double(),
+            batch["ref_log_probs"].values.double(), mask_T, cu, coef=kl_ctrl.coef,
+            kind=algo.kl_penalty)
+        metrics["actor/kl_coef"] = kl_ctrl.coef
+        metrics["reward/kl_penalty_mean"] = (kl_ctrl.coef * kl_N).mean().item()
+        kl_ctrl.update(kl_N.mean().item(), len(batch))
+    inputs = dict(token_rewards_T=token_rewards_T, cu_seqlens=cu, mask_T=mask_T)
+    if algo.use_critic:
+        inputs["values_T"] = batch["values"].values.double()
+        inputs.update(gamma=algo.gamma, lam=algo.lam)
+    elif algo.adv_estimator == "reinforce_plus_plus":
+        inputs["gamma"] = algo.gamma
+    else:  # group estimators score whole samples
+        inputs["scores_N"] = sequence_scores(token_rewards_T, cu, mask_T)
+        inputs["group_ids"] = torch.arange(len(batch) // cfg.rollout.n).repeat_interleave(
+            cfg.rollout.n)
+        if algo.adv_estimator == "grpo":
+            inputs["norm_adv_by_std"] = algo.norm_adv_by_std
+        del inputs["token_rewards_T"]
+    advantages_T, returns_T = compute_advantage(algo.adv_estimator, **inputs)
+    valid = mask_T.bool()
+    if valid.any():
+        metrics["advantages/mean"] = advantages_T[valid].mean().item()
+        metrics["returns/mean"] = returns_T[valid].mean().item()
+    out = Batch({"advantages": Ragged(advantages_T.float(), cu),
+                 "returns": Ragged(returns_T.float(), cu)})
+    return out, metrics
+
+
+def batch_metrics(batch: Batch) -> dict[str, float]:
+    """Response lengths, tokens, and `actor/kl_ref`: the policy's KL to the reference before
+    the update (k1 per token, old minus reference log-probs, token mean); the update's own
+    policy-vs-old estimate is `actor/approx_kl`."""
+    responses, mask_T = batch["response_ids"], response_mask(batch).values
+    lengths = responses.lengths.float()
+    metrics = {
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "prompt_length/mean": batch["prompt_ids"].lengths.float().mean().item(),
+        "tokens/total": float(batch["prompt_ids"].values.numel() + responses.values.numel()),
+    }
+    if "entropy" in batch and mask_T.any():
+        metrics["rollout/entropy"] = batch["entropy"].values[mask_T].mean().item()
+    if "ref_log_probs" in batch and mask_T.any():
+        diff = batch["old_log_probs"].values - batch["ref_log_probs"].values
+        metrics["actor/kl_ref"] = diff[mask_T].mean().item()
+    return metrics
+
+
+def truncated_responses(batch: Batch, cfg: JobConfig, eos_token_id: int | None) -> Tensor:
+    """(n,) bool: responses that max_new_tokens cut (full length, last token not EOS)."""
+    responses = batch["response_ids"]
+    lengths_N = responses.lengths
+    last_idx_N = (responses.offsets[1:] - 1).clamp_min(0)
+    last_N = (responses.values[last_idx_N] if responses.values.numel()
+              else torch.zeros_like(lengths_N))
+    return truncated(lengths_N, last_N, max_new_tokens=cfg.rollout.max_new_tokens,
+                     eos_token_id=eos_token_id)
+
+
+def shape_scores(batch: Batch, scores_N: Tensor, cfg: JobConfig,
+                 eos_token_id: int | None) -> tuple[Tensor, dict[str, float]]:
+    """Scores plus the soft overlong penalty (algorithm.overlong_buffer > 0), and the metrics
+    overlong/truncated_frac (always) and overlong/penalty_mean (when the penalty is on)."""
+    algo = cfg.algorithm
+    metrics = {"overlong/truncated_frac":
+               truncated_responses(batch, cfg, eos_token_id).float().mean().item()}
+    if algo.overlong_buffer > 0:
+        penalty_N = overlong_penalty(batch["response_ids"].lengths,
+                                     max_new_tokens=cfg.rollout.max_new_tokens,
+                                     buffer=algo.overlong_buffer, penalty=algo.overlong_penalty)
+        scores_N = scores_N + penalty_N.to(scores_N.dtype)
+        metrics["overlong/penalty_mean"] = penalty_N.mean().item()
+    return scores_N, metrics
+
+
+def rollout_corr_metrics(batch: Batch, cfg: JobConfig,
+                         keep_N: Tensor | None = None) -> dict[str, float]:
+    """rollout_corr/* (ESS, rejected fraction, sampler/trainer KL) when the batch has both
+    rollout and old log-probs, else {}."""
+    if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+        return {}
+    old, mask = batch["old_log_probs"], response_mask(batch)
+    return rollout_correction_metrics(old.values, batch["rollout_log_probs"].values,
+                                      mask.values, old.offsets, cap=cfg.rollout.seq_tis_cap,
+                                      keep_N=keep_N)
+
+
+def prepare_update(batch: Batch, cfg: JobConfig,
+                   eos_token_id: int | None) -> tuple[Batch, dict[str, float]]:
+    """The batch the actor trains on: truncated responses masked (algorithm.mask_truncated),
+    responses outside rollout.reject_band masked, and `seq_is_weights` (rollout.seq_tis_cap);
+    with the rollout_corr/* metrics of the batch as it came (when old log-probs exist)."""
+    algo, rollout = cfg.algorithm, cfg.rollout
+    mask = response_mask(batch)
+    cu, keep_N, fields = mask.offsets, None, {}
+    drop_N = torch.zeros(len(batch), dtype=torch.bool)
+    if algo.mask_truncated:
+        drop_N |= truncated_responses(batch, cfg, eos_token_id)
+    if rollout.seq_tis_cap is not None or rollout.reject_band is not None:
+        if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
+            raise ValueError("sequence-level rollout correction needs old_log_probs and "
+                             "rollout_log_probs in the batch before the actor update")
+        old_T, rollout_T = batch["old_log_probs"].values, batch["rollout_log_probs"].values
+        if rollout.reject_band is not None:
+            low, high = rollout.reject_band
+            keep_N = reject_outside_band(old_T, rollout_T, mask.values, cu, low=low, high=high)
+            drop_N |= ~keep_N
+        if rollout.seq_tis_cap is not None:
+            w_N = seq_tis_weights(old_T, rollout_T, mask.values, cu, cap=rollout.seq_tis_cap)
+            fields[SEQ_IS_WEIGHTS] = Ragged(w_N.float().repeat_interleave(mask.lengths), cu)
+    metrics = rollout_corr_metrics(batch, cfg, keep_N)
+    if bool(drop_N.any()):
+        fields[MASK] = Ragged(mask.values & ~drop_N.repeat_interleave(mask.lengths), cu)
+        if MASK in batch:
+            batch = batch.pop(MASK)[1]
+    return (batch.union(Batch(fields)) if fields else batch), metrics
+
+
+# (prompts) -> (samples, scores_N, metrics): one round's generation and scoring.
+SampleFn = Callable[[Batch], "tuple[Batch, Tensor, dict[str, float]]"]
+
+
+def round_seed(seed: int, round_index: int) -> int:
+    """The sampling seed of one round of a step: round 0 keeps the step's seed (so a step
+    samples as without dynamic sampling), later rounds get seeds mixed from (seed, round)."""
+    if round_index == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, round_index]).generate_state(1)[0]) % 2**31
+
+
+def _without_meta(batch: Batch) -> Batch:
+    return Batch({k: batch[k] for k in batch.keys()})  # rounds' seeds would clash on concat
+
+
+def fill_batch(draw: Callable[[int], Batch], sample: SampleFn,
+               cfg: JobConfig) -> tuple[Batch, Tensor, dict[str, float]]:
+    """(samples, scores_N, metrics) of one step. `draw(round)` gives that round's prompts;
+    with algorithm.dynamic_sampling off this is one round, unfiltered.
+
+    When the rounds run out first, the batch is topped up with dropped groups (their
+    group-relative advantages are zero, so they add no policy gradient) to keep its size;
+    ds/batch_groups counts the groups with a reward spread. Reward metrics are round 1's,
+    an unfiltered sample of the policy."""
+    algo, n = cfg.algorithm, cfg.rollout.n
+    if algo.dynamic_sampling == "off":
+        return sample(draw(0))
+    keep_fn = get_group_filter(algo.dynamic_sampling)
+    wanted = cfg.data.train_batch_size
+    kept: list[tuple[Batch, Tensor]] = []
+    dropped: list[tuple[Batch, Tensor]] = []
+    num_kept = num_dropped = consumed = rounds = 0
+    first_metrics: dict[str, float] = {}
+    while rounds < algo.max_sampling_rounds and num_kept < wanted:
+        prompts = draw(rounds)
+        consumed += len(prompts)
+        batch, scores_N, metrics = sample(prompts)
+        first_metrics = first_metrics or metrics
+        rounds += 1
+        keep_N = keep_fn(scores_N, n, std_threshold=algo.dynamic_sampling_std).repeat_interleave(n)
+        for part, select_N in ((kept, keep_N), (dropped, ~keep_N)):
+            idx = select_N.nonzero().flatten()
+            if idx.numel():
+                part.append((_without_meta(batch).select(idx), scores_N[idx]))
+        num_kept += int(keep_N.sum()) // n
+        num_dropped += int((~keep_N).sum()) // n
+    signal_groups = min(num_kept, wanted)
+    parts = kept + dropped  # kept groups first; dropped ones only top up a short batch
+    batch = Batch.concat([b for b, _ in parts]).select(torch.arange(wanted * n))
+    scores_N = torch.cat([s for _, s in parts])[:wanted * n]
+    metrics = {**first_metrics, "ds/groups_dropped": float(num_dropped), "ds/rounds": float(rounds),
+               "ds/prompts_consumed": float(consumed), "ds/batch_groups": float(signal_groups)}
+    return batch, scores_N, metrics
+
 
 VAL_SEED = 12345
 # Roles whose methods run under rlhf.engine.offload.in_phase and report memory per call.
@@ -280,4 +506,3 @@ class PPOTrainer:
 
     def _trained_roles(self) -> list[str]:
         return [role for role in job_roles(self.cfg) if role in TRAINED_ROLES]
-

@@ -6,7 +6,7 @@ bound). The tensor-parallel partial sums are added in bf16 by the all-reduce."""
 import pytest
 import torch
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.schema import ParallelConfig
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.precision import (FACTOR, bf16_engine, bf16_folder, engine_run, errors,

@@ -12,7 +12,7 @@ below assert on them. The reference's grad norm exceeds grad_clip, so clipping i
 
 import pytest
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.schema import ParallelConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

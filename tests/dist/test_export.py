@@ -6,8 +6,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from rlhf.config.roles import ParallelConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import ParallelConfig, TinyModelConfig
 from rlhf.models.parallelize import build_model, export_full_hf_weights
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel import collectives as C

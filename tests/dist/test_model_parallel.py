@@ -12,8 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.config.roles import OptimizerConfig, ParallelConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs

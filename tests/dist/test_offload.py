@@ -5,7 +5,7 @@ the losses, grad norms, forward outputs and weights of the same engine with none
 import pytest
 import torch
 
-from rlhf.config.roles import OffloadConfig, ParallelConfig
+from rlhf.config.schema import OffloadConfig, ParallelConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.offload import Offloader
 from rlhf.parallel.launch import run_distributed

@@ -14,8 +14,7 @@ import functools
 import pytest
 import torch
 
-from rlhf.config.roles import ParallelConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import ParallelConfig, TinyModelConfig
 from rlhf.engine import TrainEngine, collect_response_values, make_micro_batches
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed

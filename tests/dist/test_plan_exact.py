@@ -11,8 +11,7 @@ a value head and a forward-only role.
 import pytest
 import torch
 
-from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.engine import TrainEngine
 from rlhf.engine.zero import num_shards
 from rlhf.models.config import ModelArgs

@@ -16,8 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rlhf.config.roles import ParallelConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import ParallelConfig, TinyModelConfig
 from rlhf.engine import MicroBatchResult, TrainEngine, make_micro_batches
 from rlhf.engine import grads as grads_module
 from rlhf.engine.metrics import reduce_metrics

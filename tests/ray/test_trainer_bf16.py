@@ -5,10 +5,10 @@ in float32, where it is orders of magnitude smaller."""
 
 import pytest
 
-from rlhf.config.rollout import RolloutConfig
+from rlhf.config.schema import RolloutConfig
 from rlhf.trainer.ppo import PPOTrainer
-from rlhf.trainer.session import RoleGroups
-from rlhf.trainer.setup import job_workers, load_tokenizer
+from rlhf.trainer.jobs import RoleGroups
+from rlhf.trainer.jobs import job_workers, load_tokenizer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(600)

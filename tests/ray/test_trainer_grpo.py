@@ -8,7 +8,7 @@ import pytest
 
 from rlhf.errors import RLHFError
 from rlhf.trainer.checkpoint import CheckpointManager
-from rlhf.trainer.cli import run_train
+from rlhf.trainer.jobs import run_train
 from rlhf.trainer.metrics import read_metrics
 from tests.unit.trainer.jobs import job_config, make_assets
 

@@ -9,7 +9,7 @@ import torch
 from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.phases import compute_advantages
+from rlhf.trainer.ppo import compute_advantages
 from rlhf.trainer.step_plan import StepPlanner
 from tests.unit.trainer.jobs import job_config, make_assets
 from workers.actor import ActorWorker

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
-from rlhf.trainer.cli import run_train
+from rlhf.trainer.jobs import run_train
 from rlhf.trainer.metrics import read_metrics
 from tests.unit.envs.scripted_env import ECHO_SPEC
 from tests.unit.trainer.jobs import job_config, make_assets

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaForSequenceClassification
 
-from rlhf.config.preflight import preflight
-from rlhf.trainer.cli import run_train
+from rlhf.preflight import preflight
+from rlhf.trainer.jobs import run_train
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(400)

@@ -7,7 +7,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.errors import RLHFError
-from rlhf.trainer.sft import run_sft, sft_output_path
+from rlhf.config import sft_output_path
+from rlhf.trainer.sft import run_sft
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(300)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlhf.cli import main
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.models.tiny import make_tiny_model
 
 FIELDS = {"model", "model_type", "layout", "num_seqs", "num_tokens", "seed", "max_abs_diff",

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from rlhf.config import (ConfigError, JobConfig, OptimizerConfig, RewardFunctionConfig,
                          TinyModelConfig, config_from_dict, config_to_dict, format_config,
                          load_config)
-from rlhf.config.yaml_io import parse_yaml
+from rlhf.config.loader import parse_yaml
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 QUICKSTART = CONFIGS / "quickstart.yaml"

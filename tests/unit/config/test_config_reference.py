@@ -4,7 +4,7 @@ import dataclasses
 import re
 
 from rlhf.config import JobConfig, reference_markdown
-from rlhf.config.coerce import dotted_keys, field_types, unwrap_optional
+from rlhf.config.loader import dotted_keys, field_types, unwrap_optional
 from rlhf.config.reference import field_docs
 
 

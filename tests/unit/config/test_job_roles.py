@@ -8,7 +8,7 @@ import pytest
 
 from rlhf.config import TRAINED_ROLES, job_roles, load_config
 from rlhf.config.checks import _active_roles
-from rlhf.config.preflight import _jobs, pool_problems
+from rlhf.preflight import _jobs, pool_problems
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MODELS = (CONFIGS / "models",)
@@ -47,7 +47,7 @@ def test_a_reward_model_is_a_role():
 @pytest.mark.parametrize("name", CASES)
 def test_setup_preflight_checks_and_planner_read_the_same_roles(name):
     from rlhf.plan.inputs import hardware, role_specs
-    from rlhf.trainer.setup import job_workers
+    from rlhf.trainer.jobs import job_workers
 
     cfg = _cfg(*CASES[name][0])
     roles = list(job_roles(cfg))

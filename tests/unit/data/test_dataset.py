@@ -10,8 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from rlhf.config.schema import DataConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import DataConfig, TinyModelConfig
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptDataset, PromptLoader, build_prompt_dataset
 from rlhf.errors import RLHFError

@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rlhf.config.roles import OptimizerConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import OptimizerConfig, TinyModelConfig
 from rlhf.data.ragged import Ragged
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.models.tiny import make_tiny_model

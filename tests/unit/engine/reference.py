@@ -14,8 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlhf.algorithms.losses import entropy_bonus, ppo_policy_loss, value_loss
-from rlhf.config.roles import OptimizerConfig
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import OptimizerConfig, TinyModelConfig
 from rlhf.data.ragged import Ragged
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights

@@ -15,7 +15,7 @@ upcast, the temperature divided in bf16) stays within the noise on this model.
 import pytest
 import torch
 
-from rlhf.config.roles import OptimizerConfig
+from rlhf.config.schema import OptimizerConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.optim import ShardedAdamW
 from rlhf.engine.zero import BUCKET_NUMEL, partition

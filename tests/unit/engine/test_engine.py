@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.config.roles import OptimizerConfig
+from rlhf.config.schema import OptimizerConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.errors import RLHFError
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

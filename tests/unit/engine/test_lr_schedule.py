@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from rlhf.config.roles import OptimizerConfig
+from rlhf.config.schema import OptimizerConfig
 from rlhf.engine.optim import decays, lr_at
 
 

@@ -4,7 +4,7 @@ and training with every switch on computes exactly what it computes with none.""
 import pytest
 import torch
 
-from rlhf.config.roles import OffloadConfig
+from rlhf.config.schema import OffloadConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.offload import KINDS, NEEDS, Offloader, in_phase, placement
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

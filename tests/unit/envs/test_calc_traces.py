@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlhf.config import RolloutConfig
-from rlhf.config.envs import EnvConfig
+from rlhf.config.schema import EnvConfig
 from rlhf.data.calc import CalcTask, tool_call_text, write_calc_dataset
 from rlhf.data.dataset import PromptDataset, read_rows
 from rlhf.envs.tools import calculator

@@ -74,8 +74,8 @@ def test_preflight_names_the_config_key_of_a_bad_environment(tmp_path):
     import dataclasses
 
     from rlhf.config import JobConfig, RolloutConfig
-    from rlhf.config.envs import EnvConfig
-    from rlhf.config.preflight import _check_env_import
+    from rlhf.config.schema import EnvConfig
+    from rlhf.preflight import _check_env_import
 
     def problems(path):
         rollout = RolloutConfig(env=EnvConfig(path=path))

@@ -4,7 +4,7 @@ stream and masks across turns, budgets and early stops, errors under both on_err
 import pytest
 
 from rlhf.config import RolloutConfig
-from rlhf.config.envs import EnvConfig
+from rlhf.config.schema import EnvConfig
 from rlhf.data.fields import response_mask
 from rlhf.envs.render import TurnRenderer
 from rlhf.errors import RLHFError

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.data.packing import pack
 from rlhf.errors import RLHFError
 from rlhf.models.config import ModelArgs

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.errors import RLHFError
 from rlhf.models import tiny
 from rlhf.models.tiny import make_tiny_model

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.models.tiny import make_tiny_model
 
 pytestmark = pytest.mark.vllm

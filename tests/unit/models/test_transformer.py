@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlhf.config.tiny import TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.models import attention
 from rlhf.models.attention import flash_varlen, pick_kernel, sdpa_split, sdpa_varlen, varlen_attention

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.schema import ParallelConfig
 from rlhf.errors import ConfigError
 from rlhf.parallel.p2p import activation_shape, message_tag
 from rlhf.parallel.stages import rank_chunks, split_layers, stage_rank

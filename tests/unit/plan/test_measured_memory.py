@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlhf.models.attention as attention
-from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
+from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import make_micro_batches
 from rlhf.models.config import ModelArgs

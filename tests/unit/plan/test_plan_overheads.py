@@ -4,7 +4,7 @@ phases, pinned host memory per node, and the 7B config's `rlhf plan` output."""
 from pathlib import Path
 
 from rlhf.config import load_config
-from rlhf.config.roles import OffloadConfig, ParallelConfig
+from rlhf.config.schema import OffloadConfig, ParallelConfig
 from rlhf.models.config import ModelArgs
 from rlhf.plan.advice import plan_with_advice
 from rlhf.plan.inputs import GIB, RoleSpec
@@ -100,8 +100,7 @@ def test_a_tied_head_at_pp1_has_its_workspace_counted():
     log-prob workspace is the untied head's (it used to be counted as nothing)."""
     import torch
 
-    from rlhf.config.roles import OffloadConfig, ParallelConfig
-    from rlhf.config.tiny import TinyModelConfig
+    from rlhf.config.schema import OffloadConfig, ParallelConfig, TinyModelConfig
     from rlhf.models.config import ModelArgs
     from rlhf.models.tiny import _hf_config
     from rlhf.plan.inputs import RoleSpec

@@ -4,7 +4,7 @@ existing torch.distributed world in the process."""
 import torch
 import torch.distributed as dist
 
-from rlhf.config.roles import ParallelConfig
+from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
 from rlhf.plan.shapes import stage_shapes
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from rlhf.config.roles import RewardConfig, RewardFunctionConfig
+from rlhf.config.schema import RewardConfig, RewardFunctionConfig
 from rlhf.errors import RLHFError
 from rlhf.rewards import RewardRunner, combine_scores
 from rlhf.rewards.runner import function_names

@@ -20,7 +20,7 @@ from rlhf.engine.offload import Offloader
 from rlhf.rollout import compat, replica as replica_module
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
 from rlhf.rollout.residency import replica_sleeps
-from rlhf.trainer.async_loop import VERSION, RolloutPipeline, RolloutSource
+from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.metrics import PhaseTimer
 from tests.unit.rollout.vllm_fakes import install_fake_reload
 from workers.actor import ActorWorker

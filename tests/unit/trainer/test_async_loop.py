@@ -10,7 +10,7 @@ import torch
 from rlhf.controller.dispatch import Layout
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.async_loop import VERSION, RolloutPipeline, RolloutSource
+from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.metrics import PhaseTimer
 
 N = 2  # samples per prompt

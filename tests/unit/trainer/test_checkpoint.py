@@ -14,7 +14,7 @@ import torch
 from rlhf.errors import RLHFError
 from rlhf.trainer.checkpoint import (MANIFEST, STATE_FILE, CheckpointManager, read_manifest,
                                     rng_state, set_rng_state, verify_checkpoint)
-from rlhf.trainer.run_identity import run_fingerprint
+from rlhf.trainer.checkpoint import run_fingerprint
 
 
 def write_shard(folder):

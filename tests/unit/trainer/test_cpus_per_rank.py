@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlhf.trainer.session import cpus_per_rank
+from rlhf.trainer.jobs import cpus_per_rank
 
 
 def test_ranks_split_their_node_cpus():

@@ -9,7 +9,7 @@ import ray
 import torch
 
 from rlhf.config import load_config
-from rlhf.config.preflight import _check_local_pool
+from rlhf.preflight import _check_local_pool
 from rlhf.errors import ConfigError
 from rlhf.plan.inputs import hardware
 from rlhf.trainer.device import use_gpu
@@ -53,7 +53,7 @@ def test_the_local_pool_check_counts_gpus_when_auto_means_gpus(monkeypatch):
 
 
 def test_init_timeout_reaches_every_worker_group_of_the_job(monkeypatch):
-    import rlhf.trainer.session as session
+    import rlhf.trainer.jobs as session
 
     built = []
 

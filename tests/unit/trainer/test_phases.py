@@ -9,7 +9,7 @@ from rlhf.algorithms import FixedKLController
 from rlhf.config import AlgorithmConfig, JobConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.phases import batch_metrics, compute_advantages, step_seed
+from rlhf.trainer.ppo import batch_metrics, compute_advantages, step_seed
 
 
 def make_batch(lengths, *, n):

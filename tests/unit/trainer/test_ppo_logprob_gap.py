@@ -11,7 +11,7 @@ from rlhf.config import JobConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.rollout.sampling import LogprobGapError, check_logprob_gap
-from rlhf.trainer.async_loop import VERSION
+from rlhf.trainer.rollout_source import VERSION
 from rlhf.trainer.ppo import PPOTrainer
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from rlhf.errors import RLHFError
-from rlhf.trainer.setup import load_tokenizer
+from rlhf.trainer.jobs import load_tokenizer
 from tests.unit.trainer.jobs import TINY
 
 

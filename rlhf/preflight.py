@@ -6,8 +6,9 @@ safetensors weights, a tokenizer folder a tokenizer, a data file a supported suf
 readable first row), the reward functions must import in a child process within
 reward.import_timeout_s, the pool must fit the local Ray the job will start, a reward model
 must have a value head, and the output folder must hold either nothing of another run or a
-checkpoint that verifies and was written with the same run-defining config. Paths are paths:
-nothing here (or later) looks a missing folder up on a model hub.
+checkpoint that verifies and was written with the same run-defining config
+(rlhf.trainer.run_folder). Paths are paths: nothing here (or later) looks a missing folder up on
+a model hub.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rlhf.config.loader import config_to_dict
-from rlhf.config.roles import job_roles
-from rlhf.config.schema import JobConfig
+from rlhf.config import JobConfig, job_roles, sft_output_path
+from rlhf.data.dataset import SUFFIXES, _jsonl_records, _parquet_records, check_row
+from rlhf.envs.worker import load_env_class
 from rlhf.errors import ConfigError, RLHFError
+from rlhf.rewards.loader import check_reward_functions
+from rlhf.trainer.device import use_gpu
+from rlhf.trainer.run_folder import check_run_folder
 
 Command = Literal["show", "train", "sft"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-# What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs")
 
 
 @dataclass
@@ -57,7 +59,10 @@ def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> P
                                 cfg.data.ground_truth_key)
         problems += _check_data(cfg.data.val_files, "data.val_files", cfg.data.prompt_key,
                                 cfg.data.ground_truth_key)
-        problems += _check_run_folder(cfg, result)
+        folder = check_run_folder(cfg)
+        problems += folder.problems
+        result.notes += folder.notes
+        result.move_old_run_aside = folder.move_old_run_aside
         problems += _check_extras(cfg)
         problems += _check_reward_imports(cfg)
     if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
@@ -74,11 +79,6 @@ def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> P
 
 
 # ---- models and tokenizers -------------------------------------------------------------------
-
-def sft_output_path(cfg: JobConfig) -> Path:
-    """Where `rlhf sft` writes the fine-tuned HF folder."""
-    return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
-
 
 def _check_models(cfg: JobConfig, command: Command) -> Iterator[str]:
     if command in ("show", "train"):
@@ -166,8 +166,6 @@ def _tokenizer_folder(path: str, key: str, hint: str = "") -> Iterator[str]:
 # ---- data ------------------------------------------------------------------------------------
 
 def _check_data(files, key: str, prompt_key: str, answer_key: str) -> Iterator[str]:
-    from rlhf.data.dataset import SUFFIXES, check_row
-
     for i, name in enumerate(files):
         path, where = Path(name), f"{key}[{i}]={name!r}"
         if path.is_dir():
@@ -193,8 +191,6 @@ def _check_data(files, key: str, prompt_key: str, answer_key: str) -> Iterator[s
 
 def _first_record(path: Path):
     """(location, record) of a data file's first row, or None when it has none."""
-    from rlhf.data.dataset import _jsonl_records, _parquet_records
-
     records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
     with contextlib.closing(records):
         return next(records, None)
@@ -203,8 +199,6 @@ def _first_record(path: Path):
 # ---- rewards, extras, the Ray pool -----------------------------------------------------------
 
 def _check_reward_imports(cfg: JobConfig) -> list[str]:
-    from rlhf.rewards.loader import check_reward_functions
-
     try:
         check_reward_functions([fn.path for fn in cfg.reward.functions],
                                timeout_s=cfg.reward.import_timeout_s)
@@ -217,8 +211,6 @@ def _check_env_import(cfg: JobConfig) -> list[str]:
     """rollout.env.path names an Env subclass that imports (in this process)."""
     if cfg.rollout.env.path is None:
         return []
-    from rlhf.envs.worker import load_env_class
-
     try:
         load_env_class(cfg.rollout.env.path)
     except RLHFError as e:
@@ -266,8 +258,6 @@ def _jobs(cfg: JobConfig, command: Command):
 def _check_local_pool(cfg: JobConfig, command: Command) -> list[str]:
     cpus = cfg.ray.num_cpus or os.cpu_count() or 1
     source = f"ray.num_cpus={cfg.ray.num_cpus}" if cfg.ray.num_cpus else "this machine"
-    from rlhf.trainer.device import use_gpu
-
     gpus = None
     if use_gpu(cfg):  # the local Ray counts this machine's GPUs
         import torch
@@ -287,55 +277,3 @@ def check_cluster_fits(cfg: JobConfig, command: Command, *, use_gpu: bool) -> No
                              where="the Ray cluster joined")
     if problems:
         raise ConfigError("\n".join(problems))
-
-
-# ---- the output folder and resuming ----------------------------------------------------------
-
-def _check_run_folder(cfg: JobConfig, result: Preflight) -> Iterator[str]:
-    from rlhf.trainer.checkpoint import CheckpointManager, read_manifest
-    from rlhf.trainer.run_identity import config_differences, model_config_digest
-
-    t, out = cfg.trainer, Path(cfg.trainer.output_dir)
-    if out.exists() and not out.is_dir():
-        yield f"trainer.output_dir={t.output_dir!r} is a file; give a folder"
-        return
-    ckpt = CheckpointManager(out)
-    has_run = bool(ckpt.step_folders()) or (out / "metrics.jsonl").is_file()
-    try:
-        folder = ckpt.resolve(t.resume, report=result.notes.append)
-    except RLHFError as e:
-        if not (t.resume == "auto" and t.overwrite):
-            yield f"trainer.resume={t.resume}: {e}"
-            return
-        folder = None
-    if folder is None:
-        if has_run and not t.overwrite:
-            why = ("trainer.resume=never would start a new run over it" if t.resume == "never"
-                   else "it has no checkpoint to resume")
-            yield (f"trainer.output_dir={t.output_dir!r} holds another run (checkpoints/ or "
-                   f"metrics.jsonl) and {why}; use another trainer.output_dir, or set "
-                   f"trainer.overwrite=true to move the old run aside to "
-                   f"{out / 'old_runs'} first")
-        result.move_old_run_aside = has_run and t.overwrite
-        return
-    manifest, current = read_manifest(folder), config_to_dict(cfg)
-    diffs = config_differences(manifest.get("config", {}), current)
-    saved_model, model_now = manifest.get("model_config_sha256"), model_config_digest(current)
-    if saved_model and model_now and saved_model != model_now:
-        diffs.append(f"{cfg.model.path}/config.json: another model than the checkpoint's")
-    if diffs and not t.allow_config_change:
-        yield (f"trainer.resume={t.resume} resumes {folder}, but keys that define the run "
-               f"differ from its config: {'; '.join(diffs)}; use another trainer.output_dir, "
-               f"or set trainer.allow_config_change=true to resume anyway")
-    result.notes.append(f"resuming from {folder}")
-
-
-def move_old_run_aside(output_dir: str | Path) -> Path:
-    """Move what a previous run wrote in output_dir into output_dir/old_runs/<UTC time>/."""
-    out = Path(output_dir)
-    dest = out / "old_runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    dest.mkdir(parents=True, exist_ok=False)
-    for name in RUN_ENTRIES:
-        if (out / name).exists():
-            shutil.move(str(out / name), str(dest / name))
-    return dest

@@ -11,7 +11,8 @@ from transformers import LlamaForSequenceClassification
 
 from rlhf.cli import main
 from rlhf.config import config_from_dict, config_to_dict
-from rlhf.config.preflight import move_old_run_aside, pool_problems, preflight
+from rlhf.preflight import pool_problems, preflight
+from rlhf.trainer.run_folder import move_old_run_aside
 from rlhf.errors import ConfigError
 from rlhf.trainer.checkpoint import CheckpointManager
 from tests.unit.trainer.jobs import TINY, make_assets
@@ -160,7 +161,7 @@ def test_a_reward_model_with_a_value_head_and_no_functions_passes(assets, config
 
 
 def test_train_and_sft_stop_before_ray_starts(assets, config_file, monkeypatch):
-    import rlhf.trainer.session as session
+    import rlhf.trainer.jobs as session
 
     def no_ray(*args, **kwargs):  # Ray may already run in this test session: watch the call
         raise AssertionError("init_ray reached")
@@ -177,7 +178,7 @@ def test_train_refuses_a_sound_job_that_does_not_fit_before_ray_starts(config_fi
     """The memory plan runs right after the input checks: a job whose inputs are all sound but
     whose plan exceeds trainer.device_memory_gb stops with exit 2 before Ray, naming the way
     past it for experts."""
-    import rlhf.trainer.session as session
+    import rlhf.trainer.jobs as session
 
     def no_ray(*args, **kwargs):
         raise RuntimeError("init_ray reached")

@@ -1,16 +1,23 @@
-"""Joining or starting Ray, and building the job's worker groups from the config's placement."""
+"""A job from its checked config to its result: join or start Ray, build each role's worker
+group from the config's placement, and run PPO (or export a checkpoint's policy).
+
+Before the workers start, the model folder exists (model.tiny builds a tiny one) and the
+tokenizer loads; `job_workers` names the worker class of each role the config implies.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import ray
 
-from rlhf.config import ForwardRoleConfig, JobConfig
+from rlhf.config import ForwardRoleConfig, JobConfig, TinyModelConfig, job_roles
 from rlhf.controller import ResourcePool, RoleView, WorkerGroup
 from rlhf.errors import ConfigError, RLHFError
+from rlhf.files import atomic_folder
 from rlhf.trainer.device import use_gpu
 
 logger = logging.getLogger(__name__)
@@ -117,3 +124,102 @@ class RoleGroups:
         for group in self.groups:
             group.shutdown()
         self.groups = []
+
+
+def job_workers(cfg: JobConfig) -> tuple[dict[str, tuple[type, dict]], dict[str, object]]:
+    """({role: (worker class, kwargs)}, {role: its config section}) for every role of
+    `config.job_roles(cfg)`, in that order: what RoleGroups builds."""
+    from workers.actor import ActorWorker
+    from workers.critic import CriticWorker
+    from workers.reference import ReferenceWorker
+    from workers.reward_model import RewardModelWorker
+    from workers.rollout import RolloutWorker
+
+    classes = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker,
+               "reward": RewardModelWorker, "rollout": RolloutWorker}
+    sections = job_roles(cfg)
+    return {name: (classes[name], {"config": cfg}) for name in sections}, sections
+
+
+def ensure_model(path: str | Path, tiny: TinyModelConfig | None) -> Path:
+    """`path`, built from `tiny` (model.tiny) first when it holds no config.json."""
+    path = Path(path)
+    if (path / "config.json").is_file():
+        return path
+    if tiny is None:
+        raise RLHFError(f"{path} holds no model (no config.json); point model.path at a Hugging "
+                        "Face folder, or set model.tiny to build a tiny one there")
+    from rlhf.models.tiny import make_tiny_model
+
+    print(f"building a tiny {tiny.arch} model in {path}", flush=True)
+    return Path(make_tiny_model(tiny, path))
+
+
+def load_tokenizer(path: str | Path):
+    """The Hugging Face tokenizer of a local folder (never looked up on a model hub)."""
+    from transformers import AutoTokenizer
+
+    if not Path(path).is_dir():
+        raise RLHFError(f"tokenizer folder {str(path)!r} does not exist; set model.tokenizer_path "
+                        "or model.path to a local folder")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+FINAL_MODEL = "hf_model"
+
+
+def run_train(cfg, *, progress: bool = True) -> list[dict]:
+    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model.
+
+    `rlhf train` checks the job's inputs first (rlhf.preflight); callers of this function
+    directly may too."""
+    from rlhf.config import format_config
+    from rlhf.trainer.ppo import PPOTrainer
+
+    ensure_model(cfg.model.path, cfg.model.tiny)
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(format_config(cfg), encoding="utf-8")
+    tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    roles, role_configs = job_workers(cfg)
+    groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
+                        role_configs=role_configs)
+    try:
+        trainer = PPOTrainer(cfg, groups.views, tokenizer=tokenizer,
+                             job_name=cfg.trainer.experiment_name, progress=progress)
+        records = trainer.fit()
+        with atomic_folder(out / FINAL_MODEL) as tmp:
+            trainer.export_policy(tmp)
+    finally:
+        groups.shutdown()
+    return records
+
+
+def checkpoint_config(folder: Path):
+    """The JobConfig a checkpoint was written with."""
+    from rlhf.config import config_from_dict
+    from rlhf.trainer.checkpoint import CheckpointManager
+
+    ckpt = CheckpointManager(folder.parent.parent)
+    state = ckpt.load_state(ckpt.resolve(str(folder)))  # verified against its manifest first
+    return config_from_dict(state["config"]), folder
+
+
+def export_checkpoint(cfg, folder: Path, out: Path) -> Path:
+    """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder."""
+    from workers.sft import SFTWorker
+
+    if out.exists() and any(out.iterdir()):
+        raise RLHFError(f"{out} exists and is not empty; give a new folder")
+    spec = (SFTWorker, {"config": cfg, "init_path": cfg.model.path, "plan_key": "actor",
+                        "train": False})
+    groups = RoleGroups(cfg, {"export": spec}, job_name=f"{cfg.trainer.experiment_name}-export",
+                        role_configs={"export": cfg.actor})
+    try:
+        view = groups.views["export"]
+        view.load_checkpoint(str(folder / "actor"))
+        with atomic_folder(out) as tmp:
+            view.export_hf(str(tmp), cfg.model.path)
+        return out
+    finally:
+        groups.shutdown()
