@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 from rlhf.bench import cli as bench_cli
-from rlhf.plan import report as plan_report
-from rlhf.errors import RLHFError
 from rlhf.config.loader import add_job_arguments
+from rlhf.errors import RLHFError
+from rlhf.plan import report as plan_report
 
 
 def _add_job_commands(commands: argparse._SubParsersAction) -> None:

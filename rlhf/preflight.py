@@ -17,8 +17,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path

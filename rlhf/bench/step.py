@@ -12,6 +12,14 @@ need for twice the baseline's tokens/s.
 Warm-up steps are excluded. Models: `tiny24m` (8 layers, width 512, 8 heads / 4 kv heads,
 vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `quickstart`
 (the quickstart's model and batch sizes, with the same GRPO k3 loss in both systems).
+
+With `--async`: synchronous against one-step-off-policy steps, side by side. Both runs use the
+same job (model, prompts, sizes) on one training rank and one rollout rank of its own
+(rollout.placement separate): first trainer.async_mode off (sample, then train), then one_step
+(sample batch k+1 while batch k trains). Prints one JSON line per run (mean seconds per timed
+step and per phase) and a summary: the synchronous run's generate and train times, their sum
+and their max (the step time a perfect overlap reaches), and the one-step-off step time against
+both.
 """
 
 from __future__ import annotations
@@ -27,7 +35,6 @@ from pathlib import Path
 
 from rlhf.config import TinyModelConfig
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 TINY24M = TinyModelConfig(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
                           intermediate_size=1408, vocab_size=512, max_position_embeddings=512)
 FEW_SHOT_MAX, FEW_SHOT_TOKENS = 32, 12  # --few-shot: examples per prompt; tokens budgeted for each
@@ -55,14 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cores both systems use (Ray's CPUs; the baseline's threads)")
     parser.add_argument("--layers", type=int, help="override the model's layer count (tests)")
     parser.add_argument("--hidden", type=int, help="override the model's width (tests)")
+    parser.add_argument("--quickstart-config", default="configs/quickstart.yaml",
+                        help="--model quickstart: the config it takes the model and micro-batch "
+                             "budget from (default configs/quickstart.yaml)")
     parser.add_argument("--async", dest="run_async", action="store_true",
                         help="instead: synchronous vs one-step-off-policy steps on one training "
-                             "rank and one rollout rank (rlhf.bench.step_async)")
+                             "rank and one rollout rank")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.run_async:
-        from rlhf.bench.step_async import run as run_async
         return run_async(args)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("error: --steps must be at least 1 and --warmup at least 0")
@@ -109,9 +118,8 @@ def fit_job(cfg, *, warmup: int, views: Callable | None = None,
     returns the worker views the trainer calls (to wrap them); after_step goes to `fit`."""
     import ray
 
+    from rlhf.trainer.jobs import RoleGroups, init_ray, job_workers, load_tokenizer
     from rlhf.trainer.ppo import PPOTrainer
-    from rlhf.trainer.jobs import RoleGroups, init_ray
-    from rlhf.trainer.jobs import job_workers, load_tokenizer
 
     started = not ray.is_initialized()
     init_ray(cfg, env_address=None)
@@ -268,7 +276,7 @@ def _rank_pids() -> list[int]:
 def _step_prompts(cfg) -> tuple[list[list[list[int]]], list[list]]:
     """Per step, the prompt ids and answers our trainer's loader gives it (in order, unshuffled)."""
     from rlhf.data.dataset import build_prompt_dataset
-    from rlhf.trainer.jobs import job_workers, load_tokenizer
+    from rlhf.trainer.jobs import load_tokenizer
 
     data = build_prompt_dataset(cfg.data.train_files, load_tokenizer(cfg.model.path), cfg.data)
     size, steps = cfg.data.train_batch_size, cfg.trainer.total_steps
@@ -288,7 +296,11 @@ def _job_config(args, root: Path):
 
     total = args.warmup + args.steps
     if args.model == "quickstart":
-        base = load_config(CONFIGS / "quickstart.yaml", [])
+        if not Path(args.quickstart_config).is_file():
+            raise SystemExit(f"error: --model quickstart reads the quickstart's config, and "
+                             f"{args.quickstart_config} does not exist; run from the repository "
+                             "root or pass --quickstart-config PATH")
+        base = load_config(args.quickstart_config, [])
         spec, prompts, samples, new_tokens = base.model.tiny, 32, 8, 16
         budget = base.actor.max_tokens_per_micro_batch
     else:
@@ -334,3 +346,65 @@ def _prepend_examples(path: Path, k: int) -> None:
         examples = [solved[(i + 1 + j) % len(rows)] for j in range(k)]
         row["prompt"] = " ".join([*examples, row["prompt"]])
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+# ---- --async: synchronous against one-step-off steps ----------------------------------------
+
+ASYNC_PHASES = ("step", "generate", "sync_weights", "wait_rollout", "update_actor", "ref", "reward")
+
+
+def run_async(args: argparse.Namespace) -> int:
+    """Synchronous against one-step-off-policy steps (`--async`)."""
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("error: --steps must be at least 1 and --warmup at least 0")
+    if args.cores < 2:
+        raise SystemExit("error: --async needs --cores of at least 2 (a training rank and a "
+                         "rollout rank)")
+    args = argparse.Namespace(**{**vars(args), "ranks": 1})
+    lines = []
+    with tempfile.TemporaryDirectory() as tmp:
+        base = _job_config(args, Path(tmp))
+        for mode in ("off", "one_step"):
+            cfg = _separate(base, mode, Path(tmp) / mode)
+            lines.append({"system": f"async_mode={mode}", **_run_async_mode(cfg, warmup=args.warmup)})
+    sync, overlap = lines
+    generate = sync["seconds"]["generate"]
+    train = sync["seconds"]["step"] - generate - sync["seconds"]["sync_weights"]
+    lines.append({
+        "summary": args.model, "sync_s_per_step": sync["seconds"]["step"],
+        "one_step_s_per_step": overlap["seconds"]["step"],
+        "speedup": round(sync["seconds"]["step"] / overlap["seconds"]["step"], 3),
+        "generate_s": round(generate, 4), "train_s": round(train, 4),
+        "sum_generate_train_s": round(generate + train, 4),
+        "max_generate_train_s": round(max(generate, train), 4),
+        "timed_steps": args.steps, "warmup_steps": args.warmup, "cores": args.cores})
+    for line in lines:
+        print(json.dumps(line), flush=True)
+    return 0
+
+
+def _separate(cfg, mode: str, out: Path):
+    """`cfg` on one training rank and one rollout rank, with trainer.async_mode `mode`."""
+    from rlhf.config import config_from_dict, config_to_dict
+
+    tree = config_to_dict(cfg)
+    tree["rollout"].update(placement="separate", world_size=1)
+    tree["trainer"].update(async_mode=mode, ranks_per_node=1, output_dir=str(out),
+                           experiment_name=f"{cfg.trainer.experiment_name}-{mode}")
+    return config_from_dict(tree)
+
+
+def _run_async_mode(cfg, *, warmup: int) -> dict:
+    """The job's PPOTrainer steps; mean seconds per timed step of each phase."""
+    records = fit_job(cfg, warmup=warmup)
+
+    def mean(key: str) -> float:
+        return round(sum(r.get(key, 0.0) for r in records) / len(records), 4)
+
+    out = {"seconds": {p: mean(f"timing/{p}") for p in ASYNC_PHASES},
+           "rollout_seconds": mean("rollout/seconds"), "sync_gb_per_s": mean("sync/gb_per_s")}
+    if cfg.trainer.async_mode != "off":
+        out.update(actor_wait_s=mean("timing/wait_rollout"),
+                   rollout_idle_s=mean("async/rollout_idle_s"),
+                   staleness_mean=mean("async/staleness_mean"))
+    return out

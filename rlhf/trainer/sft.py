@@ -6,16 +6,14 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config import JobConfig
-from rlhf.config import sft_output_path
+from rlhf.config import JobConfig, sft_output_path
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptDataset, PromptLoader, read_rows
 from rlhf.data.ragged import Ragged
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
+from rlhf.trainer.jobs import RoleGroups, ensure_model, load_tokenizer
 from rlhf.trainer.metrics import MetricsLogger
-from rlhf.trainer.jobs import RoleGroups
-from rlhf.trainer.jobs import ensure_model, load_tokenizer
 
 
 def response_ids(texts: list, tokenizer) -> Ragged:

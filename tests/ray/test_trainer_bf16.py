@@ -6,9 +6,8 @@ in float32, where it is orders of magnitude smaller."""
 import pytest
 
 from rlhf.config.schema import RolloutConfig
+from rlhf.trainer.jobs import RoleGroups, job_workers, load_tokenizer
 from rlhf.trainer.ppo import PPOTrainer
-from rlhf.trainer.jobs import RoleGroups
-from rlhf.trainer.jobs import job_workers, load_tokenizer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(600)

@@ -5,10 +5,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf.trainer.jobs import job_workers
+from rlhf.trainer.jobs import RoleGroups, job_workers, load_tokenizer
 from rlhf.trainer.ppo import PPOTrainer
-from rlhf.trainer.jobs import RoleGroups
-from rlhf.trainer.jobs import load_tokenizer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(400)

@@ -11,11 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.trainer.checkpoint import verify_checkpoint
-from rlhf.trainer.jobs import checkpoint_config, export_checkpoint
+from rlhf.trainer.jobs import (RoleGroups, checkpoint_config, export_checkpoint, job_workers,
+                               load_tokenizer)
 from rlhf.trainer.metrics import read_metrics
 from rlhf.trainer.ppo import PPOTrainer
-from rlhf.trainer.jobs import RoleGroups
-from rlhf.trainer.jobs import job_workers, load_tokenizer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(400)
