@@ -33,12 +33,6 @@ def fuse_old_log_probs(cfg: JobConfig, *, step: int) -> bool:
             and not old_is_rollout)
 
 
-def update_plan(cfg: JobConfig, key: str, batch: Batch, *, dp: int) -> BatchPlan:
-    """The plan of `<key>`'s update over `dp` DP groups: mini-batches of
-    `<key>.ppo_mini_batch_size * rollout.n` consecutive samples, each balanced over the groups."""
-    return StepPlanner(cfg, {key: dp}, batch).update(key)
-
-
 class StepPlanner:
     """Plans the role calls of one step on `batch`; `dp` maps role key -> its DP size."""
 

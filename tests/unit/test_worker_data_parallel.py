@@ -14,7 +14,7 @@ if _ROOT not in sys.path:  # spawned ranks import this module by name
 from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.parallel.launch import run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
-from rlhf.trainer.step_plan import update_plan  # noqa: E402
+from rlhf.trainer.step_plan import StepPlanner  # noqa: E402
 from tests.unit.test_worker_roles import (TOL, context, folders, make_config,  # noqa: E402,F401
                                           rl_batch, world)
 from workers.actor import ActorWorker  # noqa: E402
@@ -36,7 +36,8 @@ def _train_both(rank, world_size, policy, batch):
                       algorithm={"ppo_epochs": 2, "loss_agg_mode": "seq-mean-token-mean"})
     actor = ActorWorker(context(cache, "actor", rank, world_size), config=cfg)
     critic = CriticWorker(context(cache, "critic", rank, world_size), config=cfg)
-    plans = {key: update_plan(cfg, key, batch, dp=world_size) for key in ("actor", "critic")}
+    planner = StepPlanner(cfg, {"actor": world_size, "critic": world_size}, batch)
+    plans = {key: planner.update(key) for key in ("actor", "critic")}
     if world_size > 1:  # no rank guesses what the others will do
         with pytest.raises(ValueError, match="needs the driver's plan"):
             actor.update_actor(batch.chunk(world_size)[rank])

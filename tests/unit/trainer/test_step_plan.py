@@ -10,7 +10,7 @@ from rlhf.config import (AlgorithmConfig, DataConfig, ForwardRoleConfig, JobConf
                          RolloutConfig, TrainerConfig, TrainRoleConfig)
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs, update_plan
+from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
 
 
 def make_batch(n, seed=0):
@@ -62,12 +62,12 @@ def test_calls_that_plan_alike_share_one_plan():
 
 def test_update_plans_step_on_the_same_samples_at_every_dp():
     cfg, batch = config(actor_mini=2), make_batch(16, seed=3)  # 4 samples per step, 4 steps
-    plans = {dp: update_plan(cfg, "actor", batch, dp=dp) for dp in (1, 2, 4)}
+    plans = {dp: StepPlanner(cfg, {"actor": dp}, batch).update("actor") for dp in (1, 2, 4)}
     for k in range(4):
         assert {tuple(p.mini_batch_rows(k)) for p in plans.values()} == \
             {tuple(range(4 * k, 4 * k + 4))}
     with pytest.raises(ValueError, match=r"actor\.ppo_mini_batch_size \* rollout\.n = 2 samples "
                                          r"per optimizer step cannot give each of the actor's 4"):
-        update_plan(config(actor_mini=1), "actor", batch, dp=4)
+        StepPlanner(config(actor_mini=1), {"actor": 4}, batch).update("actor")
     with pytest.raises(ValueError, match=r"send a multiple of 8"):
-        update_plan(config(actor_mini=4), "actor", batch[:12], dp=2)
+        StepPlanner(config(actor_mini=4), {"actor": 2}, batch[:12]).update("actor")
