@@ -32,7 +32,8 @@ Command = Literal["show", "train", "sft"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 # What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs")
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs",
+               "wandb", "mlflow.db", "wandb_run_id", "mlflow_run_id")
 
 
 @dataclass
@@ -227,10 +228,9 @@ def _check_env_import(cfg: JobConfig) -> list[str]:
 
 
 def _check_extras(cfg: JobConfig) -> Iterator[str]:
-    if cfg.trainer.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        yield ("trainer.tensorboard is true but the tensorboard package is not installed; "
-               "install the extra (pip install 'rlhf[tensorboard]', or .venv/bin/pip install "
-               "tensorboard) or set trainer.tensorboard=false")
+    from rlhf.trainer.loggers import missing_extras
+
+    yield from missing_extras(cfg.trainer.loggers)
 
 
 def pool_problems(cfg: JobConfig, command: Command, *, cpus: float, gpus: float | None,
