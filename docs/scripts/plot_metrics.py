@@ -1,5 +1,5 @@
-"""Draws the metrics page's picture from a run's metrics.jsonl (needs matplotlib, in the `docs`
-extra):
+"""Draws the metrics page's picture from a run's metrics.jsonl (needs matplotlib:
+`pip install matplotlib`, which the `docs` extra leaves out to keep CI's install short):
 
     python docs/scripts/plot_metrics.py outputs/quickstart/run/metrics.jsonl \
         docs/reference/quickstart_metrics.png
