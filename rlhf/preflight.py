@@ -28,6 +28,7 @@ from rlhf.envs.worker import load_env_class
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.rewards.loader import check_reward_functions
 from rlhf.trainer.device import use_gpu
+from rlhf.trainer.loggers import missing_extras
 from rlhf.trainer.run_folder import check_run_folder
 
 Command = Literal["show", "train", "sft"]
@@ -217,10 +218,7 @@ def _check_env_import(cfg: JobConfig) -> list[str]:
 
 
 def _check_extras(cfg: JobConfig) -> Iterator[str]:
-    if cfg.trainer.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        yield ("trainer.tensorboard is true but the tensorboard package is not installed; "
-               "install the extra (pip install 'rlhf[tensorboard]', or .venv/bin/pip install "
-               "tensorboard) or set trainer.tensorboard=false")
+    yield from missing_extras(cfg.trainer.loggers)
 
 
 def pool_problems(cfg: JobConfig, command: Command, *, cpus: float, gpus: float | None,

@@ -705,9 +705,16 @@ class TrainerConfig:
     ranks_per_node: int = 1
     """Ranks per machine; the shared colocated pool has nnodes * ranks_per_node ranks."""
     experiment_name: str = "rlhf"
-    """Name shown in logs and TensorBoard."""
-    tensorboard: bool = False
-    """Also write TensorBoard event files under output_dir (needs the tensorboard package)."""
+    """Name of the run in logs and trackers (the W&B run, the MLflow experiment and run)."""
+    loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
+        "console", "jsonl")
+    """Where step metrics go, each with the run's config: console (progress bar), jsonl
+    (output_dir/metrics.jsonl), tensorboard, wandb, mlflow (each needs its pip extra)."""
+    wandb_project: str = "rlhf"
+    """Weights & Biases project of the run (WANDB_MODE=offline logs without an account)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (a server or database); null = a SQLite store in
+    output_dir/mlflow.db."""
     val_before_train: bool = True
     """Validate once before the first step (when val_every > 0), as the baseline."""
     ray_metrics: bool = True
@@ -747,7 +754,9 @@ class TrainerConfig:
         if self.async_mode == "one_step" and self.max_staleness != 1:
             raise ConfigError(f"async_mode one_step is max_staleness 1, got max_staleness="
                               f"{self.max_staleness}; use async_mode=bounded for a larger bound")
-        for key in ("output_dir", "resume", "experiment_name"):
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ConfigError(f"loggers lists a logger twice: {list(self.loggers)}")
+        for key in ("output_dir", "resume", "experiment_name", "wandb_project"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")
 

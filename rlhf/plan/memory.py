@@ -58,7 +58,7 @@ MIB = 2**20
 # Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.
 CUDA_CONTEXT_BYTES = 768 * MIB
 # Per NCCL communicator a rank joins: its channel buffers and proxy state (one-rank
-# communicators measured on an H100 are a lower bound: README, "GPU bring-up").
+# communicators measured on an H100 are a lower bound: docs/benchmarks/2026-11-25-h100-bringup.md).
 NCCL_COMMUNICATOR_BYTES = 512 * MIB
 # vLLM's CUDA-graph memory pool (captured batch sizes up to max_num_seqs), unless enforce_eager.
 VLLM_GRAPH_POOL_BYTES = 1 * GIB

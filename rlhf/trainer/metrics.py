@@ -1,8 +1,7 @@
-"""Step metrics: OUTPUT_DIR/metrics.jsonl, a console progress bar, TensorBoard, Ray gauges."""
+"""Step metrics: one record per step, sent to the configured loggers and to Ray gauges."""
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import time
@@ -11,18 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from tqdm import tqdm
 
-from rlhf.errors import RLHFError
+from rlhf.trainer.loggers import METRICS_FILE, build_loggers, read_metrics, scalars
 
-METRICS_FILE = "metrics.jsonl"
-# Shown on the progress bar, in this order, when present: (metric, short label). KL to the
-# reference (actor/kl_ref) and policy-vs-old KL of the update (actor/approx_kl) are different
-# quantities with different labels.
-_BAR_KEYS = (("reward/mean", "reward"), ("val/accuracy", "val_acc"), ("actor/pg_loss", "pg"),
-             ("actor/kl_ref", "kl_ref"), ("actor/approx_kl", "approx_kl"),
-             ("critic/value_loss", "vf"), ("response_length/mean", "len"),
-             ("throughput/tokens_per_s", "tok/s"), ("sft/nll", "nll"))
+__all__ = ["METRICS_FILE", "MetricsLogger", "PhaseTimer", "RayMetrics", "gauge_name",
+           "read_metrics"]
 
 
 class PhaseTimer:
@@ -44,58 +36,32 @@ class PhaseTimer:
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
 
-def read_metrics(output_dir: str | Path) -> list[dict]:
-    """Every record of OUTPUT_DIR/metrics.jsonl, in order ([] when there is none)."""
-    path = Path(output_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
-
-
 class MetricsLogger:
-    """Appends one JSON object per logged step; on resume, records after `start_step` (left by
-    a run that stopped after its last checkpoint) are dropped so the file matches the state."""
+    """Sends each step's record to the configured loggers (`trainer.loggers`) and, optionally,
+    to Ray gauges."""
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, start_step: int,
-                 job_name: str, tensorboard: bool = False, ray_metrics: bool = False,
-                 progress: bool = True):
-        self.path = Path(output_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(output_dir) if r.get("step", 0) <= start_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        self._file = self.path.open("a", encoding="utf-8")
-        self._tb = _tensorboard_writer(Path(output_dir) / "tensorboard") if tensorboard else None
+                 job_name: str, loggers=("console", "jsonl"), config: dict | None = None,
+                 ray_metrics: bool = False, progress: bool = True,
+                 wandb_project: str = "rlhf", mlflow_tracking_uri: str | None = None):
+        self._loggers = build_loggers(
+            loggers, output_dir=output_dir, run_name=job_name, config=config or {},
+            total_steps=total_steps, start_step=start_step, progress=progress,
+            wandb_project=wandb_project, mlflow_tracking_uri=mlflow_tracking_uri)
         self._ray = RayMetrics(job_name) if ray_metrics else None
-        self._bar = (tqdm(total=total_steps, initial=start_step, desc=job_name, unit="step",
-                          dynamic_ncols=True, mininterval=1.0) if progress else None)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
         """Write `metrics` of `step` everywhere; returns the record as written."""
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        numbers = {k: v for k, v in record.items() if isinstance(v, float) and k != "step"}
-        if self._tb is not None:
-            for key, value in numbers.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+        for logger in self._loggers:
+            logger.log(step, record)
         if self._ray is not None:
-            self._ray.set(numbers)
-        if self._bar is not None:
-            shown = {label: f"{record[k]:.4g}" for k, label in _BAR_KEYS if k in record}
-            self._bar.set_postfix(shown, refresh=False)
-            if step > self._bar.n:
-                self._bar.update(step - self._bar.n)
-            if "val/accuracy" in record:
-                self._bar.write(f"step {step}: val/accuracy={record['val/accuracy']:.4f}")
+            self._ray.set(scalars(record))
         return record
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        if self._tb is not None:
-            self._tb.close()
-        self._file.close()
+        for logger in self._loggers:
+            logger.close()
 
 
 def _plain(value: Any) -> Any:
@@ -105,16 +71,6 @@ def _plain(value: Any) -> Any:
         return value
     value = float(value)
     return value if math.isfinite(value) else str(value)
-
-
-def _tensorboard_writer(folder: Path):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as e:
-        raise RLHFError(f"trainer.tensorboard is true but TensorBoard cannot be imported ({e}); "
-                        "install it (`.venv/bin/pip install tensorboard`) or set "
-                        "trainer.tensorboard=false") from None
-    return SummaryWriter(log_dir=str(folder))
 
 
 def gauge_name(metric: str) -> str:

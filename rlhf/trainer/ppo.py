@@ -312,7 +312,9 @@ class PPOTrainer:
         # Kept on the trainer: its Ray gauge actor lives as long as the logger does.
         self.logger = logger = MetricsLogger(
             self.output_dir, total_steps=t.total_steps, start_step=start, job_name=self.job_name,
-            tensorboard=t.tensorboard, ray_metrics=t.ray_metrics, progress=self.progress)
+            loggers=t.loggers, config=config_to_dict(self.cfg), ray_metrics=t.ray_metrics,
+            progress=self.progress, wandb_project=t.wandb_project,
+            mlflow_tracking_uri=t.mlflow_tracking_uri)
         records = []
         self.runner = RewardRunner.from_config(self.cfg.reward)
         try:

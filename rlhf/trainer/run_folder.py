@@ -19,7 +19,8 @@ from rlhf.trainer.checkpoint import (CheckpointManager, config_differences, mode
                                      read_manifest)
 
 # What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs")
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs",
+               "wandb", "mlflow.db", "wandb_run_id", "mlflow_run_id")
 
 
 @dataclass

@@ -115,7 +115,8 @@ def test_gpu_install_pins_vllm_through_the_extra_then_builds_flash_attn(tmp_path
     installs = [c for c in calls if c.startswith("pip install")]
     # No bare `vllm`: the only vLLM requirement pip sees is the gpu extra's range.
     assert not any(arg == "vllm" or arg.startswith("vllm") for c in installs for arg in c.split())
-    gpu = next(i for i, c in enumerate(installs) if c.endswith(f"-e {REPO}[gpu,test]"))
+    gpu = next(i for i, c in enumerate(installs)
+               if c.endswith(f"-e {REPO}[gpu,test,docs,wandb,mlflow]"))
     flash = next(i for i, c in enumerate(installs) if "[flash-attn]" in c)
     assert gpu < flash and "--no-build-isolation" in installs[flash].split()
     assert calls[-1] == "rlhf doctor"
@@ -150,7 +151,8 @@ def test_cpu_install_is_unchanged(tmp_path):
     assert result.returncode == 0, result.stderr
     installs = [c for c in (venv / "state" / "pip.log").read_text().splitlines()
                 if c.startswith("pip install")]
-    assert installs == ["pip install torch==2.13.0", f"pip install -e {REPO}[cpu,test]"]
+    assert installs == ["pip install torch==2.13.0",
+                        f"pip install -e {REPO}[cpu,test,docs,wandb,mlflow]"]
     assert (venv / ".rlhf-install").read_text().startswith("cpu ")
 
 
@@ -354,7 +356,7 @@ def test_shipped_gpu_config_passes_config_show_on_a_gpu_install(tmp_path, monkey
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     config = str(REPO / "configs/qwen2.5-7b_ppo_multigpu.yaml")
     assert main(["config", "show", config, *overrides]) == 0, capsys.readouterr().err
-    assert "tensorboard: true" in capsys.readouterr().out
+    assert "loggers: [console, jsonl, tensorboard]" in capsys.readouterr().out
     # ... and its pool fits the 2 x 8-GPU cluster it is written for.
     cfg = load_config(config, overrides)
     assert preflight_module.pool_problems(cfg, "train", cpus=2 * 64, gpus=2 * 8, where="x") == []

@@ -220,16 +220,18 @@ def test_an_existing_cluster_is_checked_by_pool_problems(assets, tmp_path):
     assert "has 2 GPUs" in line
 
 
-def test_missing_tensorboard_names_the_extra(assets, tmp_path, monkeypatch):
+@pytest.mark.parametrize("logger", ["tensorboard", "wandb", "mlflow"])
+def test_a_missing_tracker_package_names_its_extra(assets, tmp_path, monkeypatch, logger):
     import importlib.util
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+                        lambda name, *a: None if name == logger else real(name, *a))
     cfg = config_from_dict({**tree(assets, tmp_path / "run"),
                             "trainer": {**tree(assets, tmp_path)["trainer"],
-                                        "output_dir": str(tmp_path / "run"), "tensorboard": True}})
-    with pytest.raises(ConfigError, match=r"pip install 'rlhf\[tensorboard\]'"):
+                                        "output_dir": str(tmp_path / "run"),
+                                        "loggers": ["console", logger]}})
+    with pytest.raises(ConfigError, match=rf"pip install -e '\.\[{logger}\]'"):
         preflight(cfg, command="train", ray_address=None)
 
 

@@ -75,8 +75,8 @@ OVERRIDES = {
     "float-exponent": ("actor.optim.lr=1e-5", lambda c: c.actor.optim.lr, 1e-5),
     "float-quoted-exponent": ("actor.optim.lr='2e-6'", lambda c: c.actor.optim.lr, 2e-6),
     "float-from-int": ("reward.timeout_s=3", lambda c: c.reward.timeout_s, 3.0),
-    "bool-true": ("trainer.tensorboard=true", lambda c: c.trainer.tensorboard, True),
-    "bool-upper": ("trainer.tensorboard=TRUE", lambda c: c.trainer.tensorboard, True),
+    "bool-true": ("trainer.ray_metrics=true", lambda c: c.trainer.ray_metrics, True),
+    "bool-upper": ("trainer.ray_metrics=TRUE", lambda c: c.trainer.ray_metrics, True),
     "bool-false": ("data.shuffle=False", lambda c: c.data.shuffle, False),
     "str": ("trainer.experiment_name=run-1", lambda c: c.trainer.experiment_name, "run-1"),
     "str-looks-numeric": ("trainer.experiment_name=2024", lambda c: c.trainer.experiment_name,
@@ -122,7 +122,7 @@ def test_later_overrides_win_and_nested_mapping_keeps_the_file_values():
 @pytest.mark.parametrize("override, expected_type, got", [
     ("actor.parallel.tp=abc", "int", "'abc'"),
     ("actor.optim.lr=[1]", "float", "[1]"),
-    ("trainer.tensorboard=maybe", "bool", "'maybe'"),
+    ("trainer.ray_metrics=maybe", "bool", "'maybe'"),
     ("rollout.n=null", "int", "null"),
     ("algorithm.loss_agg_mode=mean", "'token-mean'", "'mean'"),
 ])

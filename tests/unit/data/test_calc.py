@@ -143,6 +143,7 @@ def test_example_script_is_valid_bash_and_documented():
     result = subprocess.run(["bash", "-n", str(repo / "examples/calculator.sh")],
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
-    readme = (repo / "README.md").read_text()
-    assert "## A multi-turn example: the calculator tool" in readme
-    assert "bash examples/calculator.sh" in readme and "`rlhf make-dataset calc" in readme
+    page = (repo / "docs/getting-started/calculator.md").read_text()
+    assert "# Multi-turn example: the calculator tool" in page
+    assert "bash examples/calculator.sh" in page and "`rlhf make-dataset calc" in page
+    assert "bash examples/calculator.sh" in (repo / "README.md").read_text()

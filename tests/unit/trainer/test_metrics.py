@@ -29,12 +29,12 @@ def test_tensorboard_without_the_package_names_the_fix(tmp_path):
     try:
         import tensorboard  # noqa: F401
     except ImportError:
-        with pytest.raises(RLHFError, match="trainer.tensorboard=false"):
-            MetricsLogger(tmp_path, total_steps=1, start_step=0, job_name="t", tensorboard=True,
-                          progress=False)
+        with pytest.raises(RLHFError, match=r"pip install -e '\.\[tensorboard\]'"):
+            MetricsLogger(tmp_path, total_steps=1, start_step=0, job_name="t",
+                          loggers=("tensorboard",), progress=False)
     else:
         log = MetricsLogger(tmp_path, total_steps=1, start_step=0, job_name="t",
-                            tensorboard=True, progress=False)
+                            loggers=("tensorboard",), progress=False)
         log.log(1, {"reward/mean": 1.0})
         log.close()
         assert list((tmp_path / "tensorboard").iterdir())
