@@ -15,8 +15,7 @@ import yaml
 
 from rlhf.cli import build_parser
 from rlhf.config import JobConfig, config_from_dict
-from rlhf.config.coerce import dotted_keys
-from rlhf.config.loader import merge_trees, read_config_tree
+from rlhf.config.loader import dotted_keys, merge_trees, read_config_tree
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from rlhf.config import TrainerConfig
-from rlhf.config.coerce import build
+from rlhf.config.loader import build
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.trainer import loggers as loggers_module
 from rlhf.trainer.metrics import MetricsLogger
