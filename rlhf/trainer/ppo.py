@@ -1,6 +1,6 @@
 """The PPO/GRPO loop: one controller drives the role worker groups step by step.
 
-One step (see workers/common.py for the fields each call reads and writes):
+One step (see rlhf/data/fields.py for the fields each call reads and writes):
 sync weights -> generate -> rewards (with dynamic sampling, repeated on fresh prompts until the
 batch is full: dynamic_sampling.py) -> old log-probs -> ref log-probs -> values -> advantages
 (driver) -> masks and weights of the recipes (recipes.py) -> critic update -> actor update;
@@ -38,7 +38,7 @@ from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
 from rlhf.trainer.recipes import prepare_update, rollout_corr_metrics, shape_scores
 from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
-from rlhf.trainer.shared_folder import check_shared_folder
+from rlhf.files import check_shared_folder
 
 VAL_SEED = 12345
 # Roles whose methods run under rlhf.engine.offload.in_phase and report memory per call.
