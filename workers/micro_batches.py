@@ -37,8 +37,8 @@ def group_plan(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
         return plan
     if mini_size is not None and dp_size > 1:
         raise ValueError(f"{key}: an update on {dp_size} DP groups needs the driver's plan: "
-                         "pass plan=rlhf.trainer.step_plan.update_plan(...) (or a BatchPlan "
-                         "from rlhf.data.batch_plan)")
+                         "pass the plan the driver made for this batch (StepPlanner.update in "
+                         "rlhf.trainer.step_plan, or a BatchPlan from rlhf.data.batch_plan)")
     what = f"{key}.ppo_mini_batch_size * rollout.n"
     return plan_role_batch(sample_lengths(batch), role, dp=1, mini_size=mini_size, what=what,
                            shared=shared_prompt_lens(batch["prompt_ids"])).groups[0]
