@@ -1,6 +1,6 @@
 """ActorWorker: the policy's TrainEngine; scores rollouts and takes PPO steps.
 
-Fields in and out are listed in workers/common.py. The loss of one micro-batch is
+Fields in and out are listed in rlhf/data/fields.py. The loss of one micro-batch is
 
     policy loss(log_probs, old_log_probs, advantages)          (algorithm.policy_loss: ppo
                                                                  with dual clip, gspo, cispo)
@@ -26,15 +26,14 @@ from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
-from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
+from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
-from rlhf.rollout import RolloutReplica
-from workers.base import MemoryReportMixin, Worker
-from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
-                            require_fields, response_fields, sample_rollouts,
-                            sampling_temperature, token_share)
-from workers.engine_state import CheckpointMixin
-from workers.rollout import WeightSenderMixin, rollout_spec
+from rlhf.rollout import RolloutReplica, sampling_temperature
+from workers.base import MemoryReportMixin, Worker, build_engine
+from workers.checkpoint import CheckpointMixin
+from workers.micro_batches import forward_micro_batches, response_fields
+from workers.rollout import WeightSenderMixin, rollout_spec, sample_rollouts
+from workers.updates import ppo_updates, token_share
 
 
 class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker):
@@ -95,7 +94,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         require_fields(batch, TOKENS, "actor.compute_log_prob")
         mbs = forward_micro_batches(batch, self.config.actor, plan, key="actor")
         outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
-                                      temperature=sampling_temperature(self.config))
+                                      temperature=sampling_temperature(self.config.rollout))
         return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
@@ -113,7 +112,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         metrics = ppo_updates(self.engine, batch, plan, self.config, "actor", per_token,
                               lambda tokens, seqs: self._loss_fn(tokens, seqs, seen=seen),
                               outputs=("log_probs", "entropy"), on_policy=fused,
-                              temperature=sampling_temperature(self.config))
+                              temperature=sampling_temperature(self.config.rollout))
         if self.rollout is not None:
             self.rollout.mark_stale()
         if not fused:

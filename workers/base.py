@@ -1,14 +1,19 @@
-"""Worker: the small base of a role object (actor, critic, reference, reward model).
+"""Worker: the small base of a role object (actor, critic, reference, reward model), and how
+a role builds its engine.
 
 A role object lives in a rank's process (see rlhf.controller.colocate) next to other roles.
 The process has already joined the job's torch.distributed world when the role is built; the
-role picks its own tp/pp layout with `build_mesh`, and the dispatcher reads it from `layout`.
+role picks its own tp/pp layout with `build_mesh` (through `build_engine`, from its config
+section), and the dispatcher reads it from `layout`.
 """
 
 from __future__ import annotations
 
+from rlhf.config import ForwardRoleConfig, JobConfig
 from rlhf.controller import Dispatch, register
 from rlhf.controller.colocate import WorkerContext
+from rlhf.engine import TrainEngine
+from rlhf.errors import ConfigError
 from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh
 
@@ -33,6 +38,35 @@ class Worker:
         if self.mesh is None:
             return Layout(dp=self.ctx.world_size)
         return self.mesh.layout
+
+
+def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head: str,
+                 train: bool) -> TrainEngine:
+    """Check `config.<key>`'s plan against the worker group, build the role's mesh and engine."""
+    role: ForwardRoleConfig = getattr(config, key)
+    check_layout(worker.ctx.world_size, config, key)
+    mesh = worker.build_mesh(tp=role.parallel.tp, pp=role.parallel.pp)
+    return TrainEngine.from_pretrained(
+        path, mesh=mesh, plan=role.parallel, head=head,
+        optim=role.optim if train else None, total_steps=config.trainer.total_steps,
+        dtype=role.dtype, device=worker.ctx.device,
+        recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed)
+
+
+def check_layout(world_size: int, config: JobConfig, key: str) -> None:
+    """ConfigError naming the keys unless `config.<key>`'s plan fits a group of `world_size`."""
+    role: ForwardRoleConfig = getattr(config, key)
+    want = config.role_world_size(role)
+    if world_size != want:
+        source = (f"{key}.world_size" if role.placement == "separate"
+                  else "trainer.nnodes * trainer.ranks_per_node")
+        raise ConfigError(f"{key}: the worker group has {world_size} ranks but {source} = {want}; "
+                          "build the group from the same config")
+    model_ranks = role.parallel.tp * role.parallel.pp
+    if world_size % model_ranks:
+        raise ConfigError(f"{key}.parallel.tp * {key}.parallel.pp = {model_ranks} ranks per model "
+                          f"replica do not fit the {world_size} ranks of the worker group; use a "
+                          f"plan whose tp * pp divides {world_size}")
 
 
 class MemoryReportMixin:

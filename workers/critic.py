@@ -14,13 +14,13 @@ from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
-from rlhf.data.fields import MASK
+from rlhf.data.fields import MASK, TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
-from workers.base import MemoryReportMixin, Worker
-from workers.common import (TOKENS, build_engine, forward_micro_batches, ppo_updates,
-                            require_fields, response_fields, token_share)
-from workers.engine_state import CheckpointMixin
+from workers.base import MemoryReportMixin, Worker, build_engine
+from workers.checkpoint import CheckpointMixin
+from workers.micro_batches import forward_micro_batches, response_fields
+from workers.updates import ppo_updates, token_share
 
 
 class CriticWorker(CheckpointMixin, MemoryReportMixin, Worker):

@@ -6,11 +6,12 @@ from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.fields import TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
-from workers.base import MemoryReportMixin, Worker
-from workers.common import (TOKENS, build_engine, forward_micro_batches, require_fields,
-                            response_fields, sampling_temperature)
+from rlhf.rollout import sampling_temperature
+from workers.base import MemoryReportMixin, Worker, build_engine
+from workers.micro_batches import forward_micro_batches, response_fields
 
 
 class ReferenceWorker(MemoryReportMixin, Worker):
@@ -34,5 +35,5 @@ class ReferenceWorker(MemoryReportMixin, Worker):
         require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
         mbs = forward_micro_batches(batch, self.config.ref, plan, key="ref")
         outputs = self.engine.forward(mbs, outputs=("log_probs",),
-                                      temperature=sampling_temperature(self.config))
+                                      temperature=sampling_temperature(self.config.rollout))
         return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

@@ -15,10 +15,11 @@ from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.fields import TOKENS, require_fields
 from rlhf.engine import MicroBatch
 from rlhf.errors import ConfigError
-from workers.base import Worker
-from workers.common import TOKENS, build_engine, forward_micro_batches, require_fields
+from workers.base import Worker, build_engine
+from workers.micro_batches import forward_micro_batches
 
 
 class RewardModelWorker(Worker):

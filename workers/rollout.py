@@ -1,5 +1,6 @@
-"""Rollout replicas on ranks of their own (rollout.placement separate), and the actor's side of
-the weight transfer that feeds them.
+"""Rollout replicas on ranks of their own (rollout.placement separate), the actor's side of the
+weight transfer that feeds them, and the sampling call both the actor (colocated) and the
+rollout ranks run (`sample_rollouts`).
 
 RolloutWorker hosts vLLM engines (rlhf.rollout.RolloutReplica, the same replica code the actor
 uses when colocated) and no training engine. Its weights arrive over the transfer group
@@ -15,14 +16,15 @@ import time
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
+from rlhf.data.fields import require_fields
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import in_phase
 from rlhf.errors import ConfigError
 from rlhf.parallel.layout import Layout
 from rlhf.rollout import ReplicaSpec, RolloutReplica
+from rlhf.rollout.multiturn import env_rows
 from rlhf.rollout.transfer import SENDER, TransferAddress, TransferGroup
 from workers.base import Worker
-from workers.common import sample_rollouts
 
 TRANSFER_TIMEOUT_S = 1800.0  # a broadcast waits at most this long for the other side
 
@@ -107,6 +109,18 @@ class WeightSenderMixin:
             raise RuntimeError("send_weights before join_weight_transfer")
         sent = self._transfer.send(buckets)
         return {"transfer/bytes": sent["bytes"], "transfer/seconds": time.perf_counter() - start}
+
+
+def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str, env: bool) -> Batch:
+    """`replica.generate` on this rank's `prompt_ids` (the actor's colocated replica or a
+    separate rollout rank's), after checking the driver's `batch.meta["seed"]`; with `env`
+    (rollout.env set), multi-turn episodes started from the batch's dataset rows."""
+    require_fields(batch, ("prompt_ids",), where)
+    seed = batch.meta.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
+    rows = env_rows(batch) if env else None
+    return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows)
 
 
 def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:

@@ -16,12 +16,12 @@ from rlhf.config import JobConfig, OffloadConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import GroupPlan
-from rlhf.data.fields import MASK
+from rlhf.data.fields import MASK, TOKENS, require_fields
 from rlhf.engine.offload import Offloader
-from workers.base import Worker
-from workers.common import (TOKENS, build_engine, forward_micro_batches, require_fields,
-                            train_mini_batch)
-from workers.engine_state import CheckpointMixin
+from workers.base import Worker, build_engine
+from workers.checkpoint import CheckpointMixin
+from workers.micro_batches import forward_micro_batches
+from workers.updates import train_mini_batch
 
 
 class SFTWorker(CheckpointMixin, Worker):

@@ -114,17 +114,6 @@ def pack(seqs: Sequence[Tensor] | Ragged) -> Packed:
     )
 
 
-def unpack(values_T: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
-    """Split a per-token tensor (T, *feature_dims) back into per-sequence views."""
-    if not isinstance(cu_seqlens, Tensor):
-        raise ValueError(f"unpack: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
-    try:
-        rows = Ragged(values_T, cu_seqlens.to(device=values_T.device, dtype=torch.int64))
-    except ValueError as e:
-        raise ValueError(f"unpack: values_T does not match cu_seqlens: {e}") from e
-    return rows.to_list()
-
-
 def pack_prompt_response(
     prompts: Ragged | Sequence[Tensor], responses: Ragged | Sequence[Tensor], *,
     share_prompts: bool = False,

@@ -67,25 +67,10 @@ class MicroBatchPlan:
         return max(self.rank_costs, default=0.0)
 
     @property
-    def min_rank_cost(self) -> float:
-        return min(self.rank_costs, default=0.0)
-
-    @property
     def imbalance(self) -> float:
         """Max over mean rank cost: 1.0 is perfect; the step waits on the slowest rank."""
         mean = sum(self.rank_costs) / max(len(self.rank_costs), 1)
         return self.max_rank_cost / mean if mean > 0 else 1.0
-
-    @property
-    def fill_fraction(self) -> float:
-        """Packed tokens over the budget of all micro-batches (1.0: every one full)."""
-        slots = self.dp * self.num_micro_batches * self.max_tokens
-        return self.total_tokens / slots if slots else 1.0
-
-    def padding_fraction_vs_padded(self, max_len: int) -> float:
-        """Share of a (num_samples, max_len) padded batch that would be padding, which packing avoids."""
-        slots = self.num_samples * max_len
-        return 1.0 - self.total_tokens / slots if slots else 0.0
 
 
 def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,

@@ -57,6 +57,38 @@ class Episode:
         self.model_mask += [model] * len(ids)
 
 
+class EpisodeRunner:
+    """A rank's multi-turn rollouts: its environment workers, turn renderer and tokenizer (of
+    `model_path`), built on the first call."""
+
+    def __init__(self, model_path: str, config: RolloutConfig):
+        self.model_path, self.config = model_path, config
+        self.env: tuple | None = None  # (EnvRunner, TurnRenderer, tokenizer)
+
+    def play(self, engine, prompts: list[list[int]], seeds: list[int],
+             env_rows: list[dict] | None, *, first: int, n: int,
+             greedy: bool) -> tuple[Batch, dict[str, float]]:
+        """An episode per (prompt, seed): the prompts of rows `first`.. of the driver's batch,
+        `n` samples each, prompt-major; (their Batch, this rank's metric sums)."""
+        if env_rows is None or len(env_rows) * n != len(prompts):
+            raise ValueError("a multi-turn rollout needs each prompt's row (prompt, "
+                             "ground_truth, extra) for its environment")
+        if self.env is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+            env = self.config.env
+            self.env = (EnvRunner(env.path, env.kwargs, num_workers=env.num_workers,
+                                  timeout_s=env.timeout_s), TurnRenderer(tokenizer), tokenizer)
+        runner, renderer, tokenizer = self.env
+        episodes = [Episode(prompt, seed, f"row {first + i // n}, sample {i % n}",
+                            env_rows[i // n]) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
+        sums = run_episodes(engine, episodes, runner=runner, renderer=renderer,
+                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                            config=self.config, greedy=greedy)
+        return episodes_to_batch(episodes), sums
+
+
 def run_episodes(engine, episodes: list[Episode], *, runner: EnvRunner, renderer: TurnRenderer,
                  decode: Callable[[list[int]], str], config: RolloutConfig,
                  greedy: bool) -> dict[str, float]:

@@ -3,7 +3,8 @@
 It owns this rank's RolloutEngine (built on first use, so a worker that never samples never
 imports vLLM), knows whether the engine's weights are behind the policy or were released by a
 sleep (rlhf.rollout.residency: only a colocated CUDA engine sleeps), splits prompts among the
-ranks of a replica, and reports metrics agreed over all ranks of the worker group.
+ranks of a replica (multi-turn episodes go to rlhf.rollout.multiturn.EpisodeRunner), syncs
+new weights into the engine, and reports metrics agreed over all ranks of the worker group.
 """
 
 from __future__ import annotations
@@ -22,11 +23,8 @@ from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
-from rlhf.envs.render import TurnRenderer
-from rlhf.envs.runner import EnvRunner
-from rlhf.rollout.engine import Completion, RolloutEngine
-from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch, run_episodes
-from rlhf.rollout.process import engine_environment
+from rlhf.rollout.engine import Completion, RolloutEngine, engine_environment
+from rlhf.rollout.multiturn import EpisodeRunner, env_metrics
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
 
 Buckets = Iterable[list[tuple[str, Tensor]]]
@@ -54,7 +52,8 @@ class RolloutReplica:
         self.engine: RolloutEngine | None = None
         self.stale = False  # the engine starts from model_path, the initial policy
         self.calls = 0
-        self.env: tuple | None = None  # (EnvRunner, TurnRenderer, tokenizer), built on first use
+        self.episodes = (EpisodeRunner(spec.model_path, spec.config)
+                         if spec.config.env.path is not None else None)
 
     def ensure_engine(self) -> RolloutEngine:
         """Build the engine on first use, with vLLM's environment set only while it builds."""
@@ -98,9 +97,9 @@ class RolloutReplica:
             call_seed=call_seed, first_prompt=pos, num_prompts=1, n=n)]
         repeated = [prompt for _, prompt in rows for _ in range(n)]
         engine = self.ensure_engine()  # on every rank at once: building may be collective
-        if self.spec.config.env.path is not None:
-            batch, env_sums = self._episodes(engine, repeated, seeds, env_rows, first=first, n=n,
-                                             greedy=greedy)
+        if self.episodes is not None:  # rollout.tp is 1: no replica peers share the requests
+            batch, env_sums = self.episodes.play(engine, repeated, seeds, env_rows, first=first,
+                                                 n=n, greedy=greedy)
         else:
             params = sampling_params(self.spec.config, greedy=greedy, seeds=seeds)
             completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
@@ -112,28 +111,6 @@ class RolloutReplica:
         if env_sums is not None:
             metrics.update(env_metrics(self._sum_over_group(env_sums)))
         return batch.with_meta(metrics=metrics)
-
-    def _episodes(self, engine: RolloutEngine, prompts: list[list[int]], seeds: list[int],
-                  env_rows: list[dict] | None, *, first: int, n: int,
-                  greedy: bool) -> tuple[Batch, dict]:
-        """Multi-turn episodes of this rank's prompts (rollout.tp is 1: no replica peers)."""
-        if env_rows is None or len(env_rows) * n != len(prompts):
-            raise ValueError("a multi-turn rollout needs each prompt's row (prompt, "
-                             "ground_truth, extra) for its environment")
-        if self.env is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.spec.model_path)
-            env = self.spec.config.env
-            self.env = (EnvRunner(env.path, env.kwargs, num_workers=env.num_workers,
-                                  timeout_s=env.timeout_s), TurnRenderer(tokenizer), tokenizer)
-        runner, renderer, tokenizer = self.env
-        episodes = [Episode(prompt, seed, f"row {first + i // n}, sample {i % n}",
-                            env_rows[i // n]) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
-        sums = run_episodes(engine, episodes, runner=runner, renderer=renderer,
-                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                            config=self.spec.config, greedy=greedy)
-        return episodes_to_batch(episodes), sums
 
     def _sum_over_group(self, sums: dict[str, float]) -> dict[str, float]:
         """Every rank's sums added up; "seconds" is the slowest rank's."""

@@ -1,4 +1,4 @@
-"""Sampling settings, per-request seeds, the rollout-vs-trainer log-prob gap and its limit.
+"""Sampling settings (and the temperature the trainer scores samples at), per-request seeds, the rollout-vs-trainer log-prob gap and its limit.
 
 Seeds: sample j of the prompt at position p of a `generate` call (its row in the driver's
 batch) gets `derive_seed(call_seed, p, j)`, so a prompt's samples do not depend on how the
@@ -24,6 +24,12 @@ def request_seeds(*, call_seed: int, first_prompt: int, num_prompts: int, n: int
     """Seeds of the num_prompts * n requests of prompts first_prompt.., prompt-major."""
     return [derive_seed(call_seed, first_prompt + i, j)
             for i in range(num_prompts) for j in range(n)]
+
+
+def sampling_temperature(config: RolloutConfig) -> float:
+    """The temperature responses were sampled at, which the trainer scores them at; greedy (0)
+    is scored at temperature 1."""
+    return config.temperature if config.temperature > 0 else 1.0
 
 
 def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int],

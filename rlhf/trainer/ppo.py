@@ -1,6 +1,6 @@
 """The PPO/GRPO step and its loop: one controller drives the role worker groups step by step.
 
-One step (see workers/common.py for the fields each call reads and writes):
+One step (see rlhf/data/fields.py for the fields each call reads and writes):
 sync weights -> generate -> rewards (with DAPO's dynamic sampling, repeated on fresh prompts
 until the batch is full) -> old log-probs -> ref log-probs -> values -> advantages (driver) ->
 masks and weights of the per-response recipes -> critic update -> actor update; every phase
@@ -39,6 +39,7 @@ from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
 from rlhf.data.ragged import Ragged
 from rlhf.engine.offload import worst_memory
+from rlhf.files import check_shared_folder
 from rlhf.rewards import RewardRunner
 from rlhf.rewards.runner import combine_scores
 from rlhf.rollout import logprob_gap
@@ -46,7 +47,6 @@ from rlhf.rollout.sampling import check_logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
-from rlhf.trainer.shared_folder import check_shared_folder
 from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
 
 

@@ -27,7 +27,7 @@ from rlhf.models.tiny import make_tiny_model  # noqa: E402
 from rlhf.models.transformer import ValueModel  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
-from workers.common import forward_micro_batches  # noqa: E402
+from workers.micro_batches import forward_micro_batches  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 from workers.reference import ReferenceWorker  # noqa: E402
 from workers.reward_model import RewardModelWorker  # noqa: E402

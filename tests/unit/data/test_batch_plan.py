@@ -11,7 +11,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.batch_plan import plan_batch
 from rlhf.data.planner import default_cost
 from rlhf.data.ragged import Ragged
-from workers.common import build_micro_batches
+from workers.micro_batches import build_micro_batches
 
 
 def rl_lengths(seed, n):
@@ -110,7 +110,7 @@ def test_errors_name_the_fix():
 
 def test_groups_build_equal_micro_batch_counts_small_large_small():
     """Long samples first, short last: contiguous chunks would give group 0 more micro-batches;
-    the plan gives every group the same count, each built by workers.common."""
+    the plan gives every group the same count, each built by workers.micro_batches."""
     lengths = [14, 13, 12, 11, 10, 9, 8, 4, 3, 3, 2, 2, 2]
     batch = Batch({"prompt_ids": Ragged.from_list([[1, 1]] * len(lengths), dtype=torch.int64),
                    "response_ids": Ragged.from_list([[2] * (n - 2) for n in lengths],

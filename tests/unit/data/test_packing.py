@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,7 +13,6 @@ from rlhf.data.packing import (
     pack_prompt_response,
     response_values,
     shifted_targets,
-    unpack,
 )
 
 FAST = settings(max_examples=40, deadline=None)
@@ -22,6 +22,18 @@ lengths_st = st.lists(st.integers(0, 7), min_size=0, max_size=8)
 def seqs_of(lengths, seed=0, low=1):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(low, 1000, (n,), generator=g) for n in lengths]
+
+
+def unpack(values_T: Tensor, cu_seqlens: Tensor) -> list[Tensor]:
+    """Split a per-token tensor (T, *feature_dims) back into per-sequence views: the inverse
+    of `pack` that these tests check it against."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise ValueError(f"unpack: cu_seqlens must be a tensor, got {type(cu_seqlens).__name__}")
+    try:
+        rows = Ragged(values_T, cu_seqlens.to(device=values_T.device, dtype=torch.int64))
+    except ValueError as e:
+        raise ValueError(f"unpack: values_T does not match cu_seqlens: {e}") from e
+    return rows.to_list()
 
 
 def loop_cu_seqlens(lengths):

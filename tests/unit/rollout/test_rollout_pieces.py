@@ -17,7 +17,7 @@ from rlhf.parallel.mesh import ProcessGroupCache
 from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, derive_seed, engine_args,
                           logprob_gap, request_seeds, sampling_params)
 from rlhf.rollout import replica as replica_module
-from rlhf.rollout.process import engine_environment, engine_settings
+from rlhf.rollout.engine import engine_environment, engine_settings
 
 ROOT = str(Path(__file__).resolve().parents[3])
 

@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from rlhf.controller import Dispatch, register
 from rlhf.engine.offload import in_phase
+from rlhf.files import read_marker
 from rlhf.models.hf_io import hf_config, write_hf_folder
-from rlhf.trainer.shared_folder import read_marker
 
 EXPORT_BUCKET_BYTES = 256 * 2**20  # also the size of each safetensors file written
 
@@ -34,7 +34,7 @@ class CheckpointMixin:
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def read_marker(self, path: str) -> tuple[str, str | None]:
-        """(host name, text of `path`) as this rank sees it: rlhf.trainer.shared_folder."""
+        """(host name, text of `path`) as this rank sees it: rlhf.files.check_shared_folder."""
         return read_marker(path)
 
     def _after_load(self) -> None:
