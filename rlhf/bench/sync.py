@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def tiny_model(root: Path, *, layers: int, hidden: int) -> str:
     """A random Llama folder of the given depth and width (head size 64, a vLLM CPU size)."""
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     cfg = TinyModelConfig(num_layers=layers, hidden_size=hidden, num_heads=max(hidden // 64, 1),
                           num_kv_heads=max(hidden // 128, 1), intermediate_size=hidden * 3,

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.models.parallelize import build_model, export_full_hf_weights
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

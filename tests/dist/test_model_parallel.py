@@ -22,7 +22,7 @@ from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_sha
 from rlhf.engine import TrainEngine
 from rlhf.models.parallelize import (apply_tp, build_model, check_tp_compatible,
                                      export_full_hf_weights)
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed

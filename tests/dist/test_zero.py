@@ -23,7 +23,7 @@ from rlhf.engine import grads as grads_module
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.errors import RLHFError
 from rlhf.models.parallelize import build_model
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, SMALL, actor_loss_fn, exported, make_batch,

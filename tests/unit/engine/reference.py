@@ -19,7 +19,7 @@ from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.ragged import Ragged
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.launch import free_port
 

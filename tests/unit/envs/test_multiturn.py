@@ -8,7 +8,7 @@ from rlhf.config.envs import EnvConfig
 from rlhf.data.fields import response_mask
 from rlhf.envs.render import TurnRenderer
 from rlhf.errors import RLHFError
-from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.rollout.engine import Completion
 from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch
 from tests.unit.envs.play import play_episodes

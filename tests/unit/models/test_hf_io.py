@@ -14,7 +14,7 @@ from rlhf.errors import RLHFError
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import (VALUE_HEAD_INIT_STD, export_hf_weights, load_hf_weights,
                                save_hf_folder)
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.transformer import CausalLM, ValueModel
 
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
