@@ -37,6 +37,7 @@ from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_p
 from rlhf.engine.offload import Offloader
 from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
+from rlhf.models.build import BuiltModel
 from rlhf.models.config import ModelArgs
 from rlhf.models.transformer import CausalLM
 from rlhf.parallel.launch import free_port
@@ -107,8 +108,8 @@ def bench(args: argparse.Namespace) -> list[dict]:
     model_args = _model_args(args)
     torch.manual_seed(args.seed)
     mesh = ParallelMesh([dist.get_rank()], cache=ProcessGroupCache(), device_type=device.type)
-    engine = TrainEngine(_random_model(model_args, device, dtype), mesh, optim=OptimizerConfig(),
-                         recompute=args.recompute)
+    engine = TrainEngine(BuiltModel.unsharded(_random_model(model_args, device, dtype)), mesh,
+                         optim=OptimizerConfig(), recompute=args.recompute)
     mbs = _micro_batches(args, model_args.vocab_size, device)
     spec = _plan_spec(model_args, dtype, args)
     lines = [{"bench": "engine", "kind": "config", "device": _device_name(device),
@@ -454,7 +455,7 @@ def _engine_log_probs(weights, model_args: ModelArgs, mb: MicroBatch, mesh, devi
         ours = CausalLM(model_args).to(dtype)
     ours.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
     ours.tie_weights()
-    return TrainEngine(ours, mesh, optim=None).forward([mb], outputs=("log_probs",))[0][
+    return TrainEngine(BuiltModel.unsharded(ours), mesh, optim=None).forward([mb], outputs=("log_probs",))[0][
         "log_probs"]
 
 

@@ -12,7 +12,7 @@ along T (dim 0) into tp chunks, so T must be a multiple of tp (pad the packed st
 Without sequence parallelism the same layers all-reduce instead (full T on every rank).
 Parameters replicated across TP that see only a token chunk under sequence parallelism (norm
 weights, a row-parallel bias) hold a partial grad per rank; which ones is recorded in the
-model's `ParamTable` (rlhf.models.parallelize), and the engine sums them over TP.
+model's `ParamTable` (rlhf.models.param_table), and the engine sums them over TP.
 """
 
 from __future__ import annotations
