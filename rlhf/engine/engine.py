@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
-from rlhf.engine import checkpoint as ckpt
 from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
                                sync_grads)
 from rlhf.engine.metrics import reduce_metrics

@@ -1,13 +1,14 @@
 """Pipelined schedules over one pipeline rank's model chunks: 1F1B and interleaved 1F1B.
 
-Both share one constructor `(model, mesh, *, chunks, tp, device)` and one executor; they
-differ only in the step order (`pipeline_order`). `forward` is the pipelined forward-only pass (log-probs,
-values, reward scores). Every rank gets the same micro-batch list, so it knows every message's
-shape (`p2p.activation_shape`). Results (outputs, losses, metrics) exist on the last stage; the
-other stages return empty lists. `peak_held` records the most (micro-batch, chunk) activation
-sets the last run kept alive at once: for 1F1B at most pp - stage; `last_wait_s` the seconds
-it spent blocked on messages (its share of the pipeline bubble, for benchmarks; on CUDA timed
-with events on the stream, read back only when asked, since NCCL's waits do not block the host).
+Both share one constructor `(model, mesh, *, chunks, tp, device)` and one executor; they differ
+only in the step order (`pipeline_order`). `forward` is the pipelined forward-only pass
+(log-probs, values, reward scores). Every rank gets the same micro-batch list, so it knows every
+message's shape (`p2p.activation_shape`). Results (outputs, losses, metrics) exist on the last
+stage; the other stages return empty lists. `peak_held` records the most (micro-batch, chunk)
+activation sets the last run kept alive at once: for 1F1B at most pp - stage; `last_wait_s` the
+seconds it spent blocked on messages (its share of the pipeline bubble, for benchmarks; on CUDA
+timed with events on the stream, read back only when asked, since NCCL's waits do not block the
+host).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from rlhf.data.packing import Packed, shifted_targets
 from rlhf.models.tp_plan import TPState
 from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.models.varlen_layout import varlen_layout
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.tensor_parallel import ParallelLMHead
 from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
@@ -61,7 +62,10 @@ def forward_packed(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
     if num_tokens == 0:
         raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
     run = sp_pad(packed, tp.tp) if tp.sequence_parallel else packed
-    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen, prefix=run.prefix)
+    # One host read for every layer (the engine's micro-batches carry theirs).
+    layout = varlen_layout(run.cu_seqlens, run.prefix, device=run.tokens.device)
+    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen, prefix=run.prefix,
+                layout=layout)
     return out[:num_tokens]
 
 
