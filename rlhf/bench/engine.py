@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=2, help="per optimizer step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--recompute", choices=["none", "attention_block", "full"],
+                        default="none")
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--no-logprobs", action="store_true",
                         help="skip the comparison with transformers")

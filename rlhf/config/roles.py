@@ -131,8 +131,9 @@ class TrainRoleConfig(ForwardRoleConfig):
 
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none, selective (attention only) or full (whole layers)."""
+    recompute: Literal["none", "attention_block", "full"] = "none"
+    """Activation recomputation: none, attention_block (each layer's attention block) or full
+    (whole layers)."""
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (each brings rollout.n samples); divides data.train_batch_size."""
     micro_batch_size: int | None = None

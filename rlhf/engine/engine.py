@@ -30,8 +30,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
 import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
@@ -41,6 +40,7 @@ from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatt
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
+from rlhf.engine.recompute import Recompute, apply_recompute
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
@@ -50,7 +50,6 @@ from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import ParallelMesh
 
 Head = Literal["lm", "value"]
-Recompute = Literal["none", "selective", "full"]
 DEFAULT_OUTPUTS = {"lm": ("log_probs", "entropy"), "value": ("values",)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -308,23 +307,3 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def apply_recompute(model: nn.Module, mode: Recompute) -> None:
-    """Recompute activations in backward: "full" per decoder layer, "selective" attention only."""
-    if mode == "none":
-        return
-    if mode not in ("full", "selective"):
-        raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
-    for layer in model.model.layers.values():
-        target = layer if mode == "full" else layer.self_attn
-        # An instance attribute, not a wrapper module: parameter names stay HF's.
-        target.forward = _checkpointed(target.forward)
-
-
-def _checkpointed(forward):
-    def run(*args):
-        if not torch.is_grad_enabled():
-            return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False)
-    return run

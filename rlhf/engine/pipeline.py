@@ -96,8 +96,9 @@ class PipelineSchedule:
 class OneFOneB(PipelineSchedule):
     """1F1B (one model chunk per rank): a stage holds at most pp - stage micro-batches."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, device):
-        super().__init__(model, mesh, device=device)
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *,
+                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device):
+        super().__init__(model, mesh, chunks=chunks, tp=tp, device=device)
         if self.vpp != 1:
             raise ValueError(f"1F1B runs one model chunk per rank but this model has {self.vpp} "
                              "(vpp > 1); use Interleaved1F1B")

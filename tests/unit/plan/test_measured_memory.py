@@ -52,7 +52,7 @@ def test_the_tracker_counts_new_storages_only_and_frees_them():
 
 CASES = [  # tokens, vocab, hidden, intermediate, dtype, recompute
     (512, 2048, 128, 344, torch.float32, "none"),
-    (1024, 4096, 256, 688, torch.float32, "selective"),
+    (1024, 4096, 256, 688, torch.float32, "attention_block"),
     (1024, 4096, 256, 688, torch.float32, "full"),
     (512, 2048, 128, 344, torch.bfloat16, "none"),
     (1024, 4096, 256, 688, torch.bfloat16, "none"),
