@@ -108,7 +108,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
     dtype = resolve_dtype(args.dtype, device)
     model_args = _model_args(args)
     torch.manual_seed(args.seed)
-    mesh = ParallelMesh([dist.get_rank()], cache=ProcessGroupCache(), device_type=device.type)
+    mesh = ParallelMesh([dist.get_rank()], cache=ProcessGroupCache())
     engine = TrainEngine(BuiltModel.unsharded(_random_model(model_args, device, dtype)), mesh,
                          optim=OptimizerConfig(), recompute=args.recompute)
     mbs = _micro_batches(args, model_args.vocab_size, device)

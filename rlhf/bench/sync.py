@@ -89,7 +89,7 @@ def _sync_rank(rank: int, world: int, folder: str, tp: int, pp: int, bucket_byte
     from rlhf.rollout import ReplicaSpec, RolloutReplica
 
     cache = ProcessGroupCache()
-    mesh = ParallelMesh(range(world), tp=tp, pp=pp, cache=cache, device_type="cpu")
+    mesh = ParallelMesh(range(world), tp=tp, pp=pp, cache=cache)
     engine = TrainEngine.from_pretrained(folder, mesh=mesh, dtype="float32", device="cpu")
     spec = ReplicaSpec(model_path=folder, config=RolloutConfig(cpu_kv_cache_gb=kv_cache_gb,
                                                                max_new_tokens=16),

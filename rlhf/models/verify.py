@@ -186,8 +186,7 @@ def _device_name(device: torch.device) -> str:
 def _compare(folder: str, plan: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
              world: int, device: torch.device) -> dict:
     ref["valid"] = ref["valid"].to(device)
-    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache(),
-                        device_type=device.type)
+    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
     built = build_model(folder, mesh=mesh, plan=plan, head="lm", device=device)
     model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.
