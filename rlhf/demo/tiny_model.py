@@ -14,9 +14,9 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, M
                           PretrainedConfig, Qwen2Config, Qwen3Config)
 
 from rlhf.config.tiny import VLLM_CPU_HEAD_SIZES, TinyModelConfig
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
-from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 
 INIT_STD = 0.02
 # Norm scales and biases get small random offsets instead of HF's ones/zeros, so a weight

@@ -18,10 +18,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
                                         training_plan, units)
-from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_plan import TPState
 from rlhf.parallel.mesh import ParallelMesh

@@ -32,9 +32,9 @@ from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.errors import RLHFError
+from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
 from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
-from rlhf.models.build import build_model
 from rlhf.models.tp_plan import check_tp_compatible
 from rlhf.parallel.collectives import all_gather
 from rlhf.parallel.launch import run_distributed

@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.build import build_model
 from rlhf.models.export import export_full_hf_weights
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

@@ -15,15 +15,15 @@ from safetensors.torch import load_file
 from rlhf.config.roles import OptimizerConfig, ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
+from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.engine import TrainEngine
 from rlhf.errors import ConfigError
+from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
+from rlhf.models.export import export_full_hf_weights
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_shard
-from rlhf.engine import TrainEngine
-from rlhf.models.build import build_model
-from rlhf.models.export import export_full_hf_weights
 from rlhf.models.tp_plan import apply_tp, check_tp_compatible
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed

@@ -16,8 +16,8 @@ import torch
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
-from rlhf.engine import TrainEngine, collect_response_values, make_micro_batches
 from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.engine import TrainEngine, collect_response_values, make_micro_batches
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, SMALL, _sequence_outputs, actor_loss_fn,

@@ -13,10 +13,10 @@ import torch
 
 from rlhf.config.roles import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine
 from rlhf.engine.zero import num_shards
 from rlhf.models.config import ModelArgs
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.plan.inputs import RoleSpec

@@ -18,12 +18,12 @@ import torch.distributed as dist
 
 from rlhf.config.roles import ParallelConfig
 from rlhf.config.tiny import TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import MicroBatchResult, TrainEngine, make_micro_batches
 from rlhf.engine import grads as grads_module
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.errors import RLHFError
 from rlhf.models.build import build_model
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, SMALL, actor_loss_fn, exported, make_batch,

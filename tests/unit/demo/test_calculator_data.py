@@ -11,9 +11,9 @@ import pytest
 from rlhf.cli import build_parser, main
 from rlhf.config import load_config
 from rlhf.demo.calculator_data import CalcTask, draw_problems, tool_call_text, write_calc_dataset
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.tools import CalculatorEnv, calculator, parse_tool_calls
 from rlhf.errors import ConfigError, RLHFError
-from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 
 CALCULATOR = Path(__file__).resolve().parents[3] / "configs" / "calculator.yaml"
 PROBLEM = re.compile(r"^(\d+)([-+*])(\d+)=$")

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from rlhf.config.tiny import TinyModelConfig
-from rlhf.errors import RLHFError
 from rlhf.demo import tiny_model
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.demo.tiny_tokenizer import ROLE_TOKENS, train_tiny_tokenizer
+from rlhf.errors import RLHFError
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 # Head size 16 is fine for transformers; only vLLM on CPU needs >= 32.

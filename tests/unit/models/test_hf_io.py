@@ -10,8 +10,8 @@ from safetensors.torch import load_file, save_file
 
 from rlhf.config.tiny import TinyModelConfig
 from rlhf.data.packing import pack
-from rlhf.errors import RLHFError
 from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.errors import RLHFError
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import VALUE_HEAD_INIT_STD, load_hf_weights
 from rlhf.models.transformer import CausalLM, ValueModel

@@ -102,8 +102,8 @@ def test_a_tied_head_at_pp1_has_its_workspace_counted():
 
     from rlhf.config.roles import OffloadConfig, ParallelConfig
     from rlhf.config.tiny import TinyModelConfig
-    from rlhf.models.config import ModelArgs
     from rlhf.demo.tiny_model import tiny_hf_config
+    from rlhf.models.config import ModelArgs
     from rlhf.plan.inputs import RoleSpec
     from rlhf.plan.memory import stage_memory
 
