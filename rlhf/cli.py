@@ -134,7 +134,7 @@ def _config_docs(args) -> int:
 
 def _make_tiny_model(args) -> int:
     from rlhf.config.schema import TinyModelConfig
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     spec = TinyModelConfig(
         arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
@@ -154,7 +154,7 @@ def _make_dataset(args) -> int:
 
 
 def _make_arith(args) -> int:
-    from rlhf.data.arith import ArithTask, write_arith_dataset
+    from rlhf.demo.arithmetic_data import ArithTask, write_arith_dataset
 
     _reject(args, "arith", digits=args.digits, model=args.model)
     if args.kind == "direct":
@@ -169,7 +169,7 @@ def _make_arith(args) -> int:
 
 
 def _make_calc(args) -> int:
-    from rlhf.data.calc import TRACE_KINDS, CalcTask, write_calc_dataset
+    from rlhf.demo.calculator_data import TRACE_KINDS, CalcTask, write_calc_dataset
     from rlhf.trainer.jobs import load_tokenizer
 
     _reject(args, "calc", form=args.form, max_value=args.max_value, terms=args.terms)

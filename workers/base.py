@@ -29,7 +29,7 @@ class Worker:
         """This role's dp × pp × tp mesh over all ranks of the group (collective: every rank of
         the group calls it, in the same order relative to other roles' meshes)."""
         self.mesh = ParallelMesh(range(self.ctx.world_size), tp=tp, pp=pp,
-                                 cache=self.ctx.group_cache, device_type=self.ctx.device.type)
+                                 cache=self.ctx.group_cache)
         return self.mesh
 
     @property

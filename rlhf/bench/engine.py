@@ -37,6 +37,7 @@ from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_p
 from rlhf.engine.offload import Offloader
 from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
+from rlhf.models.build import BuiltModel
 from rlhf.models.config import ModelArgs
 from rlhf.models.transformer import CausalLM
 from rlhf.parallel.launch import free_port
@@ -65,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batches", type=int, default=2, help="per optimizer step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median reported)")
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--recompute", choices=["none", "attention_block", "full"],
+                        default="none")
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--no-logprobs", action="store_true",
                         help="skip the comparison with transformers")
@@ -106,9 +108,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
     dtype = resolve_dtype(args.dtype, device)
     model_args = _model_args(args)
     torch.manual_seed(args.seed)
-    mesh = ParallelMesh([dist.get_rank()], cache=ProcessGroupCache(), device_type=device.type)
-    engine = TrainEngine(_random_model(model_args, device, dtype), mesh, optim=OptimizerConfig(),
-                         recompute=args.recompute)
+    mesh = ParallelMesh([dist.get_rank()], cache=ProcessGroupCache())
+    engine = TrainEngine(BuiltModel.unsharded(_random_model(model_args, device, dtype)), mesh,
+                         optim=OptimizerConfig(), recompute=args.recompute)
     mbs = _micro_batches(args, model_args.vocab_size, device)
     spec = _plan_spec(model_args, dtype, args)
     lines = [{"bench": "engine", "kind": "config", "device": _device_name(device),
@@ -454,7 +456,7 @@ def _engine_log_probs(weights, model_args: ModelArgs, mb: MicroBatch, mesh, devi
         ours = CausalLM(model_args).to(dtype)
     ours.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, strict=False)
     ours.tie_weights()
-    return TrainEngine(ours, mesh, optim=None).forward([mb], outputs=("log_probs",))[0][
+    return TrainEngine(BuiltModel.unsharded(ours), mesh, optim=None).forward([mb], outputs=("log_probs",))[0][
         "log_probs"]
 
 

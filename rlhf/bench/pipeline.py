@@ -26,9 +26,9 @@ import torch
 from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.data.planner import plan_micro_batches
 from rlhf.data.ragged import Ragged
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch, make_micro_batches
-from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 

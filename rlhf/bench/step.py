@@ -291,8 +291,8 @@ def _step_prompts(cfg) -> tuple[list[list[list[int]]], list[list]]:
 
 def _job_config(args, root: Path):
     from rlhf.config import config_from_dict, load_config
-    from rlhf.data.arith import ArithTask, write_arith_dataset
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.arithmetic_data import ArithTask, write_arith_dataset
+    from rlhf.demo.tiny_model import make_tiny_model
 
     total = args.warmup + args.steps
     if args.model == "quickstart":

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def tiny_model(root: Path, *, layers: int, hidden: int) -> str:
     """A random Llama folder of the given depth and width (head size 64, a vLLM CPU size)."""
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     cfg = TinyModelConfig(num_layers=layers, hidden_size=hidden, num_heads=max(hidden // 64, 1),
                           num_kv_heads=max(hidden // 128, 1), intermediate_size=hidden * 3,
@@ -89,7 +89,7 @@ def _sync_rank(rank: int, world: int, folder: str, tp: int, pp: int, bucket_byte
     from rlhf.rollout import ReplicaSpec, RolloutReplica
 
     cache = ProcessGroupCache()
-    mesh = ParallelMesh(range(world), tp=tp, pp=pp, cache=cache, device_type="cpu")
+    mesh = ParallelMesh(range(world), tp=tp, pp=pp, cache=cache)
     engine = TrainEngine.from_pretrained(folder, mesh=mesh, dtype="float32", device="cpu")
     spec = ReplicaSpec(model_path=folder, config=RolloutConfig(cpu_kv_cache_gb=kv_cache_gb,
                                                                max_new_tokens=16),

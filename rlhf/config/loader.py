@@ -113,6 +113,9 @@ def read_yaml_mapping(path: Path) -> dict:
 
 
 _MISSING = dataclasses.MISSING
+# Option values a release renamed, by field name: an old config is told what to write.
+# recompute "selective" recomputed the whole attention block, not Megatron's core attention.
+RENAMED_VALUES = {"recompute": {"selective": "attention_block"}}
 
 
 def unwrap_optional(tp) -> tuple[Any, bool]:
@@ -253,6 +256,10 @@ def convert(value, tp, key: str, base=None):
     origin = typing.get_origin(inner)
     if origin is Literal:
         if value not in typing.get_args(inner) or isinstance(value, bool):
+            name = key.rsplit(".", 1)[-1]
+            if value in RENAMED_VALUES.get(name, {}):
+                new = RENAMED_VALUES[name][value]
+                raise ConfigError(f"{key}: {value!r} was renamed {new!r}; write {name}: {new}")
             allowed = ", ".join(repr(a) for a in typing.get_args(inner))
             raise ConfigError(f"{key}: expected one of {allowed}; got {value!r}")
         return value

@@ -353,8 +353,9 @@ class TrainRoleConfig(ForwardRoleConfig):
 
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none, selective (attention only) or full (whole layers)."""
+    recompute: Literal["none", "attention_block", "full"] = "none"
+    """Activation recomputation: none, attention_block (each layer's attention block) or full
+    (whole layers)."""
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (each brings rollout.n samples); divides data.train_batch_size."""
     micro_batch_size: int | None = None
@@ -480,8 +481,9 @@ class SFTConfig(ForwardRoleConfig):
 
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
     """Optimizer and learning-rate schedule (the schedule spans sft.total_steps)."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activation recomputation: none, selective (attention only) or full (whole layers)."""
+    recompute: Literal["none", "attention_block", "full"] = "none"
+    """Activation recomputation: none, attention_block (each layer's attention block) or full
+    (whole layers)."""
     train_files: tuple[str, ...] = ()
     """Prompt/answer files, JSONL or Parquet; required by `rlhf sft`."""
     prompt_key: str = "prompt"

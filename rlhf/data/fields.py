@@ -14,7 +14,7 @@ Per sample:
                                       the first response token is predicted from the last one
     response_ids       Ragged int64   sampled response tokens; may be empty
     rm_scores          (n,) float32   RewardModelWorker.compute_rm_score (workers/reward_model.py)
-    policy_version     (n,) int64     the driver (rlhf.trainer.async_loop): the version of the
+    policy_version     (n,) int64     the driver (rlhf.trainer.rollout_source): the version of the
                                       weights that sampled it (actor updates before them)
 
 Per response token (Ragged with the row lengths of `response_ids`; entry j of row i is about

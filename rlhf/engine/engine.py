@@ -30,27 +30,26 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
+import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
 from rlhf.config.schema import OptimizerConfig, ParallelConfig
-from rlhf.engine import checkpoint as ckpt
 from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
                                sync_grads)
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
+from rlhf.engine.recompute import Recompute, apply_recompute
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
-from rlhf.models.parallelize import (ParamTable, build_model, export_full_hf_weights,
-                                     gather_full_grads, param_table)
+from rlhf.models.build import BuiltModel, build_model
+from rlhf.models.export import export_full_hf_weights, gather_full_grads
 from rlhf.models.transformer import ValueModel
 from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import ParallelMesh
 
 Head = Literal["lm", "value"]
-Recompute = Literal["none", "selective", "full"]
 DEFAULT_OUTPUTS = {"lm": ("log_probs", "entropy"), "value": ("values",)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,26 +57,28 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class TrainEngine:
     """A model shard with its optimizer and schedule over `mesh`; see the module docstring.
 
-    `table`: the model's ParamTable (from `build_model`; rebuilt from the model if None).
+    `built`: the model with its parameter table, TP state and pipeline chunks (`build_model`,
+    or `BuiltModel.unsharded` for a whole model).
     `bucket_numel`: elements per grad / ZeRO-1 bucket (`rlhf.engine.zero`).
     `scatter_grads`: ZeRO-1 reduce-scatters DP grads rather than all-reducing them (None:
     `grads.scatters_grads` decides from the backend).
     """
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, optim: OptimizerConfig | None,
-                 table: ParamTable | None = None, total_steps: int = 1, head: Head | None = None,
+    def __init__(self, built: BuiltModel, mesh: ParallelMesh, *,
+                 optim: OptimizerConfig | None, total_steps: int = 1, head: Head | None = None,
                  recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL,
                  scatter_grads: bool | None = None):
+        model = built.model
+        if [e.name for e in built.table] != [name for name, _ in model.named_parameters()]:
+            raise ValueError("the parameter table does not describe this model; pass the "
+                             "BuiltModel build_model returned")
         self.model, self.mesh, self.optim_config = model, mesh, optim
+        self.table, self.tp = built.table, built.tp
         self.head: Head = head or ("value" if isinstance(model, ValueModel) else "lm")
         self.device = next(model.parameters()).device
         self.total_steps, self.step_count = total_steps, 0
-        self.schedule = make_schedule(model, mesh, device=self.device)
+        self.schedule = make_schedule(built, mesh, device=self.device)
         apply_recompute(model, recompute)
-        self.table = table if table is not None else param_table(model)
-        if [e.name for e in self.table] != [name for name, _ in model.named_parameters()]:
-            raise ValueError("the parameter table does not describe this model; pass the table "
-                             "build_model returned with it (or none)")
         self.optimizer: ShardedAdamW | None = None
         self.grads: GradBuffer | None = None
         self.distributed, self._shard_rank, self._grads_synced = False, 0, False
@@ -112,10 +113,10 @@ class TrainEngine:
             raise ValueError(f"plan has tp={plan.tp} pp={plan.pp} but the mesh has "
                              f"tp={mesh.tp_size} pp={mesh.pp_size}; build them from one config")
         device = resolve_device(device)
-        model, table = build_model(path, mesh=mesh, plan=plan, head=head,
-                                   dtype=resolve_dtype(dtype, device), device=device,
-                                   value_head_seed=seed)
-        return cls(model, mesh, optim=optim, table=table, total_steps=total_steps, head=head,
+        built = build_model(path, mesh=mesh, plan=plan, head=head,
+                            dtype=resolve_dtype(dtype, device), device=device,
+                            value_head_seed=seed)
+        return cls(built, mesh, optim=optim, total_steps=total_steps, head=head,
                    recompute=recompute)
 
     # ---- compute -----------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class TrainEngine:
             for i, param in enumerate(params):
                 start = part.offsets[i]
                 param.grad = flat[start:start + part.numels[i]].view(param.shape).to(param.dtype)
-            return gather_full_grads(self.model, self.mesh)
+            return gather_full_grads(self.model, self.table, self.mesh)
         finally:
             for param in params:
                 param.grad = None
@@ -239,7 +240,8 @@ class TrainEngine:
 
     def export_hf_weights(self, *, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
         """Full HF-named tensors in size-bounded buckets (collective over the model group)."""
-        return export_full_hf_weights(self.model, self.mesh, bucket_bytes=bucket_bytes)
+        return export_full_hf_weights(self.model, self.table, self.mesh,
+                                      bucket_bytes=bucket_bytes)
 
     def state_dict(self) -> dict:
         """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step."""
@@ -305,23 +307,3 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
     return _DTYPES[dtype]
-
-
-def apply_recompute(model: nn.Module, mode: Recompute) -> None:
-    """Recompute activations in backward: "full" per decoder layer, "selective" attention only."""
-    if mode == "none":
-        return
-    if mode not in ("full", "selective"):
-        raise ValueError(f"recompute must be none, selective or full, got {mode!r}")
-    for layer in model.model.layers.values():
-        target = layer if mode == "full" else layer.self_attn
-        # An instance attribute, not a wrapper module: parameter names stay HF's.
-        target.forward = _checkpointed(target.forward)
-
-
-def _checkpointed(forward):
-    def run(*args):
-        if not torch.is_grad_enabled():
-            return forward(*args)
-        return checkpoint(forward, *args, use_reentrant=False)
-    return run

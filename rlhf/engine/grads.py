@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from rlhf.engine.zero import Partition
-from rlhf.models.parallelize import ParamTable
+from rlhf.models.param_table import ParamTable
 from rlhf.parallel.collectives import _all_gather_single as all_gather_single
 from rlhf.parallel.collectives import _reduce_scatter_single as reduce_scatter_single
 from rlhf.parallel.collectives import all_reduce_tensors, group_rank, group_size

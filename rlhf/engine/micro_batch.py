@@ -19,7 +19,7 @@ from torch import Tensor
 from rlhf.data.packing import (PackedSequences, SharedPrefix, pack_prompt_response,
                                response_values)
 from rlhf.data.ragged import Ragged
-from rlhf.models.attention import VarlenLayout, varlen_layout
+from rlhf.models.varlen_layout import VarlenLayout, varlen_layout
 from rlhf.parallel.host import to_device
 
 

@@ -1,13 +1,14 @@
 """Pipelined schedules over one pipeline rank's model chunks: 1F1B and interleaved 1F1B.
 
-Both share one constructor `(model, mesh, *, device)` and one executor; they differ only in
-the step order (`pipeline_order`). `forward` is the pipelined forward-only pass (log-probs,
-values, reward scores). Every rank gets the same micro-batch list, so it knows every message's
-shape (`p2p.activation_shape`). Results (outputs, losses, metrics) exist on the last stage; the
-other stages return empty lists. `peak_held` records the most (micro-batch, chunk) activation
-sets the last run kept alive at once: for 1F1B at most pp - stage; `last_wait_s` the seconds
-it spent blocked on messages (its share of the pipeline bubble, for benchmarks; on CUDA timed
-with events on the stream, read back only when asked, since NCCL's waits do not block the host).
+Both share one constructor `(model, mesh, *, chunks, tp, device)` and one executor; they differ
+only in the step order (`pipeline_order`). `forward` is the pipelined forward-only pass
+(log-probs, values, reward scores). Every rank gets the same micro-batch list, so it knows every
+message's shape (`p2p.activation_shape`). Results (outputs, losses, metrics) exist on the last
+stage; the other stages return empty lists. `peak_held` records the most (micro-batch, chunk)
+activation sets the last run kept alive at once: for 1F1B at most pp - stage; `last_wait_s` the
+seconds it spent blocked on messages (its share of the pipeline bubble, for benchmarks; on CUDA
+timed with events on the stream, read back only when asked, since NCCL's waits do not block the
+host).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
                                         training_plan, units)
-from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
-from rlhf.models.outputs import check_outputs, head_outputs, sp_pad
-from rlhf.models.parallelize import tp_state
+from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
+from rlhf.models.tp_plan import TPState
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.p2p import (ACTIVATION, GRADIENT, Recv, Send, activation_shape, exchange,
                                message_tag)
@@ -33,19 +34,19 @@ from rlhf.parallel.timing import Stopwatch
 class PipelineSchedule:
     """The executor shared by the pipelined schedules; subclasses give the training order."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, device):
-        chunks: tuple[StageChunk, ...] | None = getattr(model, "pipeline_chunks", None)
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *,
+                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device):
         if chunks is None or mesh.pp_size < 2:
             raise ValueError("a pipelined schedule needs pp > 1 and a model built for one stage "
-                             "(rlhf.models.parallelize.build_model with plan.pp > 1)")
+                             "(rlhf.models.build.build_model with plan.pp > 1)")
+        check_tp_matches(tp, mesh)
         self.model, self.mesh, self.device, self.chunks = model, mesh, device, chunks
         self.vpp, self.pp, self.rank = len(chunks), mesh.pp_size, mesh.pp_rank
         self.num_virtual = self.pp * self.vpp
         self.peak_held = 0
         self._last_wait = Stopwatch("cpu")
         self.tagged = True  # False: untagged messages, matched in posting order as under NCCL
-        state = tp_state(model)
-        self._tp, self._sp = state.tp, state.sequence_parallel
+        self._tp, self._sp = tp.tp, tp.sequence_parallel
         self._dtype = next(model.parameters()).dtype
 
     def training_order(self, num_micro_batches: int) -> tuple[list[Step], bool]:
@@ -95,8 +96,9 @@ class PipelineSchedule:
 class OneFOneB(PipelineSchedule):
     """1F1B (one model chunk per rank): a stage holds at most pp - stage micro-batches."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, device):
-        super().__init__(model, mesh, device=device)
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *,
+                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device):
+        super().__init__(model, mesh, chunks=chunks, tp=tp, device=device)
         if self.vpp != 1:
             raise ValueError(f"1F1B runs one model chunk per rank but this model has {self.vpp} "
                              "(vpp > 1); use Interleaved1F1B")

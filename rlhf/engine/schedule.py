@@ -22,8 +22,9 @@ from torch import nn
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
-from rlhf.models.outputs import check_outputs, head_outputs, sp_pad
-from rlhf.models.parallelize import tp_state
+from rlhf.models.build import BuiltModel
+from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
+from rlhf.models.tp_plan import TPState
 from rlhf.parallel.mesh import ParallelMesh
 
 __all__ = ["LossFn", "MicroBatchResult", "NoPipeline", "Outputs", "Schedule", "make_schedule"]
@@ -43,13 +44,10 @@ class Schedule(Protocol):
 class NoPipeline:
     """pp = 1: each micro-batch runs the whole model; backward right after its forward."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, device):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, tp: TPState, device):
+        check_tp_matches(tp, mesh)
         self.model, self.mesh, self.device = model, mesh, device
-        state = tp_state(model)
-        if mesh.tp_size != state.tp:
-            raise ValueError(f"the model was sharded for tp={state.tp} but the mesh has "
-                             f"tp={mesh.tp_size}; pass the mesh the model was built with")
-        self._tp, self._sp = state.tp, state.sequence_parallel
+        self._tp, self._sp = tp.tp, tp.sequence_parallel
 
     def _outputs(self, mb: MicroBatch, outputs: tuple[str, ...], temperature: float) -> Outputs:
         # model_outputs' steps, with the micro-batch's host layout passed to every layer
@@ -77,11 +75,10 @@ class NoPipeline:
         return results
 
 
-def make_schedule(model: nn.Module, mesh: ParallelMesh, *, device) -> Schedule:
+def make_schedule(built: BuiltModel, mesh: ParallelMesh, *, device) -> Schedule:
     """The schedule for this mesh: a plain loop at pp = 1, else 1F1B (one chunk per rank) or
     interleaved 1F1B (several: vpp > 1), from `rlhf.engine.pipeline`."""
     if mesh.pp_size == 1:
-        return NoPipeline(model, mesh, device=device)
-    chunks = getattr(model, "pipeline_chunks", ())
-    cls = Interleaved1F1B if len(chunks) > 1 else OneFOneB
-    return cls(model, mesh, device=device)
+        return NoPipeline(built.model, mesh, tp=built.tp, device=device)
+    cls = Interleaved1F1B if built.chunks is not None and len(built.chunks) > 1 else OneFOneB
+    return cls(built.model, mesh, chunks=built.chunks, tp=built.tp, device=device)

@@ -1,6 +1,8 @@
 """Full HF tensors from a tp x pp layout's shards, bucket by bucket (weight sync, grad checks).
 
-Buckets are planned on full sizes: at most `bucket_bytes`, a bigger tensor alone. Per bucket:
+What each rank exports comes from the model's `ParamTable`: every parameter (or its grad)
+but the tied copies, with its full HF shape and how it is split over TP. Buckets are planned
+on full sizes: at most `bucket_bytes`, a bigger tensor alone. Per bucket:
 
     TP   the local shards of its split tensors are packed into one byte buffer and
          all-gathered in ONE collective (`all_gather_coalesced`), then placed into full tensors;
@@ -20,9 +22,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from rlhf.models.hf_io import bucketed
+from rlhf.models.param_table import ParamTable
 from rlhf.parallel.collectives import all_gather_coalesced, byte_offsets, byte_view
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.timing import Stopwatch
@@ -73,6 +76,49 @@ class ExportStream(Iterator[Bucket]):
 
     def __next__(self) -> Bucket:
         return next(self._buckets)
+
+
+def export_full_hf_weights(model: nn.Module, table: ParamTable, mesh: ParallelMesh, *,
+                           bucket_bytes: int) -> ExportStream:
+    """HF-named tensors of FULL shape in buckets of at most `bucket_bytes` (a bigger one alone).
+
+    Collective over the model group (tp x pp): every rank must run the iterator to the end, in
+    step, and every rank receives every full tensor once (each DP replica gathers on its own;
+    with pp > 1 the owning stage broadcasts each bucket). Replicated tensors of this stage are
+    detached views of the parameters; the rest are fresh copies. A tied LM head is left out
+    (HF and vLLM take it from the embedding). The stream's `times` split the seconds spent.
+    """
+    return export_buckets(_export_items(model, table, grads=False), mesh,
+                          bucket_bytes=bucket_bytes)
+
+
+def gather_full_grads(model: nn.Module, table: ParamTable, mesh: ParallelMesh) -> dict[str, Tensor]:
+    """HF name -> copy of the full gradient (collective over the model group); sync the
+    grads first."""
+    buckets = export_buckets(_export_items(model, table, grads=True), mesh,
+                             bucket_bytes=1 << 62)
+    return {name: tensor.clone() for bucket in buckets for name, tensor in bucket}
+
+
+def _export_items(model: nn.Module, table: ParamTable, *, grads: bool) -> list[ExportItem]:
+    """What this rank exports: every parameter (or its grad) but the tied copies."""
+    params = list(model.parameters())  # the table's order (named_parameters, a tie once)
+    if len(params) != len(table):
+        raise ValueError(f"the table has {len(table)} parameters, the model {len(params)}; "
+                         "pass the table built with this model")
+    items = []
+    for entry, param in zip(table, params):
+        if entry.tied_copy:
+            continue  # stored once, under the name it shares (the tied embedding)
+        tensor = param.grad if grads else param
+        if tensor is None:
+            raise ValueError(f"{entry.name} has no grad; run backward first")
+        shape, spec = list(param.shape), entry.shard
+        if spec is not None:
+            shape[spec.dim] = spec.full_size
+        items.append(ExportItem(name=entry.name, shape=tuple(shape), local=tensor.detach(),
+                                split_dim=None if spec is None else spec.dim))
+    return items
 
 
 def export_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, *,

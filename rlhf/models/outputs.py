@@ -16,8 +16,9 @@ import torch
 from torch import Tensor, nn
 
 from rlhf.data.packing import Packed, shifted_targets
-from rlhf.models.parallelize import tp_state
+from rlhf.models.tp_plan import TPState
 from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.models.varlen_layout import varlen_layout
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.tensor_parallel import ParallelLMHead
 from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
@@ -48,22 +49,31 @@ def sp_pad(packed: Packed, multiple: int) -> Packed:
     )
 
 
-def forward_packed(model: nn.Module, packed: Packed, *, mesh: ParallelMesh) -> Tensor:
-    """Raw model output for the T tokens of `packed` (SP padding added and dropped).
+def forward_packed(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
+                   tp: TPState = TPState()) -> Tensor:
+    """Raw model output for the T tokens of `packed` (SP padding added and dropped); `tp`:
+    how the model is sharded (`BuiltModel.tp`; the default: not at all).
 
     CausalLM: logits_TV_local (T, padded_vocab / tp), this rank's vocab shard.
     ValueModel: values_T (T,).
     """
-    state = tp_state(model)
-    if mesh.tp_size != state.tp:
-        raise ValueError(f"the model was sharded for tp={state.tp} but the mesh has "
-                         f"tp={mesh.tp_size}; pass the mesh the model was built with")
+    check_tp_matches(tp, mesh)
     num_tokens = packed.tokens.shape[0]
     if num_tokens == 0:
         raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
-    run = sp_pad(packed, state.tp) if state.sequence_parallel else packed
-    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen, prefix=run.prefix)
+    run = sp_pad(packed, tp.tp) if tp.sequence_parallel else packed
+    # One host read for every layer (the engine's micro-batches carry theirs).
+    layout = varlen_layout(run.cu_seqlens, run.prefix, device=run.tokens.device)
+    out = model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen, prefix=run.prefix,
+                layout=layout)
     return out[:num_tokens]
+
+
+def check_tp_matches(tp: TPState, mesh: ParallelMesh) -> None:
+    """ValueError unless the model was sharded for `mesh`'s TP size."""
+    if mesh.tp_size != tp.tp:
+        raise ValueError(f"the model was sharded for tp={tp.tp} but the mesh has "
+                         f"tp={mesh.tp_size}; pass the mesh the model was built with")
 
 
 def vocab_shard(model: CausalLM, mesh: ParallelMesh) -> dict:
@@ -78,7 +88,7 @@ def vocab_shard(model: CausalLM, mesh: ParallelMesh) -> dict:
 
 
 def model_outputs(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
-                  outputs: Sequence[str] = LM_OUTPUTS,
+                  tp: TPState = TPState(), outputs: Sequence[str] = LM_OUTPUTS,
                   temperature: float = 1.0) -> dict[str, Tensor]:
     """{name: (T,) float32} for `outputs` on one micro-batch (alignment in the module doc).
 
@@ -86,7 +96,7 @@ def model_outputs(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,
     distribution a sampler at that temperature draws from). ValueModel: "values".
     """
     check_outputs(model, outputs, temperature)
-    out = forward_packed(model, packed, mesh=mesh)
+    out = forward_packed(model, packed, mesh=mesh, tp=tp)
     return head_outputs(model, out, packed, mesh=mesh, outputs=outputs, temperature=temperature)
 
 

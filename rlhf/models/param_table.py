@@ -1,15 +1,27 @@
 """The per-parameter table of a built model: one `ParamInfo` per local parameter.
 
-`rlhf.models.parallelize.param_table` fills it from the TP plan and the pipeline stage
-(`build_model` returns it beside the model); the engine adds each parameter's flat range and
-ZeRO-1 owners. Grad sync, the optimizer partition, the HF export and `rlhf verify-model` all
-read it. Plain data: no tensors, no communication.
+`param_table` fills it from the TP plan and the pipeline stage (`build_model` returns it
+beside the model); the engine adds each parameter's flat range and ZeRO-1 owners. Grad sync,
+the optimizer partition, the HF export and `rlhf verify-model` all read it. The table is plain
+data: no tensors, no communication.
+
+A grad is partial over TP for replicated parameters that each rank feeds only part of the
+work: the norms and row-parallel biases under sequence parallelism (each rank sees T/tp
+tokens), the value head under sequence parallelism, and Qwen3's q/k norms always (each rank
+sees its heads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+
+from torch import nn
+
+from rlhf.models.tp_plan import SequenceGatheredLinear, TPState
+from rlhf.models.transformer import Attention, RMSNorm
+from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
+                                           RowParallelLinear, VocabParallelEmbedding)
 
 
 @dataclass(frozen=True)
@@ -73,3 +85,56 @@ class ParamTable:
             replace(e, flat_range=(part.offsets[i], part.offsets[i] + part.numels[i]),
                     zero_owners=part.owners(i) if part.shards > 1 else ())
             for i, e in enumerate(self.entries)))
+
+
+def param_table(model: nn.Module, *, tp: TPState) -> ParamTable:
+    """The table of `model` as `apply_tp` (which returned `tp`) and the stage cut left it."""
+    layout, partial = _tp_layout(model), _tp_partial_names(model, tp)
+    ties = model.shared_parameters()  # {copy name: original name}
+    present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    entries = []
+    for name, _ in model.named_parameters():
+        partner = ties.get(name) or next((c for c, o in ties.items() if o == name), None)
+        shared = partner is not None and partner not in present
+        entries.append(ParamInfo(
+            name=name, hf_name=ties.get(name, name) if shared else name,
+            shard=layout.get(name), tp_partial_grad=name in partial, shared=shared,
+            tied_copy=shared and name in ties))
+    return ParamTable(tuple(entries))
+
+
+def _tp_partial_names(model: nn.Module, tp: TPState) -> set[str]:
+    """Names of the TP-replicated parameters whose grads are partial per TP rank."""
+    if tp.tp == 1:
+        return set()
+    qk_norms = {id(m) for attn in model.modules() if isinstance(attn, Attention)
+                for m in (attn.q_norm, attn.k_norm) if m is not None}
+    names = set()
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(module, RMSNorm) and (tp.sequence_parallel or id(module) in qk_norms):
+            names.update(f"{dot}{n}" for n, _ in module.named_parameters())
+        elif isinstance(module, SequenceGatheredLinear):
+            names.update(f"{dot}{n}" for n, _ in module.named_parameters())
+        elif (isinstance(module, RowParallelLinear) and module.bias is not None
+              and tp.sequence_parallel):
+            names.add(f"{dot}bias")
+    return names
+
+
+def _tp_layout(model: nn.Module) -> dict[str, ShardLayout]:
+    """Parameter name -> how it is split over TP; parameters not listed are replicated."""
+    layout = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        if isinstance(module, ParallelLMHead):
+            layout[f"{dot}weight"] = ShardLayout(0, module.vocab_size)
+        elif isinstance(module, ColumnParallelLinear):
+            layout[f"{dot}weight"] = ShardLayout(0, module.out_features)
+            if module.bias is not None:
+                layout[f"{dot}bias"] = ShardLayout(0, module.out_features)
+        elif isinstance(module, RowParallelLinear):
+            layout[f"{dot}weight"] = ShardLayout(1, module.in_features)
+        elif isinstance(module, VocabParallelEmbedding):
+            layout[f"{dot}weight"] = ShardLayout(0, module.num_embeddings)
+    return layout

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf.data.packing import SharedPrefix
-from rlhf.models.attention import VarlenLayout, varlen_attention
+from rlhf.models.attention import varlen_attention
 from rlhf.models.config import ModelArgs
+from rlhf.models.varlen_layout import VarlenLayout
 
 
 def rope_inv_freq(args: ModelArgs) -> Tensor:
@@ -186,7 +187,7 @@ class Transformer(nn.Module):
 
         The output is after the final norm when this part has it. `prefix`: the packing's
         shared prompts (rlhf.data.packing.SharedPrefix), None when nothing is shared.
-        `layout`: the stream's host lengths (`attention.VarlenLayout`), built once per
+        `layout`: the stream's host lengths (`varlen_layout.VarlenLayout`), built once per
         micro-batch; None: each layer's attention reads them back.
         """
         return self.run(inputs, position_ids_T, cu_seqlens, max_seqlen, layers=self.layers.keys(),

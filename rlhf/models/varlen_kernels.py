@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from rlhf.data.packing import SharedPrefix
+from rlhf.models.varlen_layout import VarlenLayout, flash_style_keys
 
 
 @functools.cache
@@ -45,15 +46,12 @@ def call_keywords(fn: Callable) -> frozenset[str]:
 def torch_varlen(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
                  max_seqlen: int, causal: bool, scale: float,
                  prefix: SharedPrefix | None = None,
-                 layout=None) -> Tensor:  # CUDA, half precision only
+                 layout: VarlenLayout | None = None) -> Tensor:  # CUDA, half precision only
     """torch's varlen flash kernel over the packed stream; with a prefix, over gathered k/v
-    with their own cu_seqlens (bottom-right causal), taken from `layout` (an
-    rlhf.models.attention.VarlenLayout) as flash_varlen takes them, so nothing is read back."""
+    with their own cu_seqlens (bottom-right causal), taken from `layout` as flash_varlen
+    takes them, so nothing is read back."""
     varlen_attn = torch_varlen_fn()
     keywords = call_keywords(varlen_attn)
-    # attention.py imports this module for its kernel choice: import back at call time.
-    from rlhf.models.attention import flash_style_keys
-
     k_THD, v_THD, cu, cu_k, max_k = flash_style_keys(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
                                                      max_seqlen=max_seqlen, prefix=prefix,
                                                      layout=layout)

@@ -32,9 +32,10 @@ from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.errors import RLHFError
+from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
 from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
-from rlhf.models.parallelize import build_model, check_tp_compatible
+from rlhf.models.tp_plan import check_tp_compatible
 from rlhf.parallel.collectives import all_gather
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -185,19 +186,19 @@ def _device_name(device: torch.device) -> str:
 def _compare(folder: str, plan: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
              world: int, device: torch.device) -> dict:
     ref["valid"] = ref["valid"].to(device)
-    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache(),
-                        device_type=device.type)
-    model, table = build_model(folder, mesh=mesh, plan=plan, head="lm", device=device)
+    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
+    built = build_model(folder, mesh=mesh, plan=plan, head="lm", device=device)
+    model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.
-    engine = TrainEngine(model, mesh, optim=OptimizerConfig(), table=table)
+    engine = TrainEngine(built, mesh, optim=OptimizerConfig())
     if plan.pp > 1:
         return _pipeline_check(engine, seqs, ref)
     packed = _to_device(pack(seqs), device)
     with torch.no_grad():
         shard = vocab_shard(model, mesh)
-        logits_TV = all_gather(forward_packed(model, packed, mesh=mesh), dim=-1,
+        logits_TV = all_gather(forward_packed(model, packed, mesh=mesh, tp=built.tp), dim=-1,
                                group=shard["group"])[:, : shard["real_vocab_size"]]
-    out = model_outputs(model, packed, mesh=mesh)
+    out = model_outputs(model, packed, mesh=mesh, tp=built.tp)
     # Every DP replica runs the whole batch; the DP sum of 1/dp of the loss is the loss.
     loss = verification_loss(out["log_probs"], out["entropy"], ref["valid"]) / mesh.dp_size
     loss.backward()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("dp", "pp", "tp")  # outermost to fastest-varying; also the DeviceMesh dim names
+AXES = ("dp", "pp", "tp")  # outermost to fastest-varying
 GROUP_AXES = (*AXES, "mp", "embedding")  # "mp": pp × tp, one model replica
 
 
@@ -99,12 +99,6 @@ class Layout:
             return [(at(dp=d, pp=0, tp=t), at(dp=d, pp=self.pp - 1, tp=t))
                     for d in range(self.dp) for t in range(self.tp)]
         raise ValueError(f"unknown axis {axis!r}; use one of {GROUP_AXES}")
-
-    def group_of(self, rank: int, axis: str) -> tuple[int, ...] | None:
-        """The group along `axis` that holds position `rank`; None when it is in none (only the
-        embedding axis, off the first and last stage)."""
-        self.coordinate(rank)  # range check
-        return next((g for g in self.groups(axis) if rank in g), None)
 
     def output_ranks(self) -> list[int]:
         """Per DP group, in DP order, the rank whose result is collected: tp 0 of the last stage."""

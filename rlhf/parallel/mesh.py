@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.device_mesh import DeviceMesh
 
 from rlhf.parallel.layout import AXES, GROUP_AXES, Layout
 
@@ -77,7 +76,6 @@ class ParallelMesh:
         pp: int = 1,
         dp: int | None = None,
         cache: ProcessGroupCache,
-        device_type: str = "cpu",
     ):
         ranks = _check_ranks(ranks)
         self.layout = Layout.over(len(ranks), tp=tp, pp=pp, dp=dp)
@@ -96,14 +94,6 @@ class ParallelMesh:
         for axis in GROUP_AXES:
             for positions in self.layout.groups(axis):
                 self._add(axis, tuple(ranks[i] for i in positions), cache)
-        self.device_mesh: DeviceMesh | None = None
-        if self.is_member:
-            self.device_mesh = DeviceMesh.from_group(
-                [self._groups[axis] for axis in AXES],
-                device_type,
-                mesh=self.grid,
-                mesh_dim_names=AXES,
-            )
 
     def _add(self, axis: str, group_ranks: tuple[int, ...], cache: ProcessGroupCache) -> None:
         group = cache.get(group_ranks)
@@ -178,28 +168,6 @@ class ParallelMesh:
     def _group(self, axis: str) -> ProcessGroup:
         self._require_member()
         return self._groups[axis]
-
-    # ---- pipeline ----------------------------------------------------------------------------
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
-    def next_stage_rank(self) -> int:
-        """Global rank of the next stage (same dp, tp); the last stage wraps to the first."""
-        dp, pp, tp = self.coordinate
-        return self.rank_at(dp=dp, pp=(pp + 1) % self.pp_size, tp=tp)
-
-    @property
-    def prev_stage_rank(self) -> int:
-        """Global rank of the previous stage (same dp, tp); the first stage wraps to the last."""
-        dp, pp, tp = self.coordinate
-        return self.rank_at(dp=dp, pp=(pp - 1) % self.pp_size, tp=tp)
 
     # ---- text --------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ along T (dim 0) into tp chunks, so T must be a multiple of tp (pad the packed st
 Without sequence parallelism the same layers all-reduce instead (full T on every rank).
 Parameters replicated across TP that see only a token chunk under sequence parallelism (norm
 weights, a row-parallel bias) hold a partial grad per rank; which ones is recorded in the
-model's `ParamTable` (rlhf.models.parallelize), and the engine sums them over TP.
+model's `ParamTable` (rlhf.models.param_table), and the engine sums them over TP.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from rlhf.parallel.collectives import (
-    all_gather,
     copy_to_tp,
     gather_from_sequence,
     gather_from_tp,
@@ -104,14 +103,6 @@ class ColumnParallelLinear(nn.Module):
             _check_load("bias", bias, (self.out_features,))
             self.bias.copy_(shard_for_rank(bias, 0, self.tp_rank, self.tp_size))
 
-    @torch.no_grad()
-    def full_weight(self) -> tuple[Tensor, Tensor | None]:
-        """Full (out, in) weight and bias, gathered from every rank (collective over the group)."""
-        bias = None
-        if self.bias is not None:
-            bias = all_gather(self.bias.detach(), dim=0, group=self.group)
-        return all_gather(self.weight.detach(), dim=0, group=self.group), bias
-
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, gather_output={self.gather_output}, "
@@ -173,12 +164,6 @@ class RowParallelLinear(nn.Module):
             _check_load("bias", bias, (self.out_features,))
             self.bias.copy_(bias)
 
-    @torch.no_grad()
-    def full_weight(self) -> tuple[Tensor, Tensor | None]:
-        """Full (out, in) weight (gathered; collective over the group) and the bias."""
-        bias = None if self.bias is None else self.bias.detach().clone()
-        return all_gather(self.weight.detach(), dim=-1, group=self.group), bias
-
     def extra_repr(self) -> str:
         return (f"in={self.in_features}, out={self.out_features}, tp={self.tp_size}, "
                 f"bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}, "
@@ -235,11 +220,6 @@ class VocabParallelEmbedding(nn.Module):
         _check_load("weight", weight, (self.num_embeddings, self.embedding_dim))
         _load_vocab_rows(self.weight, weight, self.vocab_start)
 
-    @torch.no_grad()
-    def full_weight(self) -> Tensor:
-        """Full (num_embeddings, D) weight, padding trimmed (collective over the group)."""
-        return all_gather(self.weight.detach(), dim=0, group=self.group)[: self.num_embeddings]
-
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings} (padded {self.padded_num_embeddings}), "
                 f"{self.embedding_dim}, tp={self.tp_size}, rows=[{self.vocab_start}, "
@@ -286,11 +266,6 @@ class ParallelLMHead(ColumnParallelLinear):
             raise ValueError("ParallelLMHead has no bias")
         _check_load("weight", weight, (self.vocab_size, self.in_features))
         _load_vocab_rows(self.weight, weight, self.vocab_start)
-
-    @torch.no_grad()
-    def full_weight(self) -> tuple[Tensor, None]:
-        """Full (vocab, hidden) weight, padding trimmed (collective over the group)."""
-        return all_gather(self.weight.detach(), dim=0, group=self.group)[: self.vocab_size], None
 
 
 def _load_vocab_rows(local_VD: Tensor, full_VD: Tensor, vocab_start: int) -> None:

@@ -61,7 +61,7 @@ def candidates(cfg: JobConfig, plan: MemoryPlan) -> list[tuple[str, ...]]:
             if world % (size * (spec.plan.pp if axis == "tp" else spec.plan.tp)) == 0:
                 out.append((f"{spec.name}.parallel.{axis}={size}",))
         if spec.trains and spec.recompute != "full":
-            nxt = "selective" if spec.recompute == "none" else "full"
+            nxt = "attention_block" if spec.recompute == "none" else "full"
             out.append((f"{spec.name}.recompute={nxt}",))
         out.append((f"{spec.name}.max_tokens_per_micro_batch={spec.tokens // 2}",))
     if on_cuda:

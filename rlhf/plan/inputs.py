@@ -137,10 +137,11 @@ def model_args(path: str, *, cfg: JobConfig | None, key: str,
     if (folder / "config.json").is_file():
         return ModelArgs.from_pretrained(folder)
     if cfg is not None and cfg.model.tiny is not None:
-        from rlhf.models.tiny import _hf_config  # the config.json make_tiny_model would write
+        # the config.json make_tiny_model would write
+        from rlhf.demo.tiny_model import tiny_hf_config
 
-        return ModelArgs.from_hf_config(_hf_config(cfg.model.tiny, bos_id=0, eos_id=1,
-                                                   pad_id=2).to_dict())
+        return ModelArgs.from_hf_config(tiny_hf_config(cfg.model.tiny, bos_id=0, eos_id=1,
+                                                       pad_id=2).to_dict())
     for models in model_dirs:
         stand_in = Path(models) / folder.name
         if (stand_in / "config.json").is_file():

@@ -53,7 +53,7 @@ from rlhf.plan.shapes import stage_shapes
 from rlhf.rollout.residency import replica_sleeps
 
 STATE_KINDS = ("weights", "grads", "masters", "optimizer")
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", "attention_block", "full")
 MIB = 2**20
 # Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.
 CUDA_CONTEXT_BYTES = 768 * MIB
@@ -161,21 +161,22 @@ def layer_activation_bytes(spec: RoleSpec, recompute: str) -> float:
     RMSNorm keeps its fp32 input and normalised output; q/k/v and gate/up read one shared
     input, or under sequence parallelism one all-gathered copy each; attention keeps q and k
     after RoPE, v and its output; SwiGLU keeps gate, silu(gate), up and their product.
-    "selective" keeps only the attention block's input, "full" only the layer's input.
+    "attention_block" keeps only the attention block's input, "full" only the layer's input.
     """
     norms, attention, mlp, block_input = _layer_parts(spec)
     if recompute == "full":
         return block_input
-    if recompute == "selective":
+    if recompute == "attention_block":
         return norms + block_input + mlp
     return norms + attention + mlp
 
 
 def recomputed_bytes(spec: RoleSpec, recompute: str) -> float:
     """Bytes per token that backward rebuilds at once: one layer ("full"), one attention
-    block ("selective"), nothing ("none")."""
+    block ("attention_block"), nothing ("none")."""
     norms, attention, mlp, _ = _layer_parts(spec)
-    return {"none": 0.0, "selective": attention, "full": norms + attention + mlp}[recompute]
+    return {"none": 0.0, "attention_block": attention,
+            "full": norms + attention + mlp}[recompute]
 
 
 def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:

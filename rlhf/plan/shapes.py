@@ -1,6 +1,6 @@
 """Exact per-rank parameter shapes, from the project's own build path on the meta device.
 
-A pipeline rank's shard is what `rlhf.models.parallelize.build_model` would build: the model
+A pipeline rank's shard is what `rlhf.models.build.build_model` would build: the model
 class on meta, cut to the rank's stage chunks (`rank_chunks`), cast, then `apply_tp`. Nothing
 is allocated and no weights are read. `apply_tp` needs a TP process group of the real size, so
 the build runs inside a "fake" torch.distributed world of tp * pp ranks (torch's FakeProcessGroup:
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
-from rlhf.models.parallelize import apply_tp
+from rlhf.models.tp_plan import apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

@@ -1,4 +1,4 @@
-"""Exact-match reward of the synthetic arithmetic task (rlhf.data.arith)."""
+"""Exact-match reward of the synthetic arithmetic task (rlhf.demo.arithmetic_data)."""
 
 import re
 

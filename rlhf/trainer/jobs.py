@@ -149,7 +149,7 @@ def ensure_model(path: str | Path, tiny: TinyModelConfig | None) -> Path:
     if tiny is None:
         raise RLHFError(f"{path} holds no model (no config.json); point model.path at a Hugging "
                         "Face folder, or set model.tiny to build a tiny one there")
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     print(f"building a tiny {tiny.arch} model in {path}", flush=True)
     return Path(make_tiny_model(tiny, path))

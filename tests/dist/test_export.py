@@ -7,8 +7,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
-from rlhf.models.parallelize import build_model, export_full_hf_weights
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.models.build import build_model
+from rlhf.models.export import export_full_hf_weights
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -44,7 +45,8 @@ def test_all_gather_coalesced_gives_every_ranks_tensors_in_one_collective():
 
 def _export(rank, world, folder):
     mesh = ParallelMesh(list(range(world)), tp=2, pp=2, cache=ProcessGroupCache())
-    model, table = build_model(folder, mesh=mesh, plan=ParallelConfig(tp=2, pp=2), head="lm")
+    built = build_model(folder, mesh=mesh, plan=ParallelConfig(tp=2, pp=2), head="lm")
+    model, table = built.model, built.table
     counts = {"all_gather": 0, "broadcast": 0}
     single, broadcast = C._all_gather_single, dist.broadcast
 
@@ -54,7 +56,7 @@ def _export(rank, world, folder):
     C._all_gather_single = count("all_gather", single)
     dist.broadcast = count("broadcast", broadcast)
     try:
-        stream = export_full_hf_weights(model, mesh, bucket_bytes=BUCKET_BYTES)
+        stream = export_full_hf_weights(model, table, mesh, bucket_bytes=BUCKET_BYTES)
         buckets = [[(name, t.clone()) for name, t in bucket] for bucket in stream]
     finally:
         C._all_gather_single, dist.broadcast = single, broadcast

@@ -29,7 +29,8 @@ def _meshes(rank, world_size):
             except ValueError:  # no embedding group off the first and last stage, or at pp=1
                 groups[axis] = None
         out.append({"layout": mesh.layout, "coordinate": mesh.coordinate, "groups": groups,
-                    "next": mesh.next_stage_rank, "grid": mesh.grid.tolist(),
+                    "next": mesh.rank_at(dp=mesh.dp_rank, pp=(mesh.pp_rank + 1) % mesh.pp_size,
+                                         tp=mesh.tp_rank), "grid": mesh.grid.tolist(),
                     "world": dist.get_world_size()})
     return out
 
@@ -46,7 +47,7 @@ def test_mesh_coordinates_and_groups_are_the_layouts():
             assert got["layout"] == layout
             assert got["coordinate"] == layout.coordinate(position)
             for axis in AXES:
-                group = layout.group_of(position, axis)
+                group = next((g for g in layout.groups(axis) if position in g), None)
                 want = None if group is None else [ranks[i] for i in group]
                 assert got["groups"][axis] == want, (ranks, tp, pp, rank, axis)
             d, p, t = layout.coordinate(position)

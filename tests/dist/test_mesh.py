@@ -54,9 +54,11 @@ def _inspect(mesh):
         except ValueError as e:
             return {"member": False, "error": str(e), "describe": mesh.describe()}
         return {"member": False, "error": None, "describe": mesh.describe()}
+    d, p, t = mesh.coordinate
     info = {"member": True, "coordinate": (mesh.dp_rank, mesh.pp_rank, mesh.tp_rank),
-            "next": mesh.next_stage_rank, "prev": mesh.prev_stage_rank,
-            "first": mesh.is_first_stage, "last": mesh.is_last_stage,
+            "next": mesh.rank_at(dp=d, pp=(p + 1) % mesh.pp_size, tp=t),
+            "prev": mesh.rank_at(dp=d, pp=(p - 1) % mesh.pp_size, tp=t),
+            "first": p == 0, "last": p == mesh.pp_size - 1,
             "describe": mesh.describe(), "sizes": (mesh.dp_size, mesh.pp_size, mesh.tp_size)}
     for axis in AXES:
         group = getattr(mesh, f"{axis}_group")
@@ -65,13 +67,6 @@ def _inspect(mesh):
         info[axis] = {"ranks": dist.get_process_group_ranks(group),
                       "my_group_rank": dist.get_rank(group), "rank_sum": x.item(),
                       "mesh_ranks": list(mesh.group_ranks(axis))}
-    dm = mesh.device_mesh
-    info["device_mesh"] = {
-        "local": tuple(dm.get_local_rank(a) for a in ("dp", "pp", "tp")),
-        "same_groups": all(dm.get_group(a) is getattr(mesh, f"{a}_group")
-                           for a in ("dp", "pp", "tp")),
-        "names": dm.mesh_dim_names, "mesh": dm.mesh.tolist(),
-    }
     return info
 
 
@@ -125,9 +120,6 @@ def test_coordinates_groups_and_stages(built, index):
             assert g["my_group_rank"] == want[axis].index(rank)
             assert g["rank_sum"] == sum(want[axis])
         d, p, t = want["coordinate"]
-        assert got["device_mesh"]["local"] == (d, p, t)
-        assert got["device_mesh"]["same_groups"]
-        assert got["device_mesh"]["names"] == ("dp", "pp", "tp")
         assert f"rank {rank} at dp={d} pp={p} tp={t}" in got["describe"]
 
 

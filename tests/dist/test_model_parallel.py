@@ -14,14 +14,15 @@ from safetensors.torch import load_file
 
 from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
+from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.engine import TrainEngine
 from rlhf.errors import ConfigError
+from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
+from rlhf.models.export import export_full_hf_weights
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_shard
-from rlhf.engine import TrainEngine
-from rlhf.models.parallelize import (apply_tp, build_model, check_tp_compatible,
-                                     export_full_hf_weights)
-from rlhf.models.tiny import make_tiny_model
+from rlhf.models.tp_plan import apply_tp, check_tp_compatible
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed
@@ -109,17 +110,17 @@ def _meshes(world):
     return {tp: ParallelMesh(list(range(world)), tp=tp, cache=cache) for tp in (1, 2, 4)}
 
 
-def _full_logits(model, packed, mesh):
+def _full_logits(model, packed, mesh, tp):
     with torch.no_grad():
-        local_TV = forward_packed(model, packed, mesh=mesh)
+        local_TV = forward_packed(model, packed, mesh=mesh, tp=tp)
     shard = vocab_shard(model, mesh)
     return C.all_gather(local_TV, dim=-1, group=shard["group"])[:, : shard["real_vocab_size"]]
 
 
 def _engine(folder, mesh, plan, head, **kw):
     """The built model inside a training engine: the grad sync training runs."""
-    model, table = build_model(folder, mesh=mesh, plan=plan, head=head, **kw)
-    return TrainEngine(model, mesh, optim=OptimizerConfig(), table=table)
+    return TrainEngine(build_model(folder, mesh=mesh, plan=plan, head=head, **kw), mesh,
+                       optim=OptimizerConfig())
 
 
 def _synced_grads(engine, loss):
@@ -138,9 +139,9 @@ def _check_lm(folder, seqs, ref, mesh, sp, seed):
     model = engine.model
     packed = pack(seqs)
     valid_T = ref["valid"]
-    logits_TV = _full_logits(model, packed, mesh)
+    logits_TV = _full_logits(model, packed, mesh, engine.tp)
     e.cmp("logits", logits_TV, ref["logits"])
-    out = model_outputs(model, packed, mesh=mesh)
+    out = model_outputs(model, packed, mesh=mesh, tp=engine.tp)
     e.cmp("log_probs", out["log_probs"], ref["log_probs"])
     e.cmp("entropy", out["entropy"], ref["entropy"])
     # vocab-parallel functions against the full-vocab computation on the very same logits
@@ -152,17 +153,18 @@ def _check_lm(folder, seqs, ref, mesh, sp, seed):
     if grads.keys() != ref["grads"].keys():
         raise AssertionError(f"grad names differ: {sorted(grads.keys() ^ ref['grads'].keys())}")
     e["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
-    e["export_exact"] = _export_errors(model, mesh, folder)
+    e["export_exact"] = _export_errors(engine, folder)
     e["local_shapes_ok"] = _local_shapes_ok(engine, mesh.tp_size)
     return e
 
 
-def _export_errors(model, mesh, folder):
+def _export_errors(engine, folder):
     """Number of mismatches between the gathered export and the original safetensors."""
     original = load_file(f"{folder}/model.safetensors")
     bucket_bytes = 64 * 1024
     exported, bad = {}, 0
-    for bucket in export_full_hf_weights(model, mesh, bucket_bytes=bucket_bytes):
+    for bucket in export_full_hf_weights(engine.model, engine.table, engine.mesh,
+                                         bucket_bytes=bucket_bytes):
         size = sum(t.numel() * t.element_size() for _, t in bucket)
         bad += size > bucket_bytes and len(bucket) > 1
         exported.update(bucket)
@@ -237,7 +239,7 @@ def _value_reference(folder, seqs):
 
 
 def _check_value(engine, seqs, ref, e, tag):
-    values_T = model_outputs(engine.model, pack(seqs), mesh=engine.mesh,
+    values_T = model_outputs(engine.model, pack(seqs), mesh=engine.mesh, tp=engine.tp,
                              outputs=("values",))["values"]
     e.cmp(f"{tag}_values", values_T, ref["values"])
     grads = _synced_grads(engine, (ref["w"] * values_T).sum())
@@ -258,16 +260,18 @@ def _colocated(rank, world, actor_case, critic_case, value_ref):
                      value_head_seed=7)
     e = _Errors()
     seqs, ref = actor_case["seqs"], actor_case["ref"]
-    before = model_outputs(actor, pack(seqs), mesh=actor_mesh)["log_probs"]
+    before = model_outputs(actor, pack(seqs), mesh=actor_mesh, tp=actor_engine.tp)["log_probs"]
     _check_value(critic, critic_case["seqs"], value_ref, e, "critic_tp1")
     _check_value(critic_sp, critic_case["seqs"], value_ref, e, "critic_tp2_sp")
-    out = model_outputs(actor, pack(seqs), mesh=actor_mesh)  # actor again, after both critics
+    out = model_outputs(actor, pack(seqs), mesh=actor_mesh,
+                        tp=actor_engine.tp)  # actor again, after both critics
     e.cmp("actor_log_probs_before", before, ref["log_probs"])
     e.cmp("actor_log_probs_after", out["log_probs"], ref["log_probs"])
     grads = _synced_grads(actor_engine, _loss(out["log_probs"], out["entropy"], ref["valid"],
                                               actor_case["seed"]))
     e["actor_grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
-    hot = model_outputs(actor, pack(seqs), mesh=actor_mesh, temperature=0.7)
+    hot = model_outputs(actor, pack(seqs), mesh=actor_mesh, tp=actor_engine.tp,
+                        temperature=0.7)
     logp_TV = torch.log_softmax(ref["logits"] / 0.7, -1)
     targets_T, _ = shifted_targets(pack(seqs))
     e.cmp("temperature_log_probs", hot["log_probs"],
@@ -276,9 +280,9 @@ def _colocated(rank, world, actor_case, critic_case, value_ref):
     # apply_tp on a materialised model (each rank slices the full weights it already holds)
     full = CausalLM(ModelArgs.from_pretrained(actor_case["folder"]))
     load_hf_weights(full, actor_case["folder"])
-    apply_tp(full, actor_mesh, sequence_parallel=True)
+    full_tp = apply_tp(full, actor_mesh, sequence_parallel=True)
     assert full.lm_head.weight is full.model.embed_tokens.weight  # re-tied to the shard
-    out = model_outputs(full, pack(seqs), mesh=actor_mesh)
+    out = model_outputs(full, pack(seqs), mesh=actor_mesh, tp=full_tp)
     e.cmp("apply_tp_log_probs", out["log_probs"], ref["log_probs"])
     e.cmp("apply_tp_entropy", out["entropy"], ref["entropy"])
     return dict(e)

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, collect_response_values, make_micro_batches
-from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, SMALL, _sequence_outputs, actor_loss_fn,

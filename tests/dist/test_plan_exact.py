@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig, TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine
 from rlhf.engine.zero import num_shards
 from rlhf.models.config import ModelArgs
-from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.plan.inputs import RoleSpec

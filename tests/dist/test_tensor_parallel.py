@@ -63,8 +63,23 @@ def _reference_linear(seed, in_features, out_features):
     return full, x, R, xr, yr
 
 
+def _full_weight(layer):
+    """The full weight (and bias) a TP layer holds in shards, padding trimmed (collective)."""
+    group = layer.group
+    if isinstance(layer, RowParallelLinear):  # input features split; the bias is replicated
+        bias = None if layer.bias is None else layer.bias.detach().clone()
+        return C.all_gather(layer.weight.detach(), dim=-1, group=group), bias
+    weight = C.all_gather(layer.weight.detach(), dim=0, group=group)
+    if isinstance(layer, VocabParallelEmbedding):
+        return weight[: layer.num_embeddings]
+    if isinstance(layer, ParallelLMHead):
+        return weight[: layer.vocab_size], None
+    bias = None if layer.bias is None else C.all_gather(layer.bias.detach(), dim=0, group=group)
+    return weight, bias
+
+
 def _check_export(e, layer, full):
-    w, b = layer.full_weight()
+    w, b = _full_weight(layer)
     e.cmp("export_w", w, full.weight)
     e.cmp("export_b", b, full.bias)
     return e.errors
@@ -151,7 +166,7 @@ def _embedding(group, sp):
     e.cmp("pad_rows_grad", layer.weight.grad[n_real:], torch.zeros_like(layer.weight[n_real:]),
           may_be_zero=True)
     e.cmp("grad_w_all_ranks", _real_vocab(layer.weight.grad, 0, group), full.weight.grad)
-    e.cmp("export_w", layer.full_weight(), full.weight)
+    e.cmp("export_w", _full_weight(layer), full.weight)
     return e.errors
 
 
@@ -177,7 +192,7 @@ def _lm_head(group, sp):
           may_be_zero=True)
     e.cmp("grad_x", xin.grad, shard_for_rank(xr.grad, 0, r, tp) if sp else xr.grad)
     e.cmp("grad_w_all_ranks", _real_vocab(head.weight.grad, 0, group), full.weight.grad)
-    e.cmp("export_w", head.full_weight()[0], full.weight)
+    e.cmp("export_w", _full_weight(head)[0], full.weight)
     return e.errors
 
 

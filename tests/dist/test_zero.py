@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import MicroBatchResult, TrainEngine, make_micro_batches
 from rlhf.engine import grads as grads_module
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.errors import RLHFError
-from rlhf.models.parallelize import build_model
-from rlhf.models.tiny import make_tiny_model
+from rlhf.models.build import build_model
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, SMALL, actor_loss_fn, exported, make_batch,
@@ -46,10 +46,9 @@ SCATTERED = ("dp2", "dp4-tied", "tp2-dp2-sp-tied", "pp2-vpp2-dp2")  # also run r
 
 
 def _engine(folder, mesh, plan, dtype, *, distributed, scatter_grads=None):
-    model, table = build_model(folder, mesh=mesh, plan=plan, head="lm",
-                               dtype=getattr(torch, dtype))
+    built = build_model(folder, mesh=mesh, plan=plan, head="lm", dtype=getattr(torch, dtype))
     optim = dataclasses.replace(OPTIM, distributed=distributed)
-    return TrainEngine(model, mesh, optim=optim, table=table, total_steps=10,
+    return TrainEngine(built, mesh, optim=optim, total_steps=10,
                        bucket_numel=BUCKET, scatter_grads=scatter_grads)
 
 

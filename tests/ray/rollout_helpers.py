@@ -10,7 +10,7 @@ from rlhf.config import ParallelConfig, TinyModelConfig
 from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 from tests.unit.test_worker_roles import make_config
 from workers.actor import ActorWorker
 

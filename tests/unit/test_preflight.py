@@ -294,7 +294,7 @@ def test_resume_with_a_config_that_defines_another_run_stops(case, assets, tmp_p
 
 
 def test_resume_with_another_model_at_the_same_path_stops(assets, tmp_path):
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     model = tmp_path / "model"
     shutil.copytree(assets["model"], model)

@@ -7,7 +7,7 @@ import torch
 
 from rlhf.cli import main
 from rlhf.config.schema import TinyModelConfig
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 
 FIELDS = {"model", "model_type", "layout", "num_seqs", "num_tokens", "seed", "max_abs_diff",
           "worst_grad", "tolerance", "passed"}

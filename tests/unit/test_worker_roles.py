@@ -21,9 +21,9 @@ from rlhf.config import (AlgorithmConfig, ConfigError, CriticConfig,  # noqa: E4
 from rlhf.controller import WorkerContext  # noqa: E402
 from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.data.ragged import Ragged  # noqa: E402
+from rlhf.demo.tiny_model import make_tiny_model  # noqa: E402
 from rlhf.models.config import ModelArgs  # noqa: E402
 from rlhf.models.hf_io import load_hf_weights  # noqa: E402
-from rlhf.models.tiny import make_tiny_model  # noqa: E402
 from rlhf.models.transformer import ValueModel  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 from rlhf.cli import main
 from rlhf.config import config_from_dict, load_config, reference_markdown
 from rlhf.config.loader import parse_yaml
-from rlhf.data.arith import ArithTask, write_arith_dataset
+from rlhf.demo.arithmetic_data import ArithTask, write_arith_dataset
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 

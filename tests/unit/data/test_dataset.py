@@ -13,8 +13,8 @@ from transformers import AutoTokenizer
 from rlhf.config.schema import DataConfig, TinyModelConfig
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptDataset, PromptLoader, build_prompt_dataset
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.errors import RLHFError
-from rlhf.models.tiny import make_tiny_model
 
 TINY = TinyModelConfig(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
                        intermediate_size=64)

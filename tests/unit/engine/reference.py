@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from rlhf.algorithms.losses import entropy_bonus, ppo_policy_loss, value_loss
 from rlhf.config.schema import OptimizerConfig, TinyModelConfig
 from rlhf.data.ragged import Ragged
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
-from rlhf.models.tiny import make_tiny_model
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.launch import free_port
 

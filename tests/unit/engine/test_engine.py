@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rlhf.config.schema import OptimizerConfig
-from rlhf.engine import TrainEngine, make_micro_batches
+from rlhf.engine import Recomputed, TrainEngine, make_micro_batches
 from rlhf.errors import RLHFError
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (OPTIM, actor_loss_fn, critic_loss_fn, exported,
@@ -156,16 +156,21 @@ def test_checkpoint_of_another_layout_is_refused(folder, world, tmp_path):
         engine.load_checkpoint(tmp_path / "nothing")
 
 
-@pytest.mark.parametrize("mode", ["full", "selective"])
+def _unwrapped(module):
+    return module.inner if isinstance(module, Recomputed) else module
+
+
+@pytest.mark.parametrize("mode", ["full", "attention_block"])
 def test_recompute_gives_identical_grads(folder, world, mode):
     batch = make_batch(8)
     grads, calls = [], []
     for recompute in ("none", mode):
         engine = _engine(folder, recompute=recompute)
         count = [0]
-        layer = engine.model.model.layers["0"]
+        layer = _unwrapped(engine.model.model.layers["0"])
         # the first module each recomputed region runs (recomputation may stop early)
-        first = layer.input_layernorm if mode == "full" else layer.self_attn.q_proj
+        first = (layer.input_layernorm if mode == "full"
+                 else _unwrapped(layer.self_attn).q_proj)
         first.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
         mbs = _mbs(batch)
         tokens, _ = engine.loss_normalizers(mbs, mask_key="loss_mask")
@@ -175,6 +180,18 @@ def test_recompute_gives_identical_grads(folder, world, mode):
     assert calls == [1, 2]  # run again in backward
     for name, grad in grads[0].items():
         assert torch.equal(grads[1][name], grad), name
+
+
+@pytest.mark.parametrize("mode", ["full", "attention_block"])
+def test_recompute_wraps_modules_and_keeps_state_dict_names(folder, world, mode):
+    plain = _engine(folder, optim=None).model
+    model = _engine(folder, optim=None, recompute=mode).model
+    layer = model.model.layers["0"]
+    assert isinstance(layer if mode == "full" else layer.self_attn, Recomputed)
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    model.load_state_dict(plain.state_dict())  # strict: every key lands in the wrapped model
+    with pytest.raises(ValueError, match="'attention_block'"):
+        _engine(folder, optim=None, recompute="selective")
 
 
 def test_learning_rate_follows_the_schedule_across_steps(folder, world):

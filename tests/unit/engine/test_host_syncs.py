@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlhf.config.schema import TinyModelConfig
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.models.tiny import make_tiny_model
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import OPTIM, SMALL, actor_loss_fn, make_batch
 

@@ -8,10 +8,10 @@ import pytest
 
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import EnvConfig
-from rlhf.data.calc import CalcTask, tool_call_text, write_calc_dataset
 from rlhf.data.dataset import PromptDataset, read_rows
+from rlhf.demo.calculator_data import CalcTask, tool_call_text, write_calc_dataset
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.tools import calculator
-from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.rollout.engine import Completion
 from rlhf.rollout.multiturn import Episode
 from rlhf.trainer.sft import response_ids

@@ -6,9 +6,9 @@ import pytest
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import EnvConfig
 from rlhf.data.fields import response_mask
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.render import TurnRenderer
 from rlhf.errors import RLHFError
-from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.rollout.engine import Completion
 from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch
 from tests.unit.envs.play import play_episodes

@@ -3,9 +3,9 @@ calculator, and the tiny chat template's tool turns."""
 
 import pytest
 
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs import ToolEnv, parse_tool_calls
 from rlhf.envs.tools import CalculatorEnv, calculator, describe_tool
-from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 
 
 def call(expr: str) -> str:

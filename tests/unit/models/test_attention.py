@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rlhf.models import attention
+from rlhf.models import attention, varlen_layout
 from rlhf.models.attention import (flash_varlen, missing_flash_message, pick_kernel, sdpa_split,
                                    sdpa_varlen, varlen_attention)
 
@@ -75,15 +76,19 @@ def test_split_kernel_non_causal_equals_reference():
     assert not torch.allclose(ours[0], causal[0])
 
 
-def test_split_kernel_builds_its_grouping_once_per_packed_batch():
+def test_split_kernel_builds_its_grouping_once_per_packed_batch(monkeypatch):
     """Every layer of a forward sees the same packed layout: the grouping into equal lengths is
-    built on the first call and reused (keyed on the bounds' values, not on the tensor), with
+    built on the first call and kept on the layout (whichever tensor holds the bounds), with
     the same values and grads; another layout builds its own."""
     qkv, cu, grad_out = _packed([6, 6, 4, 0, 6], 4, seed=7)
-    attention._length_groups.cache_clear()
-    runs = [_value_and_grads(sdpa_split, qkv, bounds, grad_out) for bounds in (cu, cu, cu.clone())]
-    info = attention._length_groups.cache_info()
-    assert (info.misses, info.hits) == (1, 2)
+    builds = []
+    build = varlen_layout._sdpa_groups
+    monkeypatch.setattr(varlen_layout, "_sdpa_groups",
+                        lambda *a: builds.append(a) or build(*a))
+    layout = varlen_layout.varlen_layout(cu, None)
+    kernel = functools.partial(sdpa_split, layout=layout)
+    runs = [_value_and_grads(kernel, qkv, bounds, grad_out) for bounds in (cu, cu, cu.clone())]
+    assert len(builds) == 1
     ref = _value_and_grads(sdpa_varlen, qkv, cu, grad_out)
     for ours in runs:
         for a, b in zip(ours, ref):
@@ -92,7 +97,7 @@ def test_split_kernel_builds_its_grouping_once_per_packed_batch():
     for a, b in zip(_value_and_grads(sdpa_split, qkv, other, grad_out),
                     _value_and_grads(sdpa_varlen, qkv, other, grad_out)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    assert attention._length_groups.cache_info().misses == 2
+    assert len(builds) == 2
 
 
 def test_split_kernel_takes_the_fused_path():

@@ -10,8 +10,9 @@ import torch
 from rlhf.data.packing import pack_prompt_response
 from rlhf.data.ragged import Ragged
 from rlhf.models import attention
-from rlhf.models.attention import flash_varlen, sdpa_varlen, varlen_layout
+from rlhf.models.attention import flash_varlen, sdpa_varlen
 from rlhf.models.outputs import sp_pad
+from rlhf.models.varlen_layout import varlen_layout
 from tests.unit.models.fake_flash import make_flash_attn_varlen_func
 
 HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 8, 0.3

@@ -5,7 +5,8 @@ import torch
 
 from rlhf.engine.zero import partition
 from rlhf.models.config import ModelArgs
-from rlhf.models.parallelize import TPState, param_table
+from rlhf.models.param_table import param_table
+from rlhf.models.tp_plan import TPState
 from rlhf.models.transformer import CausalLM
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,
@@ -19,8 +20,8 @@ def _model(**kw):
 
 
 def test_tied_pair_at_pp2_first_stage_shares_and_the_last_stage_holds_the_copy():
-    first = param_table(_model(layer_ranges=[(0, 2)], has_head=False))
-    last = param_table(_model(layer_ranges=[(2, 4)], has_embedding=False))
+    first = param_table(_model(layer_ranges=[(0, 2)], has_head=False), tp=TPState())
+    last = param_table(_model(layer_ranges=[(2, 4)], has_embedding=False), tp=TPState())
     embed = first["model.embed_tokens.weight"]
     assert embed.shared and not embed.tied_copy and embed.hf_name == embed.name
     head = last["lm_head.weight"]
@@ -30,7 +31,7 @@ def test_tied_pair_at_pp2_first_stage_shares_and_the_last_stage_holds_the_copy()
 
 
 def test_a_whole_tied_model_holds_the_pair_once_and_shares_nothing():
-    table = param_table(_model())
+    table = param_table(_model(), tp=TPState())
     names = [e.name for e in table]
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     assert not any(e.shared or e.tied_copy for e in table)
@@ -39,19 +40,19 @@ def test_a_whole_tied_model_holds_the_pair_once_and_shares_nothing():
 
 def test_qwen3_qk_norms_are_tp_partial_and_sequence_parallel_adds_every_norm():
     model = _model()
-    model.tp_state = TPState(tp=2, sequence_parallel=False)  # what apply_tp records
-    partial = {e.name for e in param_table(model) if e.tp_partial_grad}
+    tp = TPState(tp=2, sequence_parallel=False)  # what apply_tp returns
+    partial = {e.name for e in param_table(model, tp=tp) if e.tp_partial_grad}
     assert partial == {f"model.layers.{i}.self_attn.{n}.weight"
                        for i in range(4) for n in ("q_norm", "k_norm")}
-    model.tp_state = TPState(tp=2, sequence_parallel=True)
-    partial = {e.name for e in param_table(model) if e.tp_partial_grad}
+    tp = TPState(tp=2, sequence_parallel=True)
+    partial = {e.name for e in param_table(model, tp=tp) if e.tp_partial_grad}
     norms = {name for name, _ in model.named_parameters() if "norm" in name}
     assert partial == norms and "model.norm.weight" in partial
 
 
 def test_with_partition_fills_flat_ranges_and_owners():
     model = _model(layer_ranges=[(0, 1)], has_head=False)
-    table = param_table(model)
+    table = param_table(model, tp=TPState())
     numels = [p.numel() for p in model.parameters()]
     part = partition(numels, 4, bucket_numel=10_000)
     filled = table.with_partition(part)

@@ -19,6 +19,11 @@ HAND = {0: (0, 0, 0), 1: (0, 0, 1), 2: (0, 1, 0), 3: (0, 1, 1),
         4: (1, 0, 0), 5: (1, 0, 1), 6: (1, 1, 0), 7: (1, 1, 1)}
 
 
+def _group_of(layout, rank, axis):
+    """The group along `axis` that holds position `rank`, or None."""
+    return next((g for g in layout.groups(axis) if rank in g), None)
+
+
 def test_rank_to_coordinate_and_back_by_hand():
     lay = Layout(dp=2, pp=2, tp=2)
     assert {r: lay.coordinate(r) for r in range(8)} == HAND
@@ -35,11 +40,11 @@ def test_groups_by_hand():
     assert lay.groups("mp") == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert lay.groups("embedding") == [(0, 2), (1, 3), (4, 6), (5, 7)]
     assert lay.output_ranks() == [2, 6]  # tp 0 of the last stage of each DP group
-    assert lay.group_of(5, "pp") == (5, 7) and lay.group_of(5, "dp") == (1, 5)
+    assert _group_of(lay, 5, "pp") == (5, 7) and _group_of(lay, 5, "dp") == (1, 5)
     # pp=4, tp=1, dp=1: one pipeline; the embedding pair is its first and last stage
     pipe = Layout(dp=1, pp=4)
     assert pipe.groups("pp") == [(0, 1, 2, 3)] and pipe.groups("embedding") == [(0, 3)]
-    assert pipe.group_of(1, "embedding") is None
+    assert _group_of(pipe, 1, "embedding") is None
     assert Layout(dp=4).groups("embedding") == [] and Layout(dp=4).output_ranks() == [0, 1, 2, 3]
 
 

@@ -12,6 +12,7 @@ import rlhf.models.attention as attention
 from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import make_micro_batches
+from rlhf.models.build import BuiltModel
 from rlhf.models.config import ModelArgs
 from rlhf.models.transformer import CausalLM
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -51,7 +52,7 @@ def test_the_tracker_counts_new_storages_only_and_frees_them():
 
 CASES = [  # tokens, vocab, hidden, intermediate, dtype, recompute
     (512, 2048, 128, 344, torch.float32, "none"),
-    (1024, 4096, 256, 688, torch.float32, "selective"),
+    (1024, 4096, 256, 688, torch.float32, "attention_block"),
     (1024, 4096, 256, 688, torch.float32, "full"),
     (512, 2048, 128, 344, torch.bfloat16, "none"),
     (1024, 4096, 256, 688, torch.bfloat16, "none"),
@@ -66,7 +67,8 @@ def measure_micro_batch(args: ModelArgs, dtype, tokens: int, recompute: str, *,
     with GlooWorld():
         torch.manual_seed(0)
         model = CausalLM(args).to(dtype)
-        engine = TrainEngine(model, ParallelMesh([0], cache=ProcessGroupCache()),
+        engine = TrainEngine(BuiltModel.unsharded(model),
+                             ParallelMesh([0], cache=ProcessGroupCache()),
                              optim=OptimizerConfig(), recompute=recompute)
         gen = torch.Generator().manual_seed(0)
         n, prompt = tokens // seq_len, seq_len // 4

@@ -105,7 +105,7 @@ def test_activation_estimates_shrink_with_recompute_and_sequence_parallelism():
     cfg = load_config(MULTIGPU)
     actor = next(s for s in role_specs(cfg, hardware(cfg), model_dirs=MODELS)
                  if s.name == "actor")
-    none, sel, full = (layer_activation_bytes(actor, r) for r in ("none", "selective", "full"))
+    none, sel, full = (layer_activation_bytes(actor, r) for r in ("none", "attention_block", "full"))
     assert full < sel < none
     no_sp = dataclasses.replace(actor, plan=dataclasses.replace(actor.plan,
                                                                 sequence_parallel=False))

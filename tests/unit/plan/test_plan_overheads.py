@@ -101,13 +101,13 @@ def test_a_tied_head_at_pp1_has_its_workspace_counted():
     import torch
 
     from rlhf.config.schema import OffloadConfig, ParallelConfig, TinyModelConfig
+    from rlhf.demo.tiny_model import tiny_hf_config
     from rlhf.models.config import ModelArgs
-    from rlhf.models.tiny import _hf_config
     from rlhf.plan.inputs import RoleSpec
     from rlhf.plan.memory import stage_memory
 
     def head_bytes(tied: bool) -> int:
-        args = ModelArgs.from_hf_config(_hf_config(TinyModelConfig(tie_embeddings=tied),
+        args = ModelArgs.from_hf_config(tiny_hf_config(TinyModelConfig(tie_embeddings=tied),
                                                    bos_id=0, eos_id=1, pad_id=2).to_dict())
         spec = RoleSpec(name="actor", head="lm", args=args, plan=ParallelConfig(), world_size=1,
                         colocated=True, dtype=torch.bfloat16, trains=True, recompute="none",

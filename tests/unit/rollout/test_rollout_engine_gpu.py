@@ -44,7 +44,7 @@ print("OK")
 
 def test_cuda_engine_sleeps_wakes_and_reloads(tmp_path):
     from rlhf.config import TinyModelConfig
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     folder = make_tiny_model(TinyModelConfig(), tmp_path / "tiny")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(folder)], capture_output=True,

@@ -37,7 +37,7 @@ print("OK")
 
 def test_a_batch_past_the_prefill_budget_samples_like_its_halves(tmp_path):
     from rlhf.config import TinyModelConfig
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     model = make_tiny_model(TinyModelConfig(num_layers=2, hidden_size=128, num_heads=4,
                                             num_kv_heads=2, intermediate_size=256,

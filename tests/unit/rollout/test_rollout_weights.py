@@ -109,7 +109,7 @@ print("OK")
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
 def test_direct_reload_equals_layerwise_and_transformers(tmp_path, arch, tied):
     from rlhf.config import TinyModelConfig
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     spec = dict(arch=arch, tie_embeddings=tied, num_layers=2, hidden_size=128, num_heads=4,
                 num_kv_heads=2, intermediate_size=256, max_position_embeddings=64)

@@ -3,8 +3,8 @@
 from pathlib import Path
 
 from rlhf.config import TinyModelConfig, config_from_dict
-from rlhf.data.arith import ArithTask, write_arith_dataset
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.arithmetic_data import ArithTask, write_arith_dataset
+from rlhf.demo.tiny_model import make_tiny_model
 
 # Head size 32 has a vLLM CPU kernel; 2 heads, 2 kv heads and 2 layers allow tp=2 and pp=2.
 TINY = TinyModelConfig(num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=2,

@@ -16,7 +16,7 @@ def test_a_missing_tokenizer_folder_is_an_error_not_a_hub_lookup(tmp_path, monke
 
 
 def test_a_local_tokenizer_folder_loads(tmp_path):
-    from rlhf.models.tiny import make_tiny_model
+    from rlhf.demo.tiny_model import make_tiny_model
 
     folder = make_tiny_model(TINY, tmp_path / "model")
     assert load_tokenizer(folder).eos_token_id is not None

@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from rlhf.config.schema import TinyModelConfig
+from rlhf.demo import tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.demo.tiny_tokenizer import ROLE_TOKENS, train_tiny_tokenizer
 from rlhf.errors import RLHFError
-from rlhf.models import tiny
-from rlhf.models.tiny import make_tiny_model
-from rlhf.models.tiny_tokenizer import ROLE_TOKENS, train_tiny_tokenizer
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 # Head size 16 is fine for transformers; only vLLM on CPU needs >= 32.
@@ -117,7 +117,7 @@ def test_failure_leaves_previous_folder_untouched(tmp_path, monkeypatch):
         (folder / "config.json").write_text("{}")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tiny, "_write_model", write_then_fail)
+    monkeypatch.setattr(tiny_model, "_write_model", write_then_fail)
     with pytest.raises(RuntimeError, match="disk full"):
         make_tiny_model(TinyModelConfig(**SMALL), out, overwrite=True)
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
@@ -128,7 +128,7 @@ def test_failure_leaves_previous_folder_untouched(tmp_path, monkeypatch):
 
 
 def test_warns_about_head_sizes_vllm_cpu_lacks(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(tiny, "_write_model", lambda spec, folder: None)  # only the check
+    monkeypatch.setattr(tiny_model, "_write_model", lambda spec, folder: None)  # only the check
     make_tiny_model(TinyModelConfig(**SMALL), tmp_path / "a")
     assert "head size 16" in capsys.readouterr().err
     head_32 = TinyModelConfig(**{**SMALL, "num_heads": 2, "num_kv_heads": 1})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rlhf.config.schema import TinyModelConfig
-from rlhf.models.tiny import make_tiny_model
+from rlhf.demo.tiny_model import make_tiny_model
 
 pytestmark = pytest.mark.vllm
 

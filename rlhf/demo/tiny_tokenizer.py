@@ -15,7 +15,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rlhf.data.arith import ArithTask, generate_problems, sample_text
+from rlhf.demo.arithmetic_data import ArithTask, generate_problems, sample_text
 from rlhf.errors import ConfigError
 
 PAD_TOKEN = "<|pad|>"

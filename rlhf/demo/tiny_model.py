@@ -14,9 +14,9 @@ from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, M
                           PretrainedConfig, Qwen2Config, Qwen3Config)
 
 from rlhf.config.schema import VLLM_CPU_HEAD_SIZES, TinyModelConfig
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
-from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 
 INIT_STD = 0.02
 # Norm scales and biases get small random offsets instead of HF's ones/zeros, so a weight
@@ -24,7 +24,9 @@ INIT_STD = 0.02
 NORM_JITTER = 0.1
 
 
-def _hf_config(spec: TinyModelConfig, *, bos_id: int, eos_id: int, pad_id: int) -> PretrainedConfig:
+def tiny_hf_config(spec: TinyModelConfig, *, bos_id: int, eos_id: int,
+                   pad_id: int) -> PretrainedConfig:
+    """The transformers config `make_tiny_model` writes for `spec` (also read by the planner)."""
     common = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
@@ -65,7 +67,7 @@ def _write_model(spec: TinyModelConfig, folder: Path) -> None:
     tokenizer.model_max_length = spec.max_position_embeddings
     ids = dict(bos_id=tokenizer.bos_token_id, eos_id=tokenizer.eos_token_id,
                pad_id=tokenizer.pad_token_id)
-    config = _hf_config(spec, **ids)
+    config = tiny_hf_config(spec, **ids)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, spec.seed)
     # Written by hand rather than with model.save_pretrained, which draws a progress bar.

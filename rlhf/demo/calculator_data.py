@@ -13,7 +13,7 @@ answer, the tool's result copied. Kinds: "sft" calls with the right expression; 
 with the prompt's operands but an operator drawn at random from `ops`, so a policy warm-started
 on it calls and answers well-formed but is right only when the draw matches, and RL must teach
 using the prompt's operator; "direct" answers without the tool (the no-tool baseline).
-Train and val never share a problem (rlhf.data.arith.problem_split, a hash of the prompt).
+Train and val never share a problem (rlhf.demo.arithmetic_data.problem_split, a hash of the prompt).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.data.arith import SPLITS, evaluate, problem_split
+from rlhf.demo.arithmetic_data import SPLITS, evaluate, problem_split
 from rlhf.envs.render import TurnRenderer
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.files import atomic_write

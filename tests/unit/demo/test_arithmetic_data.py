@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlhf.cli import build_parser, main
-from rlhf.data.arith import (ArithTask, generate_problems, problem_split, sample_text,
+from rlhf.demo.arithmetic_data import (ArithTask, generate_problems, problem_split, sample_text,
                              write_arith_dataset)
 from rlhf.errors import ConfigError, RLHFError
 
@@ -22,7 +22,7 @@ def test_ground_truth_equals_python_eval(task):
 
 
 def test_default_prompts_are_short():
-    from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
+    from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 
     tokenizer = train_tiny_tokenizer(vocab_size=512, seed=0)
     for task in (ArithTask(), ArithTask(ops="+-*", max_value=99, terms=4)):

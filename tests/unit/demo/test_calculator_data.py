@@ -1,5 +1,5 @@
-"""The calculator example's data (rlhf.data.calc): problems, disjoint splits, tool-use traces
-and `rlhf make-dataset calc`; and configs/calculator.yaml through `rlhf config show`."""
+"""The calculator example's data (rlhf.demo.calculator_data): problems, disjoint splits,
+tool-use traces and `rlhf make-dataset calc`; and configs/calculator.yaml through `rlhf config show`."""
 
 import json
 import re
@@ -10,10 +10,10 @@ import pytest
 
 from rlhf.cli import build_parser, main
 from rlhf.config import load_config
-from rlhf.data.calc import CalcTask, draw_problems, tool_call_text, write_calc_dataset
+from rlhf.demo.calculator_data import CalcTask, draw_problems, tool_call_text, write_calc_dataset
+from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.tools import CalculatorEnv, calculator, parse_tool_calls
 from rlhf.errors import ConfigError, RLHFError
-from rlhf.models.tiny_tokenizer import train_tiny_tokenizer
 
 CALCULATOR = Path(__file__).resolve().parents[3] / "configs" / "calculator.yaml"
 PROBLEM = re.compile(r"^(\d+)([-+*])(\d+)=$")
