@@ -8,8 +8,6 @@ message reads the same from Python and from YAML); checks across sections, and a
 model's config.json, are in `rlhf.config.checks`.
 """
 
-from __future__ import annotations
-
 import re
 from pathlib import Path
 from dataclasses import dataclass, field
@@ -454,12 +452,12 @@ class RewardConfig(ForwardRoleConfig):
 TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer, whose state a checkpoint holds
 
 
-def sft_output_path(cfg: JobConfig) -> Path:
+def sft_output_path(cfg: "JobConfig") -> Path:
     """Where `rlhf sft` writes the fine-tuned HF folder."""
     return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
 
 
-def job_roles(cfg: JobConfig) -> dict[str, ForwardRoleConfig | RolloutConfig]:
+def job_roles(cfg: "JobConfig") -> dict[str, "ForwardRoleConfig | RolloutConfig"]:
     """The roles a PPO job creates, in build order, each with its config section: the actor;
     the critic when algorithm.use_critic; the reference when algorithm.use_ref; the reward
     model when reward.model_path is set; the rollout pool when rollout.placement is separate."""
