@@ -13,9 +13,10 @@ from rlhf.config.loader import add_job_arguments
 
 def _config_show(args) -> int:
     from rlhf.config import format_config, load_config
+    from rlhf.config.paths import resolve_paths
     from rlhf.config.preflight import preflight
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_paths(load_config(args.config, args.overrides), base=Path.cwd())
     checked = preflight(cfg, command="show", ray_address=trainer_cli.env_address())
     for note in checked.notes:
         print(note, file=sys.stderr)

@@ -33,8 +33,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 def _load(args):
     from rlhf.config import load_config
+    from rlhf.config.paths import resolve_paths
 
-    return load_config(args.config, args.overrides)
+    return resolve_paths(load_config(args.config, args.overrides), base=Path.cwd())
 
 
 def env_address() -> str | None:
