@@ -38,7 +38,7 @@ from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
 from rlhf.trainer.phases import batch_metrics, compute_advantages, score_batch, step_seed
 from rlhf.trainer.recipes import prepare_update, rollout_corr_metrics, shape_scores
 from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
-from rlhf.trainer.shared_folder import check_shared_folder
+from rlhf.trainer.shared_folder import check_shared_folder, check_user_files, user_files
 
 VAL_SEED = 12345
 # Roles whose methods run under rlhf.engine.offload.in_phase and report memory per call.
@@ -82,6 +82,8 @@ class PPOTrainer:
         self.ckpt.remove_stale()
         check_shared_folder(self.output_dir,  # every node writes checkpoint shards there
                             {r: self.views[r].read_marker for r in self._trained_roles()})
+        check_user_files(user_files(self.cfg), self.views,
+                         timeout_s=self.cfg.reward.import_timeout_s)
         start = self.resume()
         # Kept on the trainer: its Ray gauge actor lives as long as the logger does.
         self.logger = logger = MetricsLogger(
