@@ -49,17 +49,22 @@ class LoopbackCluster:
         self.address = f"127.0.0.1:{self.port}"
         self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
         self.nodes: dict[str, subprocess.Popen] = {}
+        self._started = 0
 
-    def start_node(self, name: str, *, head: bool = False, timeout_s: float = 120) -> None:
-        """`ray start --block` in folder root/<name>; returns once Ray says it started."""
+    def start_node(self, name: str, *, head: bool = False, timeout_s: float = 180) -> None:
+        """`ray start --block` in folder root/<name>; returns when Ray says it started. The
+        node carries the resource `mn_<name>` so tests can tell the nodes apart. Start nodes
+        one at a time: nodes of one address starting together may take each other's raylet."""
         ports = ["--node-manager-port", str(free_port()), "--object-manager-port",
                  str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                  "--metrics-export-port", str(free_port()), "--runtime-env-agent-port",
                  str(free_port())]
-        low = 30000 + 1000 * len(self.nodes) + (os.getpid() % 20) * 100
+        self._started += 1  # its own range of worker ports, even for a node started again
+        low = 30000 + 1000 * self._started + (os.getpid() % 20) * 50
         args = [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                "--temp-dir", str(self.temp_dir), "--disable-usage-stats",
-                "--min-worker-port", str(low), "--max-worker-port", str(low + 99), *ports]
+                "--resources", json.dumps({f"mn_{name}": 1}), "--temp-dir", str(self.temp_dir),
+                "--disable-usage-stats", "--min-worker-port", str(low), "--max-worker-port",
+                str(low + 49), *ports]
         if head:
             args += ["--head", "--port", str(self.port), "--include-dashboard", "true",
                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
@@ -68,38 +73,35 @@ class LoopbackCluster:
             args += ["--address", self.address]
         folder = self.root / name
         folder.mkdir(parents=True, exist_ok=True)
-        log = open(folder / "ray-start.log", "w")
-        proc = subprocess.Popen(args, cwd=folder, env=client_env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.nodes[name] = proc
+        log = folder / "ray-start.log"
+        with open(log, "w") as out:
+            proc = self.nodes[name] = subprocess.Popen(
+                args, cwd=folder, env=client_env(), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
         deadline = time.monotonic() + timeout_s
-        while "Ray runtime started" not in (folder / "ray-start.log").read_text():
+        while "Ray runtime started" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ray start of {name} failed:\n"
-                                   f"{(folder / 'ray-start.log').read_text()[-3000:]}")
+                raise RuntimeError(f"ray start of {name} failed:\n{log.read_text()[-3000:]}")
             time.sleep(0.5)
 
     def kill_node(self, name: str) -> None:
         """The node's raylet and helpers die at once (its workers follow when they see it)."""
         proc = self.nodes.pop(name)
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_group(proc, signal.SIGKILL)
         proc.wait()
 
     def stop(self) -> None:
-        """Stop every node, the head last; remove the cluster's files."""
-        for name in [n for n in self.nodes if n != "head"] + ["head"] * ("head" in self.nodes):
-            proc = self.nodes.pop(name)
+        """Stop every node (SIGTERM, then SIGKILL after a few seconds); remove its files."""
+        procs, self.nodes = list(self.nodes.values()), {}
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in procs:
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=15)
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                _signal_group(proc, signal.SIGKILL)
                 proc.wait()
-            except ProcessLookupError:
-                pass
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def query(self, code: str, timeout_s: float = 120) -> object:
@@ -113,7 +115,14 @@ class LoopbackCluster:
         assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
         return json.loads(lines[-1][2:])
 
-    def node_ids(self) -> dict[str, bool]:
-        """{node id: is the head} of the alive nodes."""
-        return self.query("out = {n['NodeID']: 'node:__internal_head__' in n['Resources'] "
-                          "for n in ray.nodes() if n['Alive']}")
+    def node_ids(self) -> dict[str, str]:
+        """{node id: name given to start_node} of the alive nodes."""
+        return self.query("out = {n['NodeID']: k[3:] for n in ray.nodes() if n['Alive'] "
+                          "for k in n['Resources'] if k.startswith('mn_')}")
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the node's own process group (start_new_session)
+    except ProcessLookupError:
+        pass
