@@ -1,8 +1,10 @@
 """A real Ray cluster of several nodes on this machine, started with `ray start` as users do.
 
-Every node listens on 127.0.0.1 with ports of its own, keeps its files under one temporary
-folder, and is started from a folder of its own (its workers' working directory), so nothing
-the test does can reach the test session's own Ray or resolve a path by accident. Token
+Every node listens on 127.0.0.1 with ports of its own, keeps its files in a temporary folder of
+its own (as separate machines would: nodes sharing one would unpack a job's working_dir into
+the same folder at once), and is started from a folder of its own (its workers' working
+directory), so nothing the test does can reach the test session's own Ray or resolve a path
+by accident. Token
 authentication is explicitly off (RAY_AUTH_MODE=disabled) for the whole cluster and its clients.
 """
 
@@ -43,7 +45,7 @@ class LoopbackCluster:
 
     def __init__(self, root: Path):
         self.root = root
-        # A short folder of its own: Ray's socket paths must fit in 107 characters.
+        # Short folders: Ray's socket paths must fit in 107 characters.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rlhf-mn-", dir="/tmp"))
         self.port, self.dashboard_port = free_port(), free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -62,9 +64,9 @@ class LoopbackCluster:
         self._started += 1  # its own range of worker ports, even for a node started again
         low = 30000 + 1000 * self._started + (os.getpid() % 20) * 50
         args = [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                "--resources", json.dumps({f"mn_{name}": 1}), "--temp-dir", str(self.temp_dir),
-                "--disable-usage-stats", "--min-worker-port", str(low), "--max-worker-port",
-                str(low + 49), *ports]
+                "--resources", json.dumps({f"mn_{name}": 1}), "--temp-dir",
+                str(self.temp_dir / name), "--disable-usage-stats", "--min-worker-port",
+                str(low), "--max-worker-port", str(low + 49), *ports]
         if head:
             args += ["--head", "--port", str(self.port), "--include-dashboard", "true",
                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),

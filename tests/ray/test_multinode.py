@@ -127,9 +127,10 @@ def scenario(tmp_path_factory):
         c_output, _ = c.communicate(timeout=400)
         out["c"] = {"rc": c.returncode, "output": c_output[-8000:]}
         out["nodes_after"] = cluster.node_ids()
+        errors = [line for line in b_output.splitlines() if line.startswith("error: ")]
         print(f"multinode: A {out['a']['seconds']:.0f} s, node loss to stop "
               f"{out['b']['stop_s']:.0f} s, total {time.monotonic() - t0:.0f} s after the "
-              "cluster started", file=sys.stderr)
+              f"cluster started; B: {errors[-1:]}", file=sys.stderr)
         yield out
     finally:
         cluster.stop()
