@@ -3,9 +3,10 @@
 
 One module-scoped scenario, each job reused by several tests:
   A  `RAY_ADDRESS=... rlhf train job.yaml` from the job's folder, with relative paths in the
-     config, while the nodes were started in other folders; 2 steps, a checkpoint each step.
-  B  the same job by `ray job submit --working-dir` (the folder shipped with the job); a
-     worker node hosting one of its ranks is killed during its second step.
+     config, while the nodes were started in other folders; 3 steps, a checkpoint each step.
+  B  the same job by `ray job submit --working-dir` (the folder shipped with the job), set to
+     run many steps; a worker node hosting one of its ranks is killed after its first
+     checkpoint, so it dies in step 2 or 3, never after its last.
   C  `ray job submit` again: it resumes B's last checkpoint on the nodes left, while the lost
      node is started again.
 """
@@ -27,7 +28,7 @@ from tests.unit.trainer.jobs import make_assets
 
 pytestmark = pytest.mark.timeout(900)
 
-STEPS = 2
+STEPS = 3
 LOSS_BOUND_S = 90  # node loss to a failed job: Ray's health check plus the group's grace
 JOB_YAML = """\
 model: {path: model}
@@ -58,15 +59,15 @@ def comparable(records: list[dict]) -> dict[int, dict]:
 
 
 def submit(cluster: LoopbackCluster, job_dir: Path, run_dir: Path, sid: str,
-           **popen) -> subprocess.Popen:
+           *overrides: str) -> subprocess.Popen:
     """`ray job submit` of the job in `job_dir`, shipped as its working_dir; blocks until the
     job ends, printing its logs."""
     return subprocess.Popen(
         [RAY, "job", "submit", "--address", cluster.dashboard, "--submission-id", sid,
          "--working-dir", str(job_dir), "--", sys.executable, "-m", "rlhf.cli", "train",
-         "job.yaml", f"trainer.output_dir={run_dir}", "--no-progress"],
+         "job.yaml", f"trainer.output_dir={run_dir}", *overrides, "--no-progress"],
         env=client_env(), cwd=cluster.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, **popen)
+        text=True)
 
 
 def placement(run_dir: Path) -> dict[str, list[int]]:
@@ -101,13 +102,19 @@ def scenario(tmp_path_factory):
                            capture_output=True, text=True, timeout=400)
         out["a"] = {"rc": a.returncode, "output": a.stdout[-3000:] + a.stderr[-6000:],
                     "run": job_dir / "run", "seconds": time.monotonic() - t0}
-        out["actors"] = cluster.query(
+        out.update(cluster.query(
             "from ray.util.state import list_actors\n"
-            f"out = {{a.name: a.node_id for a in list_actors(address={cluster.dashboard!r}, "
-            "filters=[('class_name', '=', 'ColocatedWorker')], limit=1000)}")
+            "from rlhf.controller import ResourceError, ResourcePool\n"
+            f"actors = list_actors(address={cluster.dashboard!r}, "
+            "filters=[('class_name', '=', 'ColocatedWorker')], limit=1000)\n"
+            "out = {'actors': {a.name: a.node_id for a in actors}}\n"
+            "try:\n"
+            "    ResourcePool('too-big', ranks_per_node=[2], use_gpu=False, timeout_s=5)\n"
+            "except ResourceError as e:\n"
+            "    out['too_big_error'] = str(e)"))
 
         run_b = root / "run-b"
-        b = submit(cluster, job_dir, run_b, "mn-b")
+        b = submit(cluster, job_dir, run_b, "mn-b", "trainer.total_steps=20")
         deadline = time.monotonic() + 400
         while not (run_b / "checkpoints" / "step_1").is_dir():
             assert b.poll() is None and time.monotonic() < deadline, b.communicate()[0][-6000:]
@@ -162,6 +169,12 @@ def test_ranks_run_on_the_nodes_their_placement_groups_name(scenario):
     for node, ranks in by_node.items():
         for rank in ranks:
             assert actors[f"mn/actor+critic:{rank}"].startswith(node)
+
+
+def test_a_node_entry_larger_than_any_node_fails_fast(scenario):
+    message = scenario["too_big_error"]
+    assert "node entry 0 needs {CPU: 2} on one node" in message
+    assert "largest node has {CPU: 1}" in message
 
 
 def test_every_node_reads_the_shared_folder_and_imports_the_reward_file(scenario):
