@@ -7,9 +7,10 @@
     pending = critic_wg.update(batch, blocking=False)    # returns at once; pending.get() later
 
 Failures: the driver waits on every rank's result at once and raises WorkerError at the first
-failure, with job, role, rank, method and the remote traceback. After a failure, the other
-ranks get `error_grace_s` to finish; ranks still running then are taken to be stuck (in a
-collective waiting for the failed rank), and a dead process can never rejoin its
+failure, with job, role, rank, method and the remote traceback; a rank whose process died is
+named with its node and the ranks that shared it (a lost node takes them all). After a
+failure, the other ranks get `error_grace_s` to finish; ranks still running then are taken to
+be stuck (in a collective waiting for the failed rank), and a dead process can never rejoin its
 torch.distributed world, so in both cases the whole group is killed (its pool is kept until
 `shutdown()`) and later calls raise at once. A failure that every rank finishes from (say, a
 bad argument raising on all ranks) leaves the group usable.
