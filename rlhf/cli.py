@@ -31,8 +31,9 @@ def _add_job_commands(commands: argparse._SubParsersAction) -> None:
 
 def _load(args):
     from rlhf.config import load_config
+    from rlhf.config.paths import resolve_paths
 
-    return load_config(args.config, args.overrides)
+    return resolve_paths(load_config(args.config, args.overrides), base=Path.cwd())
 
 
 def env_address() -> str | None:
@@ -115,9 +116,10 @@ def _export_hf(args) -> int:
 
 def _config_show(args) -> int:
     from rlhf.config import format_config, load_config
+    from rlhf.config.paths import resolve_paths
     from rlhf.preflight import preflight
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = resolve_paths(load_config(args.config, args.overrides), base=Path.cwd())
     checked = preflight(cfg, command="show", ray_address=env_address())
     for note in checked.notes:
         print(note, file=sys.stderr)

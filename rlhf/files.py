@@ -1,6 +1,7 @@
 """Files and folders: written so that a crash never leaves a half-written one behind, and
 checked to be seen by every node before workers write into them."""
 
+import logging
 import os
 import shutil
 import socket
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import IO
 
 from rlhf.errors import RLHFError
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -73,12 +76,14 @@ MARKER_PREFIX = ".rlhf-shared-folder-"
 MarkerReader = Callable[[str], Sequence[tuple[str, str | None]]]  # path -> (node, text) per rank
 
 
-def read_marker(path: str) -> tuple[str, str | None]:
-    """(this node's host name, the text of `path` as this process sees it, or None)."""
+def read_marker(path: str, *, node: str | None = None) -> tuple[str, str | None]:
+    """(`node`, default this host's name, the text of `path` as this process sees it, or
+    None)."""
+    node = node or socket.gethostname()
     try:
-        return socket.gethostname(), Path(path).read_text()
+        return node, Path(path).read_text()
     except OSError:
-        return socket.gethostname(), None
+        return node, None
 
 
 def check_shared_folder(folder: str | Path, readers: dict[str, MarkerReader]) -> None:
@@ -89,10 +94,12 @@ def check_shared_folder(folder: str | Path, readers: dict[str, MarkerReader]) ->
     token = uuid.uuid4().hex
     marker = folder / f"{MARKER_PREFIX}{token}"
     marker.write_text(token)
+    seen: set[str] = set()
     try:
         blind: dict[str, set[str]] = {}
         for role, reader in readers.items():
             for node, text in reader(str(marker)):
+                seen.add(node)
                 if text != token:
                     blind.setdefault(node, set()).add(role)
     finally:
@@ -104,3 +111,5 @@ def check_shared_folder(folder: str | Path, readers: dict[str, MarkerReader]) ->
                         "cannot read the file the driver wrote there, so their checkpoint "
                         "shards would land in a different folder. Put trainer.output_dir on a "
                         "file system every node mounts (NFS, a shared volume) at the same path")
+    logger.info("trainer.output_dir %s is shared: read back on %s", folder,
+                "; ".join(sorted(seen)))

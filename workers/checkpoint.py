@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import ray
 import torch.distributed as dist
 
 from rlhf.controller import Dispatch, register
+from rlhf.controller.nodes import node_label
 from rlhf.engine.offload import in_phase
 from rlhf.files import read_marker
 from rlhf.models.hf_io import hf_config, write_hf_folder
@@ -34,8 +36,8 @@ class CheckpointMixin:
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def read_marker(self, path: str) -> tuple[str, str | None]:
-        """(host name, text of `path`) as this rank sees it: rlhf.files.check_shared_folder."""
-        return read_marker(path)
+        """(node, text of `path`) as this rank sees it: rlhf.files.check_shared_folder."""
+        return read_marker(path, node=node_label(ray.get_runtime_context().get_node_id()))
 
     def _after_load(self) -> None:
         """Hook for roles that cache something derived from the weights."""

@@ -7,9 +7,10 @@
     pending = critic_wg.update(batch, blocking=False)    # returns at once; pending.get() later
 
 Failures: the driver waits on every rank's result at once and raises WorkerError at the first
-failure, with job, role, rank, method and the remote traceback. After a failure, the other
-ranks get `error_grace_s` to finish; ranks still running then are taken to be stuck (in a
-collective waiting for the failed rank), and a dead process can never rejoin its
+failure, with job, role, rank, method and the remote traceback; a rank whose process died is
+named with its node and the ranks that shared it (a lost node takes them all). After a
+failure, the other ranks get `error_grace_s` to finish; ranks still running then are taken to
+be stuck (in a collective waiting for the failed rank), and a dead process can never rejoin its
 torch.distributed world, so in both cases the whole group is killed (its pool is kept until
 `shutdown()`) and later calls raise at once. A failure that every rank finishes from (say, a
 bad argument raising on all ranks) leaves the group usable.
@@ -18,6 +19,7 @@ bad argument raising on all ranks) leaves the group usable.
 from __future__ import annotations
 
 import inspect
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -37,9 +39,11 @@ from rlhf.controller.dispatch import (
     registered_methods,
 )
 from rlhf.controller.errors import WorkerDiedError, WorkerError
+from rlhf.controller.nodes import node_alive, node_label, node_table
 from rlhf.controller.resource_pool import ResourcePool
 
 RoleSpec = type | tuple[type, Mapping[str, Any]]
+logger = logging.getLogger(__name__)
 
 
 class WorkerGroup:
@@ -70,12 +74,18 @@ class WorkerGroup:
         backend = backend or ("nccl" if pool.use_gpu else "gloo")
         try:
             self._start_actors()
+            # Kept from the start: after a node is lost, Ray may move the pool's bundles.
+            self.rank_nodes = pool.node_ids()
             self.layouts = self._init_ranks(backend, init_timeout_s, collective_timeout_s)
         except BaseException:
             self._kill("the worker group failed to start")  # the caller still owns the pool
             raise
         self._views = {name: RoleView(self, name, cls, self.layouts[name])
                        for name, (cls, _) in self._specs.items()}
+        table = node_table()
+        logger.info("job '%s' group '%s': %s", job_name, self._label, "; ".join(
+            f"ranks {self._ranks_on(node)} on {node_label(node, table)}"
+            for node in dict.fromkeys(self.rank_nodes)))
 
     @property
     def world_size(self) -> int:
@@ -202,7 +212,7 @@ class WorkerGroup:
         where = f"job '{self.job_name}' role '{role}' rank {rank} ({self._actor_name(rank)})"
         if deaths:
             head = (f"{where}: process died while running '{method}' (killed, out of memory, "
-                    "exited, or failed to start)")
+                    f"exited, or failed to start){self._node_of(rank)}")
             remote = _plain(str(exc))
         else:
             remote = _plain(getattr(exc, "traceback_str", None) or str(exc))
@@ -224,6 +234,22 @@ class WorkerGroup:
         cls = WorkerDiedError if deaths else WorkerError
         return cls(message, job=self.job_name, role=role, rank=rank, method=method,
                    remote_traceback=remote)
+
+    def _ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.rank_nodes) if n == node]
+
+    def _node_of(self, rank: int) -> str:
+        """Where a dead rank ran, with the ranks that shared its node: when the node itself
+        was lost, they all went with it."""
+        nodes = getattr(self, "rank_nodes", None)
+        if not nodes:
+            return ""
+        table, node = node_table(), nodes[rank]
+        text = f"; it ran on {node_label(node, table)} (ranks {self._ranks_on(node)} there)"
+        if not node_alive(node, table):
+            text += ("; Ray reports that node dead (node lost: its raylet stopped or the "
+                     "machine went away), so resume from the last checkpoint once it is back")
+        return text
 
     def _kill(self, reason: str) -> None:
         if self._dead_reason is None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+from rlhf.config.paths import is_file_target
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.rewards.protocol import EXPECTED_SIGNATURE, REWARD_KWARGS
 
@@ -32,8 +33,7 @@ def load_object(spec: str, *, what: str = "reward function") -> object:
     target, sep, name = spec.rpartition(":")
     if not (sep and target and name):
         raise RLHFError(f"{what} {spec!r}: expected {_forms(what)}")
-    is_file = target.endswith(".py") or "/" in target or "\\" in target
-    module = (_load_file(spec, Path(target), what) if is_file
+    module = (_load_file(spec, Path(target), what) if is_file_target(target)
               else _import_module(spec, target, what))
     if not hasattr(module, name):
         raise RLHFError(f"{what} {spec!r}: {target} has no attribute {name!r}"

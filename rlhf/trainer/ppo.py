@@ -34,6 +34,7 @@ from rlhf.algorithms.rollout_correction import (reject_outside_band, rollout_cor
                                                 seq_tis_weights)
 from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles
 from rlhf.controller import RoleView
+from rlhf.controller.nodes import check_user_files, user_files
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
@@ -308,6 +309,8 @@ class PPOTrainer:
         self.ckpt.remove_stale()
         check_shared_folder(self.output_dir,  # every node writes checkpoint shards there
                             {r: self.views[r].read_marker for r in self._trained_roles()})
+        check_user_files(user_files(self.cfg), self.views,
+                         timeout_s=self.cfg.reward.import_timeout_s)
         start = self.resume()
         # Kept on the trainer: its Ray gauge actor lives as long as the logger does.
         self.logger = logger = MetricsLogger(

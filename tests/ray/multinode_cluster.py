@@ -1,70 +1,130 @@
-"""Run by test_multinode.py in its own process: a simulated two-node Ray cluster.
+"""A real Ray cluster of several nodes on this machine, started with `ray start` as users do.
 
-`ray.cluster_utils.Cluster` needs its own ray.init, which cannot share a process with the
-session cluster of the other tests. Prints one JSON line with what the test checks.
+Every node listens on 127.0.0.1 with ports of its own, keeps its files in a temporary folder of
+its own (as separate machines would: nodes sharing one would unpack a job's working_dir into
+the same folder at once), and is started from a folder of its own (its workers' working
+directory), so nothing the test does can reach the test session's own Ray or resolve a path
+by accident. Token
+authentication is explicitly off (RAY_AUTH_MODE=disabled) for the whole cluster and its clients.
 """
 
+from __future__ import annotations
+
 import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
-import ray
-import torch
-import torch.distributed as dist
-from ray.cluster_utils import Cluster
-
-from rlhf.controller import Dispatch, ResourceError, ResourcePool, WorkerGroup, register
-from rlhf.data.batch import Batch
-from workers.base import Worker
-
-CPUS_PER_NODE = 2
+REPO = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).with_name("ray"))
 
 
-class Probe(Worker):
-    """tp=2 over 4 ranks: tp groups {0,1} and {2,3}, one per node."""
-
-    def __init__(self, ctx):
-        super().__init__(ctx)
-        self.build_mesh(tp=2)
-
-    @register(dispatch=Dispatch.ONE_TO_ALL)
-    def where(self):
-        x = torch.tensor([float(self.ctx.rank)])
-        dist.all_reduce(x)  # the world spans both nodes
-        return {"node_id": ray.get_runtime_context().get_node_id(), "world_sum": x.item(),
-                "coordinate": list(self.mesh.coordinate)}
-
-    @register(dispatch=Dispatch.DP_COMPUTE)
-    def forward(self, batch):
-        node = ray.get_runtime_context().get_node_id()
-        return Batch({"id": batch["id"], "node": [node] * len(batch)})
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def main() -> dict:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": CPUS_PER_NODE,
-                                                             "include_dashboard": False})
-    cluster.add_node(num_cpus=CPUS_PER_NODE)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, logging_level="WARNING")
+def client_env(**extra: str) -> dict[str, str]:
+    """The environment of every process the test starts: this repository first on the path,
+    one thread per process, no token authentication, and no inherited Ray address."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled",
+               RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", **extra)
+    return env
+
+
+class LoopbackCluster:
+    """Head plus worker nodes, one CPU each; `stop()` kills every node's processes."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        # Short folders: Ray's socket paths must fit in 107 characters.
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="rlhf-mn-", dir="/tmp"))
+        self.port, self.dashboard_port = free_port(), free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.dashboard = f"http://127.0.0.1:{self.dashboard_port}"
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self._started = 0
+
+    def start_node(self, name: str, *, head: bool = False, timeout_s: float = 180) -> None:
+        """`ray start --block` in folder root/<name>; returns when Ray says it started. The
+        node carries the resource `mn_<name>` so tests can tell the nodes apart. Start nodes
+        one at a time: nodes of one address starting together may take each other's raylet."""
+        ports = ["--node-manager-port", str(free_port()), "--object-manager-port",
+                 str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                 "--metrics-export-port", str(free_port()), "--runtime-env-agent-port",
+                 str(free_port())]
+        self._started += 1  # its own range of worker ports, even for a node started again
+        low = 30000 + 1000 * self._started + (os.getpid() % 20) * 50
+        args = [RAY, "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+                "--resources", json.dumps({f"mn_{name}": 1}), "--temp-dir",
+                str(self.temp_dir / name), "--disable-usage-stats", "--min-worker-port",
+                str(low), "--max-worker-port", str(low + 49), *ports]
+        if head:
+            args += ["--head", "--port", str(self.port), "--include-dashboard", "true",
+                     "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+                     "--ray-client-server-port", str(free_port())]
+        else:
+            args += ["--address", self.address]
+        folder = self.root / name
+        folder.mkdir(parents=True, exist_ok=True)
+        log = folder / "ray-start.log"
+        with open(log, "w") as out:
+            proc = self.nodes[name] = subprocess.Popen(
+                args, cwd=folder, env=client_env(), stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while "Ray runtime started" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ray start of {name} failed:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def kill_node(self, name: str) -> None:
+        """The node's raylet and helpers die at once (its workers follow when they see it)."""
+        proc = self.nodes.pop(name)
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+    def stop(self) -> None:
+        """Stop every node (SIGTERM, then SIGKILL after a few seconds); remove its files."""
+        procs, self.nodes = list(self.nodes.values()), {}
+        for proc in procs:
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def query(self, code: str, timeout_s: float = 120) -> object:
+        """The JSON a small driver prints after joining the cluster as `ray` (code's last line
+        assigns `out`)."""
+        script = ("import json, ray\nray.init(address=%r, logging_level='ERROR')\n%s\n"
+                  "print('@@' + json.dumps(out))\nray.shutdown()\n" % (self.address, code))
+        done = subprocess.run([sys.executable, "-c", script], env=client_env(), cwd=self.root,
+                              capture_output=True, text=True, timeout=timeout_s)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]
+        assert done.returncode == 0 and lines, done.stdout[-2000:] + done.stderr[-4000:]
+        return json.loads(lines[-1][2:])
+
+    def node_ids(self) -> dict[str, str]:
+        """{node id: name given to start_node} of the alive nodes."""
+        return self.query("out = {n['NodeID']: k[3:] for n in ray.nodes() if n['Alive'] "
+                          "for k in n['Resources'] if k.startswith('mn_')}")
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
-        out = {"nodes": sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])}
-        try:
-            ResourcePool("too-big", ranks_per_node=[CPUS_PER_NODE + 1], use_gpu=False, timeout_s=5)
-        except ResourceError as e:
-            out["too_big_error"] = str(e)
-        pool = ResourcePool("mn", ranks_per_node=[CPUS_PER_NODE, CPUS_PER_NODE], use_gpu=False,
-                            timeout_s=60)
-        out["pool_node_ids"] = pool.node_ids()
-        group = WorkerGroup(pool, {"probe": Probe}, job_name="mn", init_timeout_s=120)
-        out["where"] = group.where()
-        result = group.forward(Batch({"id": torch.arange(5)}))
-        out["ids"], out["forward_nodes"] = result["id"].tolist(), result["node"]
-        group.shutdown()
-        return out
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-
-
-if __name__ == "__main__":
-    print(json.dumps(main()))
-    sys.stdout.flush()
+        os.killpg(proc.pid, sig)  # the node's own process group (start_new_session)
+    except ProcessLookupError:
+        pass

@@ -1,52 +1,213 @@
-"""A pool spanning two (simulated) nodes: ranks packed per node, one torch.distributed world."""
+"""PPO with trainer.nnodes=2 on a real Ray cluster of three one-CPU nodes on this machine
+(tests/ray/multinode_cluster.py).
 
-import json
-import os
-import pathlib
+One module-scoped scenario, each job reused by several tests:
+  A  `RAY_ADDRESS=... rlhf train job.yaml` from the job's folder, with relative paths in the
+     config, while the nodes were started in other folders; 3 steps, a checkpoint each step.
+  B  the same job by `ray job submit --working-dir` (the folder shipped with the job), set to
+     run many steps; a worker node hosting one of its ranks is killed after its first
+     checkpoint, so it dies in step 2 or 3, never after its last.
+  C  `ray job submit` again: it resumes B's last checkpoint on the nodes left, while the lost
+     node is started again.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(180)
+from rlhf.trainer.metrics import read_metrics
+from tests.ray.multinode_cluster import RAY, LoopbackCluster, client_env
+from tests.unit.trainer.jobs import make_assets
 
-SCRIPT = pathlib.Path(__file__).with_name("multinode_cluster.py")
-REPO = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+
+STEPS = 3
+LOSS_BOUND_S = 90  # node loss to a failed job: Ray's health check plus the group's grace
+JOB_YAML = """\
+model: {path: model}
+actor: {ppo_mini_batch_size: 2, max_tokens_per_micro_batch: 256, optim: {lr: 1.0e-3}}
+critic: {ppo_mini_batch_size: 2, max_tokens_per_micro_batch: 256}
+reward: {functions: [{path: "my_reward.py:score"}], num_workers: 0}
+rollout: {n: 2, max_new_tokens: 4, cpu_kv_cache_gb: 0.05, max_num_seqs: 16}
+algorithm: {adv_estimator: gae}
+data: {train_files: [train.jsonl], max_prompt_length: 24, train_batch_size: 4}
+trainer: {output_dir: run, total_steps: %d, save_every: 1, device: cpu, nnodes: 2,
+          ranks_per_node: 1, ray_metrics: false, experiment_name: mn}
+""" % STEPS
+REWARD_PY = """\
+from rlhf.rewards.arith import exact_match
+
+
+def score(*, prompt, response, ground_truth, extra):
+    return exact_match(prompt=prompt, response=response, ground_truth=ground_truth, extra=extra)
+"""
+# Wall-clock figures differ between runs; everything else must repeat exactly.
+VARYING = ("timing/", "throughput/", "sync/", "rollout/seconds", "rollout/tokens_per_s",
+           "memory/")
+
+
+def comparable(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(VARYING)}
+            for r in records}
+
+
+def submit(cluster: LoopbackCluster, job_dir: Path, run_dir: Path, sid: str,
+           *overrides: str) -> subprocess.Popen:
+    """`ray job submit` of the job in `job_dir`, shipped as its working_dir; blocks until the
+    job ends, printing its logs."""
+    return subprocess.Popen(
+        [RAY, "job", "submit", "--address", cluster.dashboard, "--submission-id", sid,
+         "--working-dir", str(job_dir), "--", sys.executable, "-m", "rlhf.cli", "train",
+         "job.yaml", f"trainer.output_dir={run_dir}", *overrides, "--no-progress"],
+        env=client_env(), cwd=cluster.root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+
+def placement(run_dir: Path) -> dict[str, list[int]]:
+    """{node id prefix: ranks} from the driver's log line of the shared pool."""
+    log = (run_dir / "logs" / "driver.log").read_text()
+    line = re.search(r"group 'actor\+critic': (.*)", log).group(1)
+    return {node: [int(r) for r in ranks.split(", ")]
+            for ranks, node in re.findall(r"ranks \[([\d, ]+)\] on .*? \(node (\w+)\)", line)}
 
 
 @pytest.fixture(scope="module")
-def report():
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    env.pop("RAY_ADDRESS", None)  # its own cluster, never the session's
-    proc = subprocess.run([sys.executable, str(SCRIPT)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=170)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    output = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert proc.returncode == 0 and lines, f"script failed:\n{output}"
-    return json.loads(lines[-1])
+def scenario(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multinode")
+    job_dir = root / "job"
+    make_assets(job_dir)
+    (job_dir / "job.yaml").write_text(JOB_YAML)
+    (job_dir / "my_reward.py").write_text(REWARD_PY)
+    cluster = LoopbackCluster(root)
+    out = {"root": root, "job_dir": job_dir}
+    # `timeout` and CI runners stop pytest with SIGTERM: turn it into an exception so that the
+    # cluster below is still stopped.
+    previous = signal.signal(signal.SIGTERM, _raise_exit)
+    try:
+        for name in ("head", "w1", "w2"):
+            cluster.start_node(name, head=name == "head")
+        out["nodes"] = cluster.node_ids()
+
+        t0 = time.monotonic()
+        a = subprocess.run([sys.executable, "-m", "rlhf.cli", "train", "job.yaml",
+                            "--no-progress"], cwd=job_dir,
+                           env=client_env(RAY_ADDRESS=cluster.address),
+                           capture_output=True, text=True, timeout=400)
+        out["a"] = {"rc": a.returncode, "output": a.stdout[-3000:] + a.stderr[-6000:],
+                    "run": job_dir / "run", "seconds": time.monotonic() - t0}
+        out.update(cluster.query(
+            "from ray.util.state import list_actors\n"
+            "from rlhf.controller import ResourceError, ResourcePool\n"
+            f"actors = list_actors(address={cluster.dashboard!r}, "
+            "filters=[('class_name', '=', 'ColocatedWorker')], limit=1000)\n"
+            "out = {'actors': {a.name: a.node_id for a in actors}}\n"
+            "try:\n"
+            "    ResourcePool('too-big', ranks_per_node=[2], use_gpu=False, timeout_s=5)\n"
+            "except ResourceError as e:\n"
+            "    out['too_big_error'] = str(e)"))
+
+        run_b = root / "run-b"
+        b = submit(cluster, job_dir, run_b, "mn-b", "trainer.total_steps=20")
+        deadline = time.monotonic() + 400
+        while not (run_b / "checkpoints" / "step_1").is_dir():
+            assert b.poll() is None and time.monotonic() < deadline, b.communicate()[0][-6000:]
+            time.sleep(0.5)
+        out["b_placement"] = placement(run_b)
+        lost = next(node for node, name in out["nodes"].items()
+                    if name != "head" and node[:8] in out["b_placement"])
+        out["lost"] = lost
+        killed_at = time.monotonic()
+        cluster.kill_node(out["nodes"][lost])
+        b_output, _ = b.communicate(timeout=300)
+        out["b"] = {"rc": b.returncode, "output": b_output, "run": run_b,
+                    "stop_s": time.monotonic() - killed_at}
+
+        c = submit(cluster, job_dir, run_b, "mn-c")
+        cluster.start_node(out["nodes"][lost])  # the node is back (with a new Ray node id)
+        c_output, _ = c.communicate(timeout=400)
+        out["c"] = {"rc": c.returncode, "output": c_output[-8000:]}
+        out["nodes_after"] = cluster.node_ids()
+        errors = [line for line in b_output.splitlines() if line.startswith("error: ")]
+        print(f"multinode: A {out['a']['seconds']:.0f} s, node loss to stop "
+              f"{out['b']['stop_s']:.0f} s, total {time.monotonic() - t0:.0f} s after the "
+              f"cluster started; B: {errors[-1:]}", file=sys.stderr)
+        yield out
+    finally:
+        cluster.stop()
+        signal.signal(signal.SIGTERM, previous)
 
 
-def test_pool_packs_ranks_node_by_node(report):
-    nodes = report["pool_node_ids"]
-    assert len(report["nodes"]) == 2
-    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2]
-    assert set(nodes) == set(report["nodes"])
+def _raise_exit(signum, frame):
+    raise SystemExit(f"stopped by signal {signum}")
 
 
-def test_workers_run_where_the_pool_put_them_and_share_one_world(report):
-    where = report["where"]
-    assert [w["node_id"] for w in where] == report["pool_node_ids"]
-    assert [w["world_sum"] for w in where] == [6.0] * 4
-    assert [w["coordinate"] for w in where] == [[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]]
+def test_relative_paths_train_from_another_folder_across_two_nodes(scenario):
+    a = scenario["a"]
+    assert a["rc"] == 0, a["output"]
+    records = read_metrics(a["run"])
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert (a["run"] / "hf_model" / "config.json").is_file()
+    cfg = (a["run"] / "config.yaml").read_text()  # what the workers saw: absolute paths only
+    assert f"path: {scenario['job_dir'] / 'model'}\n" in cfg
+    assert f"{scenario['job_dir'] / 'my_reward.py'}:score" in cfg
 
 
-def test_dp_compute_across_nodes_keeps_order(report):
-    assert report["ids"] == [0, 1, 2, 3, 4]
-    nodes = report["pool_node_ids"]
-    assert report["forward_nodes"] == [nodes[0]] * 3 + [nodes[2]] * 2  # chunks 3+2 from ranks 0, 2
+def test_ranks_run_on_the_nodes_their_placement_groups_name(scenario):
+    assert scenario["a"]["rc"] == 0, scenario["a"]["output"]
+    by_node = placement(scenario["a"]["run"])
+    assert sorted(r for ranks in by_node.values() for r in ranks) == [0, 1]
+    assert len(by_node) == 2  # one rank per node: the actor's dp=2 mesh spans both nodes
+    assert set(by_node) <= {n[:8] for n in scenario["nodes"]}
+    actors = scenario["actors"]
+    for node, ranks in by_node.items():
+        for rank in ranks:
+            assert actors[f"mn/actor+critic:{rank}"].startswith(node)
 
 
-def test_node_entry_larger_than_any_node_fails_fast(report):
-    message = report["too_big_error"]
-    assert "on one node" in message and "{CPU: 3}" in message
-    assert "largest node has {CPU: 2}" in message
+def test_a_node_entry_larger_than_any_node_fails_fast(scenario):
+    message = scenario["too_big_error"]
+    assert "node entry 0 needs {CPU: 2} on one node" in message
+    assert "largest node has {CPU: 1}" in message
+
+
+def test_every_node_reads_the_shared_folder_and_imports_the_reward_file(scenario):
+    log = (scenario["a"]["run"] / "logs" / "driver.log").read_text()
+    shared = re.search(r"trainer.output_dir \S+ is shared: read back on (.*)", log).group(1)
+    imported = re.search(r"my_reward.py:score import on (.*)", log).group(1)
+    for node in placement(scenario["a"]["run"]):
+        assert f"(node {node})" in shared and f"(node {node})" in imported
+
+
+def test_checkpoints_hold_shards_written_on_both_nodes(scenario):
+    actor = scenario["a"]["run"] / "checkpoints" / "step_1" / "actor"
+    assert {p.name for p in actor.glob("optim_*")} == {"optim_pp00_tp00_dp000.pt",
+                                                         "optim_pp00_tp00_dp001.pt"}
+
+
+def test_losing_a_node_stops_the_job_in_bounded_time_naming_it(scenario):
+    b = scenario["b"]
+    assert b["rc"] != 0 and b["stop_s"] < LOSS_BOUND_S, (b["stop_s"], b["output"][-6000:])
+    lost = scenario["lost"][:8]
+    ranks = scenario["b_placement"][lost]
+    message = next(line for line in b["output"].splitlines() if line.startswith("error: "))
+    assert f"(node {lost}) (ranks {ranks} there)" in message, message
+    assert "process died" in message
+
+
+def test_the_job_resumes_after_the_node_is_back_and_repeats_the_run_exactly(scenario):
+    c = scenario["c"]
+    assert c["rc"] == 0, c["output"]
+    assert re.search(r"resumed from \S+/checkpoints/step_\d", c["output"]), c["output"]
+    assert sorted(scenario["nodes_after"].values()) == ["head", "w1", "w2"]  # the node is back
+    submitted = comparable(read_metrics(scenario["b"]["run"]))  # B's steps, then C's
+    uninterrupted = comparable(read_metrics(scenario["a"]["run"]))
+    assert sorted(submitted) == list(range(1, STEPS + 1))
+    for step, record in submitted.items():
+        assert record == uninterrupted[step], step

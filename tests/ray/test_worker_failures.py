@@ -96,6 +96,8 @@ def test_process_exit_inside_a_method_is_reported_as_death(fragile):
     err = info.value
     assert err.rank == 1 and err.method == "reduce_unless"
     assert "rank 1" in str(err) and "process died" in str(err)
+    node = ray.get_runtime_context().get_node_id()[:8]  # every rank runs on this one node
+    assert f"(node {node}) (ranks [0, 1, 2, 3] there)" in str(err)
     with pytest.raises(WorkerError, match="is not running"):
         fragile.world_sum()
 

@@ -7,6 +7,7 @@ import pytest
 from rlhf.cli import main
 from rlhf.config import config_from_dict, load_config, reference_markdown
 from rlhf.config.loader import parse_yaml
+from rlhf.config.paths import resolve_paths
 from rlhf.demo.arithmetic_data import ArithTask, write_arith_dataset
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
@@ -20,6 +21,7 @@ def quickstart_inputs(tmp_path, monkeypatch):
     for name, kind in (("train", "rl"), ("val", "rl"), ("sft_train", "sft")):
         write_arith_dataset(tmp_path / "outputs/quickstart/data" / f"{name}.jsonl",
                             task=ArithTask(), n=4, seed=0, kind=kind)
+    return tmp_path
 
 
 def test_config_show_prints_the_resolved_yaml(capsys, quickstart_inputs):
@@ -27,7 +29,9 @@ def test_config_show_prints_the_resolved_yaml(capsys, quickstart_inputs):
     out = capsys.readouterr().out
     assert out.startswith("model:\n")
     cfg = config_from_dict(parse_yaml(out))
-    assert cfg == load_config(QUICKSTART, ["actor.optim.lr=2e-6"])
+    assert cfg == resolve_paths(load_config(QUICKSTART, ["actor.optim.lr=2e-6"]),
+                                base=quickstart_inputs)
+    assert cfg.trainer.output_dir == str(quickstart_inputs / "outputs/quickstart/run")
     assert cfg.actor.optim.lr == 2e-6
 
 

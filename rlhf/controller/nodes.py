@@ -1,0 +1,102 @@
+"""The cluster's nodes as the driver names them in messages, and small tasks pinned to each node.
+
+On a loopback cluster every node has the same host name and address, so a label carries the
+start of Ray's node id too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from rlhf.config import JobConfig
+from rlhf.config.paths import is_file_target
+from rlhf.errors import RLHFError
+from rlhf.rewards.loader import load_object
+
+
+def node_table() -> dict[str, dict]:
+    """Ray's record of every node the cluster has known (alive or dead), by node id."""
+    return {n["NodeID"]: n for n in ray.nodes()}
+
+
+def node_label(node_id: str, table: dict[str, dict] | None = None) -> str:
+    """'host address (node 1a2b3c4d)' for messages; the id alone when Ray no longer knows it."""
+    entry = (node_table() if table is None else table).get(node_id)
+    if entry is None:
+        return f"node {node_id[:8]}"
+    return f"{entry['NodeManagerHostname']} {entry['NodeManagerAddress']} (node {node_id[:8]})"
+
+
+def node_alive(node_id: str, table: dict[str, dict] | None = None) -> bool:
+    """Whether Ray still counts the node alive (a lost node turns dead after its health check)."""
+    entry = (node_table() if table is None else table).get(node_id)
+    return bool(entry and entry.get("Alive"))
+
+
+def run_on_nodes(fn: Callable[..., Any], node_ids: Iterable[str], *args: Any,
+                 timeout_s: float) -> dict[str, Any]:
+    """{node id: fn(*args) run in a task on that node}. The tasks take no CPU, so they run
+    beside a job whose ranks hold every CPU; RLHFError names a node whose task failed or did
+    not finish within `timeout_s`."""
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    refs = {node: task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        node_id=node, soft=False)).remote(*args) for node in dict.fromkeys(node_ids)}
+    ready, late = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    table = node_table()
+    if late:
+        nodes = ", ".join(node_label(n, table) for n, r in refs.items() if r in late)
+        raise RLHFError(f"a check run on every node did not finish within {timeout_s:g} s "
+                        f"on {nodes}")
+    results = {}
+    for node, ref in refs.items():
+        try:
+            results[node] = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            raise RLHFError(f"a check run on {node_label(node, table)} failed: {e}") from None
+    return results
+
+
+# ---- code given by file path must import on every node hosting ranks ----
+
+def user_files(cfg: JobConfig) -> dict[str, str]:
+    """{config key: spec} of the reward functions and environment given by file path."""
+    specs = {f"reward.functions[{i}].path": fn.path for i, fn in enumerate(cfg.reward.functions)}
+    if cfg.rollout.env.path is not None:
+        specs["rollout.env.path"] = cfg.rollout.env.path
+    return {key: spec for key, spec in specs.items() if is_file_target(spec.rpartition(":")[0])}
+
+
+def check_user_files(specs: dict[str, str], views: Mapping[str, RoleView], *,
+                     timeout_s: float) -> None:
+    """RLHFError naming each node and config key whose file (`specs`: key -> spec) does not
+    import on a node hosting ranks of `views`; nothing runs when `specs` is empty."""
+    if not specs:
+        return
+    nodes = [node for view in views.values() for node in view.group.rank_nodes]
+    found = run_on_nodes(_import_each, nodes, specs, timeout_s=timeout_s)
+    table = node_table()
+    problems = [f"on {node_label(node, table)}: {key}: {text}"
+                for node, errors in found.items() for key, text in errors.items()]
+    if problems:
+        raise RLHFError("reward or environment code given by file path does not import on "
+                        "every node that runs the job; put the file on a file system every node "
+                        "mounts at the same path, or ship it with `ray job submit "
+                        "--working-dir`:\n" + "\n".join(problems))
+    logger.info("%s import on %s", ", ".join(specs.values()),
+                "; ".join(node_label(n, table) for n in found))
+
+
+def _import_each(specs: dict[str, str]) -> dict[str, str]:
+    """{key: error} for the specs that do not import in this process."""
+    errors = {}
+    for key, spec in specs.items():
+        try:
+            load_object(spec, what="environment" if key.startswith("rollout") else
+                        "reward function")
+        except RLHFError as e:
+            errors[key] = str(e)
+    return errors
