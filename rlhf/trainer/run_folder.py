@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlhf.config import JobConfig, config_to_dict
-from rlhf.errors import RLHFError
+from rlhf.config import JobConfig, config_from_dict, config_to_dict
+from rlhf.config.paths import resolve_paths
+from rlhf.errors import ConfigError, RLHFError
 from rlhf.trainer.checkpoint import (CheckpointManager, config_differences, model_config_digest,
                                      read_manifest)
 
@@ -64,7 +65,7 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
         result.move_old_run_aside = has_run and t.overwrite
         return
     manifest, current = read_manifest(folder), config_to_dict(cfg)
-    diffs = config_differences(manifest.get("config", {}), current)
+    diffs = config_differences(_absolute_paths(manifest.get("config", {})), current)
     saved_model, model_now = manifest.get("model_config_sha256"), model_config_digest(current)
     if saved_model and model_now and saved_model != model_now:
         diffs.append(f"{cfg.model.path}/config.json: another model than the checkpoint's")
@@ -84,3 +85,12 @@ def move_old_run_aside(output_dir: str | Path) -> Path:
         if (out / name).exists():
             shutil.move(str(out / name), str(dest / name))
     return dest
+
+
+def _absolute_paths(saved: dict) -> dict:
+    """A checkpoint's config with its paths made absolute as the driver now makes them (a run
+    saved before paths were resolved recorded them relative to its working directory)."""
+    try:
+        return config_to_dict(resolve_paths(config_from_dict(saved), base=Path.cwd()))
+    except (ConfigError, ValueError):
+        return saved  # a config this version cannot read: compared as written

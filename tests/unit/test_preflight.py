@@ -312,6 +312,20 @@ def test_safe_changes_resume(assets, tmp_path):
     assert checked.notes == [f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_1'}"]
 
 
+def test_a_checkpoint_with_relative_paths_resumes_under_the_resolved_config(assets, tmp_path,
+                                                                          monkeypatch):
+    """Runs saved before the driver resolved paths recorded them relative to its folder."""
+    from rlhf.config.paths import resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(assets["model"], tmp_path / "model")
+    t = saved_run({**assets, "model": "model"}, tmp_path / "run")
+    cfg = resolve_paths(config_from_dict(t), base=tmp_path)
+    assert cfg.model.path == str(tmp_path / "model")
+    checked = preflight(cfg, command="train", ray_address=None)
+    assert checked.notes == [f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_1'}"]
+
+
 def test_config_show_says_which_checkpoint_it_would_skip_and_resume(assets, tmp_path):
     out = tmp_path / "run"
     t = saved_run(assets, out)
