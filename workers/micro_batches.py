@@ -1,10 +1,10 @@
-"""Executing the driver's plan: a DP group's rows into the engine's micro-batches, and the
+"""Executing the driver's batch split: a DP group's rows into the engine's micro-batches, and the
 engine's per-token outputs back into Batch fields.
 
-The driver plans (rlhf.data.batch_plan) and the dispatcher hands each DP group its rows with
-its GroupPlan; a role checks the plan against the rows it got (`group_plan`), builds each
+The driver plans (rlhf.data.batch_split) and the dispatcher hands each DP group its rows with
+its GroupBatches; a role checks the plan against the rows it got (`group_batches`), builds each
 mini-batch's micro-batches here (`build_micro_batches`, the one builder), runs them on its
-engine and returns the outputs as a Batch (`response_fields`). Without the driver's plan, a
+engine and returns the outputs as a Batch (`response_fields`). Without the driver's batch split, a
 group plans its own rows: forward passes at any DP size, updates only at dp = 1.
 """
 
@@ -17,7 +17,7 @@ from torch import Tensor
 
 from rlhf.config import ForwardRoleConfig
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan, plan_role_batch
+from rlhf.data.batch_split import GroupBatches, split_role_batch
 from rlhf.data.fields import MASK, response_mask, sample_lengths
 from rlhf.data.packing import pack_prompt_response, shared_prompt_lens
 from rlhf.data.ragged import Ragged
@@ -25,23 +25,23 @@ from rlhf.engine import (MicroBatch, collect_response_values, predicting_positio
                          scatter_response_values)
 
 
-def group_plan(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
-               dp_size: int, mini_size: int | None = None, key: str) -> GroupPlan:
+def group_batches(batch: Batch, role: ForwardRoleConfig, split: GroupBatches | None, *,
+                  dp_size: int, mini_size: int | None = None, key: str) -> GroupBatches:
     """The plan this DP group executes: the driver's, checked against `batch`; or, without
     one, a plan of `batch` alone (forward: one mini-batch; update: `mini_size` samples each,
     only at dp = 1, since other groups' mini-batch counts are not known here)."""
-    if plan is not None:
-        if plan.num_rows != len(batch):
-            raise ValueError(f"{key}: the plan covers {plan.num_rows} rows but the batch has "
+    if split is not None:
+        if split.num_rows != len(batch):
+            raise ValueError(f"{key}: the plan covers {split.num_rows} rows but the batch has "
                              f"{len(batch)}; pass the plan made for this batch")
-        return plan
+        return split
     if mini_size is not None and dp_size > 1:
-        raise ValueError(f"{key}: an update on {dp_size} DP groups needs the driver's plan: "
-                         "pass the plan the driver made for this batch (StepPlanner.update in "
-                         "rlhf.trainer.step_plan, or a BatchPlan from rlhf.data.batch_plan)")
+        raise ValueError(f"{key}: an update on {dp_size} DP groups needs the driver's batch split: "
+                         "pass the plan the driver made for this batch (StepSplits.update in "
+                         "rlhf.trainer.step_splits, or a BatchSplit from rlhf.data.batch_split)")
     what = f"{key}.ppo_mini_batch_size * rollout.n"
-    return plan_role_batch(sample_lengths(batch), role, dp=1, mini_size=mini_size, what=what,
-                           shared=shared_prompt_lens(batch["prompt_ids"])).groups[0]
+    return split_role_batch(sample_lengths(batch), role, dp=1, mini_size=mini_size, what=what,
+                            shared=shared_prompt_lens(batch["prompt_ids"])).groups[0]
 
 
 def build_micro_batches(batch: Batch, micro: Sequence[Sequence[int]],
@@ -64,15 +64,15 @@ def build_micro_batches(batch: Batch, micro: Sequence[Sequence[int]],
     return out
 
 
-def forward_micro_batches(batch: Batch, role: ForwardRoleConfig, plan: GroupPlan | None, *,
+def forward_micro_batches(batch: Batch, role: ForwardRoleConfig, split: GroupBatches | None, *,
                           key: str, per_token: Sequence[str] = ()) -> list[MicroBatch]:
     """The micro-batches of a call that runs `batch` as one mini-batch (a forward pass, an SFT
     step) by `plan`, or by this group's own plan of `batch` without one."""
-    plan = group_plan(batch, role, plan, dp_size=1, key=key)
-    if len(plan.mini_batches) != 1:
+    split = group_batches(batch, role, split, dp_size=1, key=key)
+    if len(split.mini_batches) != 1:
         raise ValueError(f"{key}: this call runs one mini-batch but the plan has "
-                         f"{len(plan.mini_batches)}; plan it with mini_size=None")
-    return build_micro_batches(batch, plan.mini_batches[0], per_token,
+                         f"{len(split.mini_batches)}; plan it with mini_size=None")
+    return build_micro_batches(batch, split.mini_batches[0], per_token,
                                share_prompts=role.share_prompts)
 
 

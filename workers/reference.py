@@ -5,7 +5,7 @@ from __future__ import annotations
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
@@ -30,10 +30,10 @@ class ReferenceWorker(MemoryReportMixin, Worker):
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
-    def compute_ref_log_prob(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
+    def compute_ref_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
         """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
         require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
-        mbs = forward_micro_batches(batch, self.config.ref, plan, key="ref")
+        mbs = forward_micro_batches(batch, self.config.ref, split, key="ref")
         outputs = self.engine.forward(mbs, outputs=("log_probs",),
                                       temperature=sampling_temperature(self.config.rollout))
         return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

@@ -14,7 +14,7 @@ from torch import Tensor
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import TOKENS, require_fields
 from rlhf.engine import MicroBatch
 from rlhf.errors import ConfigError
@@ -35,10 +35,10 @@ class RewardModelWorker(Worker):
                                    head="value", train=False)
 
     @register(dispatch=Dispatch.DP_COMPUTE)
-    def compute_rm_score(self, batch: Batch, plan: GroupPlan | None = None) -> Batch:
+    def compute_rm_score(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
         """`rm_scores` (n,) float32: the value at each sample's last token."""
         require_fields(batch, TOKENS, "reward.compute_rm_score")
-        mbs = forward_micro_batches(batch, self.config.reward, plan, key="reward")
+        mbs = forward_micro_batches(batch, self.config.reward, split, key="reward")
         outputs = self.engine.forward(mbs, outputs=("values",))
         scores = torch.zeros(len(batch), dtype=torch.float32)
         for out, mb in zip(outputs, mbs):

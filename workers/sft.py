@@ -15,7 +15,7 @@ from rlhf.algorithms import aggregate
 from rlhf.config import JobConfig, OffloadConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK, TOKENS, require_fields
 from rlhf.engine.offload import Offloader
 from workers.base import Worker, build_engine
@@ -40,12 +40,12 @@ class SFTWorker(CheckpointMixin, Worker):
         self.offload = Offloader(self.engine.state_tensors, config=OffloadConfig())  # no rollouts
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
-    def train_step(self, batch: Batch, plan: GroupPlan | None = None) -> dict[str, float]:
+    def train_step(self, batch: Batch, split: GroupBatches | None = None) -> dict[str, float]:
         """One optimizer step on `batch` (prompt_ids, response_ids); returns sft/ metrics.
-        Without the driver's plan each DP group plans its own chunk: one step per call, so
+        Without the driver's batch split each DP group splits its own chunk: one step per call, so
         there is no step count for the groups to agree on."""
         require_fields(batch, TOKENS, "sft.train_step")
-        mbs = forward_micro_batches(batch, self.config.sft, plan, key="sft", per_token=(MASK,))
+        mbs = forward_micro_batches(batch, self.config.sft, split, key="sft", per_token=(MASK,))
         metrics = train_mini_batch(self.engine, mbs, _nll_loss, outputs=("log_probs",))
         return {f"sft/{k}": v for k, v in metrics.items()}
 

@@ -16,10 +16,10 @@ from torch import Tensor
 
 from rlhf.config import JobConfig, TrainRoleConfig
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import GroupPlan
+from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK
 from rlhf.engine import MicroBatch, TrainEngine
-from workers.micro_batches import build_micro_batches, group_plan
+from workers.micro_batches import build_micro_batches, group_batches
 
 
 def train_mini_batch(engine: TrainEngine, mbs: Sequence[MicroBatch], make_loss, *,
@@ -41,24 +41,24 @@ def train_mini_batch(engine: TrainEngine, mbs: Sequence[MicroBatch], make_loss, 
     return {**metrics, **engine.step()}
 
 
-def ppo_updates(engine: TrainEngine, batch: Batch, plan: GroupPlan | None, config: JobConfig,
+def ppo_updates(engine: TrainEngine, batch: Batch, split: GroupBatches | None, config: JobConfig,
                 key: str, per_token: Sequence[str], make_loss, *, outputs: Sequence[str],
                 temperature: float = 1.0, on_policy: bool = False) -> dict[str, float]:
-    """algorithm.ppo_epochs passes over the plan's mini-batches (the driver's plan, or this
+    """algorithm.ppo_epochs passes over the plan's mini-batches (the driver's batch split, or this
     group's own at dp = 1: `<key>.ppo_mini_batch_size` prompts' samples each, in order), one
     `train_mini_batch` step each; metrics averaged over the steps, named `<key>/...`.
     `on_policy`: ValueError unless that is one step (the loss reads the old policy from it)."""
     role: TrainRoleConfig = getattr(config, key)
-    plan = group_plan(batch, role, plan, dp_size=engine.mesh.dp_size, key=key,
-                      mini_size=role.ppo_mini_batch_size * config.rollout.n)
-    steps = config.algorithm.ppo_epochs * len(plan.mini_batches)
+    split = group_batches(batch, role, split, dp_size=engine.mesh.dp_size, key=key,
+                          mini_size=role.ppo_mini_batch_size * config.rollout.n)
+    steps = config.algorithm.ppo_epochs * len(split.mini_batches)
     if on_policy and steps != 1:
         raise ValueError(f"{key}: the batch has no old_log_probs, which the update can take from "
                          f"its first forward only when it is one step; this one is {steps} "
                          f"(algorithm.ppo_epochs x mini-batches): call compute_log_prob first")
     minis = [build_micro_batches(batch, micro, (*per_token, MASK),
                                  share_prompts=role.share_prompts)
-             for micro in plan.mini_batches]
+             for micro in split.mini_batches]
     history = [train_mini_batch(engine, mbs, make_loss, outputs=outputs, temperature=temperature)
                for _ in range(config.algorithm.ppo_epochs) for mbs in minis]
     return mean_metrics(history, f"{key}/")

@@ -295,7 +295,7 @@ def device_peak_flops(device: torch.device) -> tuple[float | None, str]:
 def _plan_spec(model_args: ModelArgs, dtype: torch.dtype, args):
     from rlhf.plan.inputs import RoleSpec
 
-    return RoleSpec(name="bench", head="lm", args=model_args, plan=ParallelConfig(), world_size=1,
+    return RoleSpec(name="bench", head="lm", args=model_args, parallel=ParallelConfig(), world_size=1,
                     colocated=True, dtype=dtype, trains=True, recompute=args.recompute,
                     tokens=args.tokens, shards=1, offload=OffloadConfig())
 

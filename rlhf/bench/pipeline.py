@@ -8,7 +8,7 @@ Llama. Two kinds of JSON lines:
   measured bubble is that over the step's wall time (mean and max over stages), printed next
   to the theory (p - 1) / (m + p - 1) and (p - 1) / (v * m + p - 1).
 - "packing": one RL-like batch (short prompts, long-tailed responses) through 1F1B, once as
-  micro-batches planned under a token budget (rlhf.data.planner, no padding) and once as the
+  micro-batches planned under a token budget (rlhf.data.balancing, no padding) and once as the
   same number of micro-batches of equal sample counts padded to their longest sequence.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
-from rlhf.data.planner import plan_micro_batches
+from rlhf.data.balancing import assign_micro_batches
 from rlhf.data.ragged import Ragged
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine.engine import TrainEngine
@@ -97,7 +97,7 @@ def _worker(rank: int, world: int, path: str, opts: dict, counts: list[int]) -> 
 
 def _engine(path: str, mesh: ParallelMesh, *, vpp: int) -> TrainEngine:
     plan = ParallelConfig(pp=mesh.pp_size, vpp=vpp)
-    return TrainEngine.from_pretrained(path, mesh=mesh, plan=plan, optim=OptimizerConfig(),
+    return TrainEngine.from_pretrained(path, mesh=mesh, parallel=plan, optim=OptimizerConfig(),
                                        device="cpu", dtype="float32")
 
 
@@ -164,9 +164,9 @@ def _packing(engine: TrainEngine, opts: dict, mesh: ParallelMesh) -> list[dict]:
     prompts = [torch.randint(3, 500, (p,), generator=g) for p, _ in lengths]
     responses = [torch.randint(3, 500, (r,), generator=g) for _, r in lengths]
     budget = max(opts["budget"], max(p + r for p, r in lengths))
-    plan = plan_micro_batches([p + r for p, r in lengths], dp=1, max_tokens=budget)
+    assignment = assign_micro_batches([p + r for p, r in lengths], dp=1, max_tokens=budget)
     packed = [_one_micro_batch([prompts[i] for i in ids], [responses[i] for i in ids])
-              for ids in plan.rank(0)]
+              for ids in assignment.rank(0)]
     m = len(packed)
     padded = []
     for ids in _even_split(len(lengths), m):

@@ -1,7 +1,7 @@
 """vLLM rollout tokens per second, beside a plain transformers generate loop.
 
 Both sample the same prompts to the same length (EOS ignored) from the same model folder:
-vLLM through a RolloutEngine as the actor builds it, transformers with `generate` on batches
+vLLM through a VllmSampler as the actor builds it, transformers with `generate` on batches
 of --hf-batch prompts (all of one length, so no padding). vLLM's first call (warm-up) is not timed.
 """
 
@@ -57,14 +57,14 @@ def vllm_seconds(folder: str, prompts: list[list[int]], args, dtype: torch.dtype
     """Seconds of one timed vLLM generate over all prompts (after a warm-up call)."""
     from vllm import SamplingParams
 
-    from rlhf.rollout import RolloutEngine, engine_environment
+    from rlhf.rollout import VllmSampler, vllm_environment
 
     device = _device()
     cfg = RolloutConfig(cpu_kv_cache_gb=args.kv_cache_gb, max_new_tokens=args.new_tokens,
                         max_num_seqs=max(args.prompts, 1))
-    with engine_environment(device_type=device.type):
-        engine = RolloutEngine(folder, config=cfg, device_type=device.type, dtype=dtype,
-                               max_model_len=args.prompt_len + args.new_tokens)
+    with vllm_environment(device_type=device.type):
+        engine = VllmSampler(folder, config=cfg, device_type=device.type, dtype=dtype,
+                             max_model_len=args.prompt_len + args.new_tokens)
     params = [SamplingParams(temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True,
                              seed=i, logprobs=0, detokenize=False) for i in range(len(prompts))]
     engine.generate(prompts[:2], params[:2])  # warm-up: the first steps are slow

@@ -13,7 +13,7 @@ import torch
 from rlhf.rewards.arith import exact_match
 
 
-class PhaseClock:
+class SectionClock:
     """Wall and process CPU seconds per phase, summed over calls."""
 
     def __init__(self):
@@ -21,13 +21,13 @@ class PhaseClock:
         self.cpu: dict[str, float] = {}
 
     @contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, section: str):
         wall0, cpu0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
-            self.wall[phase] = self.wall.get(phase, 0.0) + time.perf_counter() - wall0
-            self.cpu[phase] = self.cpu.get(phase, 0.0) + time.process_time() - cpu0
+            self.wall[section] = self.wall.get(section, 0.0) + time.perf_counter() - wall0
+            self.cpu[section] = self.cpu.get(section, 0.0) + time.process_time() - cpu0
 
 
 class BaselineTrainer:
@@ -51,10 +51,10 @@ class BaselineTrainer:
         eos = self.tokenizer.eos_token_id
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
 
-    def step(self, prompts: list[list[int]], answers: list) -> tuple[int, PhaseClock]:
+    def step(self, prompts: list[list[int]], answers: list) -> tuple[int, SectionClock]:
         """One GRPO step on `prompts` (ids); returns its generated tokens and phase times."""
         torch.set_num_threads(self.threads)  # set per step: the driver runs other work between
-        clock = PhaseClock()
+        clock = SectionClock()
         with clock("step"):
             tokens = _grpo_step(self.policy, self.ref, self.optim, self.tokenizer, prompts,
                                 answers, samples=self.samples, new_tokens=self.new_tokens,
@@ -62,7 +62,7 @@ class BaselineTrainer:
         return tokens, clock
 
 
-def summarise(steps: list[tuple[int, PhaseClock]], threads: int) -> dict:
+def summarise(steps: list[tuple[int, SectionClock]], threads: int) -> dict:
     """Generated tokens, wall seconds per phase and CPU utilisation per phase (process CPU
     seconds over wall seconds and `threads`) summed over `steps` (BaselineTrainer.step's)."""
     clocks = [clock for _, clock in steps]

@@ -96,7 +96,7 @@ def _sync_rank(rank: int, world: int, folder: str, tp: int, pp: int, bucket_byte
                        device=torch.device("cpu"), dtype=torch.float32, max_model_len=64,
                        world_group=dist.group.WORLD, replica_group=None)
     replica = RolloutReplica(spec)
-    replica.ensure_engine()  # every rank at once: vLLM joins the job's world
+    replica.ensure_sampler()  # every rank at once: vLLM joins the job's world
     runs = []
     for _ in range(repeats):
         replica.mark_stale()

@@ -197,13 +197,13 @@ def _check_training(cfg: JobConfig) -> Iterator[str]:
 
 def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
                 facts: ModelFacts | None) -> Iterator[str]:
-    plan = role.parallel
+    parallel = role.parallel
     world = cfg.role_world_size(role)
     where = (f"{name}.world_size={world}" if role.placement == "separate" else
              f"the shared pool of {world} ranks (trainer.nnodes * trainer.ranks_per_node)")
-    if world % (plan.tp * plan.pp):
-        yield (f"{name}.parallel.tp * {name}.parallel.pp = {plan.tp * plan.pp} does not divide "
-               f"{where}; change the plan or the number of ranks")
+    if world % (parallel.tp * parallel.pp):
+        yield (f"{name}.parallel.tp * {name}.parallel.pp = {parallel.tp * parallel.pp} does not divide "
+               f"{where}; change the layout or the number of ranks")
     if role.dtype == "float16" and cfg.trainer.device == "cpu":
         yield f"{name}.dtype=float16 is not supported on cpu; use float32, bfloat16 or auto"
     sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_tokens
@@ -212,31 +212,31 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
                f"data.max_prompt_length + {_response_key(cfg.rollout)} = {sequence}, so a whole "
                f"sequence may not fit; raise it to at least {sequence}")
     if facts is not None:
-        yield from _check_plan_vs_model(name, role, facts)
+        yield from _check_parallel_vs_model(name, role, facts)
 
 
-def _check_plan_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFacts) -> Iterator[str]:
-    plan, src = role.parallel, facts.source
+def _check_parallel_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFacts) -> Iterator[str]:
+    parallel, src = role.parallel, facts.source
     for what, count in (("attention heads", facts.num_heads), ("kv heads", facts.num_kv_heads),
                         ("MLP intermediate size", facts.intermediate_size)):
-        if count % plan.tp:
-            yield (f"{name}.parallel.tp={plan.tp} does not divide the model's {count} {what} "
+        if count % parallel.tp:
+            yield (f"{name}.parallel.tp={parallel.tp} does not divide the model's {count} {what} "
                    f"({src}); choose a divisor")
-    stages = plan.pp * plan.vpp
+    stages = parallel.pp * parallel.vpp
     if facts.num_layers < stages:
         yield (f"{name}.parallel.pp * {name}.parallel.vpp = {stages} exceeds the model's "
                f"{facts.num_layers} layers ({src}); every virtual stage needs a layer")
-    if plan.layers_per_stage is not None and sum(plan.layers_per_stage) != facts.num_layers:
-        yield (f"{name}.parallel.layers_per_stage sums to {sum(plan.layers_per_stage)} but the "
+    if parallel.layers_per_stage is not None and sum(parallel.layers_per_stage) != facts.num_layers:
+        yield (f"{name}.parallel.layers_per_stage sums to {sum(parallel.layers_per_stage)} but the "
                f"model has {facts.num_layers} layers ({src})")
 
 
 def _check_role_batches(cfg: JobConfig, name: str, role: ForwardRoleConfig) -> Iterator[str]:
-    plan = role.parallel
+    parallel = role.parallel
     world = cfg.role_world_size(role)
-    if world % (plan.tp * plan.pp):
+    if world % (parallel.tp * parallel.pp):
         return  # reported by _check_role; DP size is undefined
-    dp = world // (plan.tp * plan.pp)
+    dp = world // (parallel.tp * parallel.pp)
     n, batch = cfg.rollout.n, cfg.data.train_batch_size
     if not isinstance(role, TrainRoleConfig):
         if batch * n % dp:

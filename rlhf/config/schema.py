@@ -327,7 +327,7 @@ class ForwardRoleConfig:
     """A role that only runs forward passes (reference policy, reward model)."""
 
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """Tensor/pipeline plan of this role."""
+    """Tensor/pipeline layout of this role."""
     dtype: Dtype = "auto"
     """Parameter and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
     max_tokens_per_micro_batch: int = 4096
@@ -799,7 +799,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     """The initial policy; also the reference policy and, by default, the critic's trunk."""
     actor: TrainRoleConfig = field(default_factory=TrainRoleConfig)
-    """The policy's training plan, optimizer and batch sizes; its ranks also host vLLM rollouts."""
+    """The policy's parallel layout, optimizer and batch sizes; its ranks also host vLLM rollouts."""
     critic: CriticConfig = field(default_factory=CriticConfig)
     """The value model, trained exactly when algorithm.adv_estimator is gae."""
     ref: ReferenceConfig = field(default_factory=ReferenceConfig)

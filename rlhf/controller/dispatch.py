@@ -1,7 +1,7 @@
 """How a driver call is split over a role's ranks and how the ranks' results are collected.
 
 A worker method declares its mode with `@register(dispatch=Dispatch.DP_COMPUTE)`; the driver
-loop then calls it like a local function. Planning is pure (no actors involved): `plan_call`
+loop then calls it like a local function. Routing is pure (no actors involved): `route_call`
 turns driver arguments into per-rank arguments, `collect` turns per-rank results into one value.
 
 Which rank holds which (dp, pp, tp) coordinate, and which rank answers for a DP group, is the
@@ -19,7 +19,7 @@ from typing import Any
 import ray
 
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import BatchPlan
+from rlhf.data.batch_split import BatchSplit
 from rlhf.parallel.layout import Layout
 
 _DISPATCH_ATTR = "_rlhf_dispatch"
@@ -38,8 +38,8 @@ class Dispatch(enum.Enum):
     DP_COMPUTE = "dp_compute"
     """Batch arguments split over DP groups; results of each DP group's output rank, in DP order
     (Batches concatenated, so the driver's sample order comes back; other values as a list).
-    With a `BatchPlan` argument, group g gets the rows `plan.rows[g]` in that order and
-    `plan.groups[g]` in the plan's place, and Batch results come back in the driver's order."""
+    With a `BatchSplit` argument, group g gets the rows `split.rows[g]` in that order and
+    `split.groups[g]` in the split's place, and Batch results come back in the driver's order."""
     DP_COMPUTE_METRICS = "dp_compute_metrics"
     """As DP_COMPUTE, for methods returning {name: number}: the sample-weighted mean over DP
     groups (values a worker already all-reduced pass unchanged). A method may instead return
@@ -75,33 +75,33 @@ def registered_methods(role_cls: type) -> dict[str, Dispatch]:
 
 
 @dataclass
-class CallPlan:
+class CallRouting:
     """Per-rank arguments (None: the rank does not run) and which ranks send their result back."""
 
     args: list[tuple[tuple, dict] | None]
     keep: list[bool]
     weights: list[int] | None = None  # samples per DP group, for DP_COMPUTE_METRICS
-    order: list[int] | None = None  # driver row of each concatenated result row (a BatchPlan)
+    order: list[int] | None = None  # driver row of each concatenated result row (a BatchSplit)
 
 
-def plan_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> CallPlan:
+def route_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> CallRouting:
     """Split driver arguments into per-rank arguments; object-store puts happen here."""
     n = layout.world_size
     if mode is Dispatch.ONE_TO_ALL:
         shared = _share_all(args, kwargs)
-        return CallPlan([shared] * n, [True] * n)
+        return CallRouting([shared] * n, [True] * n)
     if mode is Dispatch.ALL_TO_ALL:
-        return CallPlan(_scatter(args, kwargs, n), [True] * n)
+        return CallRouting(_scatter(args, kwargs, n), [True] * n)
     if mode is Dispatch.RANK_ZERO:
-        return CallPlan([(args, kwargs)] + [None] * (n - 1), [True] + [False] * (n - 1))
+        return CallRouting([(args, kwargs)] + [None] * (n - 1), [True] + [False] * (n - 1))
     if mode is Dispatch.COLLECTIVE:
-        return CallPlan([_share_all(args, kwargs)] * n, [True] + [False] * (n - 1))
+        return CallRouting([_share_all(args, kwargs)] * n, [True] + [False] * (n - 1))
     if mode is Dispatch.RANK_SPLIT:
-        per_rank, weights, _ = _split_dp(args, kwargs, n, planned=False)
-        return CallPlan(per_rank, [True] * n, weights)
-    per_dp, weights, order = _split_dp(args, kwargs, layout.dp, planned=True)
+        per_rank, weights, _ = _split_dp(args, kwargs, n, with_split=False)
+        return CallRouting(per_rank, [True] * n, weights)
+    per_dp, weights, order = _split_dp(args, kwargs, layout.dp, with_split=True)
     outputs = set(layout.output_ranks())
-    return CallPlan(
+    return CallRouting(
         [per_dp[layout.coordinate(r)[0]] for r in range(n)],
         [r in outputs for r in range(n)],
         weights,
@@ -109,8 +109,8 @@ def plan_call(mode: Dispatch, layout: Layout, args: tuple, kwargs: dict) -> Call
     )
 
 
-def collect(mode: Dispatch, layout: Layout, plan: CallPlan, results: Mapping[int, Any]) -> Any:
-    """One value from the results of the ranks that `plan` keeps ({rank: result})."""
+def collect(mode: Dispatch, layout: Layout, routing: CallRouting, results: Mapping[int, Any]) -> Any:
+    """One value from the results of the ranks that `routing` keeps ({rank: result})."""
     if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL):
         return [results[r] for r in range(layout.world_size)]
     if mode in (Dispatch.RANK_ZERO, Dispatch.COLLECTIVE):
@@ -121,18 +121,18 @@ def collect(mode: Dispatch, layout: Layout, plan: CallPlan, results: Mapping[int
         per_dp = [results[r] for r in layout.output_ranks()]
     if mode is Dispatch.DP_COMPUTE_METRICS:
         if all(isinstance(x, tuple) and len(x) == 2 for x in per_dp):
-            return (reduce_metrics([m for m, _ in per_dp], plan.weights),
-                    _in_driver_order([b for _, b in per_dp], plan.order))
-        return reduce_metrics(per_dp, plan.weights)
+            return (reduce_metrics([m for m, _ in per_dp], routing.weights),
+                    _in_driver_order([b for _, b in per_dp], routing.order))
+        return reduce_metrics(per_dp, routing.weights)
     if all(isinstance(x, Batch) for x in per_dp):
-        return _in_driver_order(per_dp, plan.order)
+        return _in_driver_order(per_dp, routing.order)
     if all(x is None for x in per_dp):
         return None
     return per_dp
 
 
 def _in_driver_order(per_dp: Sequence[Batch], order: Sequence[int] | None) -> Batch:
-    """Concatenated results; with a plan's `order` (driver row of each concatenated row), put
+    """Concatenated results; with a routing's `order` (driver row of each concatenated row), put
     back so that row i is the driver's row i."""
     out = Batch.concat(per_dp)
     if order is None:
@@ -199,26 +199,26 @@ def _scatter(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
 
 
 def _split_dp(args: tuple, kwargs: dict, dp: int, *,
-              planned: bool) -> tuple[list[tuple[tuple, dict]], list[int], list[int] | None]:
+              with_split: bool) -> tuple[list[tuple[tuple, dict]], list[int], list[int] | None]:
     """Per DP rank (args, kwargs): Batch arguments chunked (one put per chunk), others shared;
-    the chunk sizes; and, with a BatchPlan argument (`planned` modes only), the rows it sends
+    the chunk sizes; and, with a BatchSplit argument (`with_split` modes only), the rows it sends
     each group instead of contiguous chunks, and its driver order."""
     batches = [a for a in (*args, *kwargs.values()) if isinstance(a, Batch)]
     if not batches:
         raise TypeError("DP_COMPUTE and RANK_SPLIT need at least one Batch argument to split; "
                         "use ONE_TO_ALL for methods that take no Batch")
-    plans = [a for a in (*args, *kwargs.values()) if isinstance(a, BatchPlan)]
-    plan = _check_plan(plans, batches, dp) if planned else None
-    if plans and not planned:
-        raise TypeError("a BatchPlan argument is only for DP_COMPUTE and DP_COMPUTE_METRICS "
+    batch_splits = [a for a in (*args, *kwargs.values()) if isinstance(a, BatchSplit)]
+    batch_split = _check_split(batch_splits, batches, dp) if with_split else None
+    if batch_splits and not with_split:
+        raise TypeError("a BatchSplit argument is only for DP_COMPUTE and DP_COMPUTE_METRICS "
                         "methods")
 
     def split(value: Any) -> list[Any]:
         if isinstance(value, Batch):
-            if plan is not None:
-                return [ray.put(value.select(list(rows))) for rows in plan.rows]
+            if batch_split is not None:
+                return [ray.put(value.select(list(rows))) for rows in batch_split.rows]
             return [ray.put(chunk) for chunk in value.chunk(dp)]
-        if isinstance(value, BatchPlan):
+        if isinstance(value, BatchSplit):
             return list(value.groups)  # small: index lists, sent by value
         return [_share(value)] * dp
 
@@ -228,23 +228,23 @@ def _split_dp(args: tuple, kwargs: dict, dp: int, *,
         (tuple(a[d] for a in split_args), {k: v[d] for k, v in split_kwargs.items()})
         for d in range(dp)
     ]
-    if plan is not None:
-        return per_dp, [len(r) for r in plan.rows], [i for rows in plan.rows for i in rows]
+    if batch_split is not None:
+        return per_dp, [len(r) for r in batch_split.rows], [i for rows in batch_split.rows for i in rows]
     weights = [len(c) for c in batches[0].chunk(dp)]  # chunk is a cheap view: sizes only
     return per_dp, weights, None
 
 
-def _check_plan(plans: list[BatchPlan], batches: list[Batch], dp: int) -> BatchPlan | None:
-    if not plans:
+def _check_split(splits: list[BatchSplit], batches: list[Batch], dp: int) -> BatchSplit | None:
+    if not splits:
         return None
-    if len(plans) > 1:
-        raise TypeError(f"a call takes at most one BatchPlan argument, got {len(plans)}")
-    plan = plans[0]
-    if plan.dp != dp:
-        raise ValueError(f"the BatchPlan is for {plan.dp} DP groups but the role has {dp}; plan "
+    if len(splits) > 1:
+        raise TypeError(f"a call takes at most one BatchSplit argument, got {len(splits)}")
+    split = splits[0]
+    if split.dp != dp:
+        raise ValueError(f"the BatchSplit is for {split.dp} DP groups but the role has {dp}; split "
                          f"with dp=view.layout.dp ({dp})")
     for b in batches:
-        if len(b) != plan.num_samples:
-            raise ValueError(f"the BatchPlan covers {plan.num_samples} samples but a Batch "
-                             f"argument has {len(b)}; plan the batch you send")
-    return plan
+        if len(b) != split.num_samples:
+            raise ValueError(f"the BatchSplit covers {split.num_samples} samples but a Batch "
+                             f"argument has {len(b)}; split the batch you send")
+    return split

@@ -31,11 +31,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlhf.controller.colocate import ColocatedWorker
 from rlhf.controller.dispatch import (
-    CallPlan,
+    CallRouting,
     Dispatch,
     Layout,
     collect,
-    plan_call,
+    route_call,
     registered_methods,
 )
 from rlhf.controller.errors import WorkerDiedError, WorkerError
@@ -172,11 +172,11 @@ class WorkerGroup:
                 kwargs: dict) -> PendingCall:
         self._check_alive(role, method)
         layout = self.layouts[role]
-        plan = plan_call(mode, layout, args, kwargs)
-        refs = {rank: self._actors[rank].call.remote((role, method, plan.keep[rank]),
+        routing = route_call(mode, layout, args, kwargs)
+        refs = {rank: self._actors[rank].call.remote((role, method, routing.keep[rank]),
                                                      *call[0], **call[1])
-                for rank, call in enumerate(plan.args) if call is not None}
-        return PendingCall(self, role, method, mode, layout, plan, refs)
+                for rank, call in enumerate(routing.args) if call is not None}
+        return PendingCall(self, role, method, mode, layout, routing, refs)
 
     def _wait(self, refs: dict[int, ray.ObjectRef], role: str, method: str,
               timeout_s: float | None = None) -> dict[int, Any]:
@@ -285,9 +285,9 @@ class PendingCall:
     """A call in flight on a role's ranks; `get()` collects it (once; later calls reuse it)."""
 
     def __init__(self, group: WorkerGroup, role: str, method: str, mode: Dispatch,
-                 layout: Layout, plan: CallPlan, refs: dict[int, ray.ObjectRef]):
+                 layout: Layout, routing: CallRouting, refs: dict[int, ray.ObjectRef]):
         self._group, self._role, self._method = group, role, method
-        self._mode, self._layout, self._plan, self._refs = mode, layout, plan, refs
+        self._mode, self._layout, self._routing, self._refs = mode, layout, routing, refs
         self._done, self._value = False, None
 
     def done(self) -> bool:
@@ -300,7 +300,7 @@ class PendingCall:
         """The collected result; a timeout counts as a hang and shuts the group down."""
         if not self._done:
             results = self._group._wait(self._refs, self._role, self._method, timeout_s)
-            self._value = collect(self._mode, self._layout, self._plan, results)
+            self._value = collect(self._mode, self._layout, self._routing, results)
             self._done, self._refs = True, {}
         return self._value
 

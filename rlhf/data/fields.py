@@ -2,8 +2,8 @@
 it, and the helpers both sides use (the loss mask, the packed lengths, the check that a call
 has what it needs).
 
-The driver plans (rlhf.data.batch_plan): a role method takes `plan=`, the driver's BatchPlan;
-the dispatcher hands DP group g the rows the plan gives it with its GroupPlan (mini-batches of
+The driver plans (rlhf.data.batch_split): a role method takes `plan=`, the driver's BatchSplit;
+the dispatcher hands DP group g the rows the plan gives it with its GroupBatches (mini-batches of
 micro-batches, as indices into those rows) and puts results back in the driver's order. The
 worker only executes the plan. Without one, a group plans its own contiguous chunk (forward
 passes at any DP size; updates only at dp = 1). A role method returns a NEW Batch holding only
@@ -36,7 +36,7 @@ response token j of sample i, computed at the position that predicts it):
                                 (rollout.seq_tis_cap): one weight per response on its tokens
 
 One PPO step, from the driver (each call reads the fields listed above and takes its plan,
-`plan=plans.forward(role)` or `plans.update(role)`, see rlhf/trainer/step_plan.py):
+`plan=plans.forward(role)` or `plans.update(role)`, see rlhf/trainer/step_splits.py):
     batch |= rm.compute_rm_score(batch)           if reward.model_path (rm_scores)
     batch |= actor.compute_log_prob(batch)        old_log_probs, entropy (unless fused)
     batch |= ref.compute_ref_log_prob(batch)      if algorithm.use_ref

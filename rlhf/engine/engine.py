@@ -103,17 +103,17 @@ class TrainEngine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: ParallelMesh,
-                        plan: ParallelConfig | None = None, head: Head = "lm",
+                        parallel: ParallelConfig | None = None, head: Head = "lm",
                         optim: OptimizerConfig | None = None, total_steps: int = 1,
                         dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                         recompute: Recompute = "none", seed: int = 0) -> TrainEngine:
         """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head."""
-        plan = plan or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size)
-        if (plan.tp, plan.pp) != (mesh.tp_size, mesh.pp_size):
-            raise ValueError(f"plan has tp={plan.tp} pp={plan.pp} but the mesh has "
+        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size)
+        if (parallel.tp, parallel.pp) != (mesh.tp_size, mesh.pp_size):
+            raise ValueError(f"the parallel config has tp={parallel.tp} pp={parallel.pp} but the mesh has "
                              f"tp={mesh.tp_size} pp={mesh.pp_size}; build them from one config")
         device = resolve_device(device)
-        built = build_model(path, mesh=mesh, plan=plan, head=head,
+        built = build_model(path, mesh=mesh, parallel=parallel, head=head,
                             dtype=resolve_dtype(dtype, device), device=device,
                             value_head_seed=seed)
         return cls(built, mesh, optim=optim, total_steps=total_steps, head=head,

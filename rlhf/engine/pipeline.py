@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
-                                        training_plan, units)
+                                        training_orders, units)
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_plan import TPState
 from rlhf.parallel.mesh import ParallelMesh
@@ -111,7 +111,7 @@ class Interleaved1F1B(PipelineSchedule):
     """Interleaved 1F1B over vpp model chunks per rank (virtual stages rank, rank + pp, ...)."""
 
     def training_order(self, num_micro_batches: int) -> tuple[list[Step], bool]:
-        orders, pair = training_plan(num_micro_batches, pp=self.pp, vpp=self.vpp)
+        orders, pair = training_orders(num_micro_batches, pp=self.pp, vpp=self.vpp)
         return list(orders[self.rank]), pair
 
 

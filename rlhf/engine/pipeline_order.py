@@ -79,8 +79,8 @@ def interleaved_order(num_micro_batches: int, *, pp: int, vpp: int, pp_rank: int
 
 
 @functools.cache
-def training_plan(num_micro_batches: int, *, pp: int,
-                  vpp: int) -> tuple[tuple[tuple[Step, ...], ...], bool]:
+def training_orders(num_micro_batches: int, *, pp: int,
+                    vpp: int) -> tuple[tuple[tuple[Step, ...], ...], bool]:
     """(the order of every rank, whether forward/backward pairs exchange as one unit): 1F1B at
     vpp = 1; interleaved above, first with paired exchanges as Megatron, then without, and
     where that would stall (micro-batch counts that are not a multiple of pp), with a longer

@@ -17,7 +17,7 @@ from typing import Any
 
 from rlhf.envs.worker import Outcome, call_env, load_env_class
 from rlhf.errors import RLHFError
-from rlhf.rewards.pool import STARTUP_TIMEOUT_S, reap, spawn_child
+from rlhf.rewards.processes import STARTUP_TIMEOUT_S, reap, spawn_child
 
 
 class _EnvWorker:

@@ -40,7 +40,7 @@ class BuiltModel:
         return cls(model, param_table(model, tp=TPState()))
 
 
-def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
+def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfig,
                 head: Literal["lm", "value"], dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", value_head_seed: int = 0) -> BuiltModel:
     """This rank's shard of the HF model in `path`, laid out by `plan` over `mesh`.
@@ -51,23 +51,23 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, plan: ParallelConfig,
     model holds this pipeline rank's chunks only (`rlhf.parallel.stages`; a tied LM head on
     the last stage is its own copy, loaded from the embedding).
     """
-    if (mesh.tp_size, mesh.pp_size) != (plan.tp, plan.pp):
+    if (mesh.tp_size, mesh.pp_size) != (parallel.tp, parallel.pp):
         raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} but the plan says "
-                         f"tp={plan.tp} pp={plan.pp}; build the mesh from the same plan")
+                         f"tp={parallel.tp} pp={parallel.pp}; build the mesh from the same plan")
     model_cls = {"lm": CausalLM, "value": ValueModel}.get(head)
     if model_cls is None:
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
     args = ModelArgs.from_pretrained(path)
     chunks, stage = None, {}
-    if plan.pp > 1:
-        chunks = rank_chunks(args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=mesh.pp_rank,
-                             layers_per_stage=plan.layers_per_stage)
+    if parallel.pp > 1:
+        chunks = rank_chunks(args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=mesh.pp_rank,
+                             layers_per_stage=parallel.layers_per_stage)
         stage = dict(layer_ranges=[c.layer_range for c in chunks],
                      has_embedding=chunks[0].has_embedding, has_head=chunks[-1].has_head)
     with torch.device("meta"):
         model = model_cls(args, **stage)
     model.to(dtype=dtype)  # still on meta: nothing allocated
-    tp = apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
+    tp = apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
     model.to_empty(device=device)
     # to_empty makes new Parameter objects: the tie has to be redone.
     if isinstance(model, CausalLM):

@@ -139,7 +139,7 @@ def export_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, *,
                         device=device)
 
 
-def _plan(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
+def _bucket_indices(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
     """Indices of `specs` per bucket (hf_io's bucketing rule, on full sizes)."""
     metas = ((str(i), torch.empty(shape, dtype=dtype, device="meta"))
              for i, (_, shape, dtype) in enumerate(specs))
@@ -148,9 +148,9 @@ def _plan(specs: Sequence[Spec], bucket_bytes: int) -> list[list[int]]:
 
 def _stage_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, bucket_bytes: int,
                    times: ExportTimes) -> Iterator[Bucket]:
-    for plan in _plan([it.spec for it in items], bucket_bytes):
+    for indices in _bucket_indices([it.spec for it in items], bucket_bytes):
         with times.gather():
-            bucket = _gathered([items[i] for i in plan], mesh)
+            bucket = _gathered([items[i] for i in indices], mesh)
         yield bucket
 
 
@@ -162,18 +162,18 @@ def _pipeline_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, bucket_by
     device = items[0].local.device
     for stage, specs in enumerate(stages):
         src = mesh.rank_at(dp=mesh.dp_rank, pp=stage, tp=mesh.tp_rank)
-        for plan in _plan(specs, bucket_bytes):
-            planned = [specs[i] for i in plan]
-            offsets, total = byte_offsets(_nbytes(shape, dtype) for _, shape, dtype in planned)
+        for indices in _bucket_indices(specs, bucket_bytes):
+            bucket_specs = [specs[i] for i in indices]
+            offsets, total = byte_offsets(_nbytes(shape, dtype) for _, shape, dtype in bucket_specs)
             buffer = torch.empty(total, dtype=torch.uint8, device=device)
             views = [byte_view(buffer, offset, shape, dtype)
-                     for offset, (_, shape, dtype) in zip(offsets, planned)]
+                     for offset, (_, shape, dtype) in zip(offsets, bucket_specs)]
             if stage == mesh.pp_rank:
                 with times.gather():
-                    _gathered([items[i] for i in plan], mesh, into=views)
+                    _gathered([items[i] for i in indices], mesh, into=views)
             with times.broadcast():
                 dist.broadcast(buffer, src=src, group=mesh.pp_group)
-            yield [(name, view) for (name, _, _), view in zip(planned, views)]
+            yield [(name, view) for (name, _, _), view in zip(bucket_specs, views)]
 
 
 def _gathered(items: Sequence[ExportItem], mesh: ParallelMesh, *,

@@ -3,7 +3,7 @@
 Our parameter names are HF's, so the mapping is the identity with three exceptions: a tied
 LM head is stored once as the embedding, a value head ("score") may be absent from a
 causal-LM folder (then it is initialised fresh), and a value model ignores `lm_head.weight`.
-Loading reads each tensor, or only the slice a parallel plan asks for, straight from the files.
+Loading reads each tensor, or only the slice a parallel layout asks for, straight from the files.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def load_hf_weights(model: Model, folder: str | Path, *, shard_fn: ShardFn | Non
     files = _tensor_files(folder)
     full_shapes = _full_model_shapes(model)
     _check_unexpected(model, files, full_shapes, folder)
-    plan, fresh = _plan(model, files, folder)
+    reads, fresh = _reads(model, files, folder)
     params = dict(model.named_parameters())
-    for file, pairs in plan.items():
+    for file, pairs in reads.items():
         with safe_open(file, framework="pt", device="cpu") as f:
             for name, source in pairs:
                 tensor, pad_dim = _read(f, source, name, shard_fn)
@@ -105,9 +105,9 @@ def _check_unexpected(model: Model, files: dict[str, Path], full_shapes: dict, f
                         f"does not have{hint}: {_names(unexpected)}")
 
 
-def _plan(model: Model, files: dict[str, Path], folder: Path):
+def _reads(model: Model, files: dict[str, Path], folder: Path):
     """({file: [(param name, checkpoint name)]}, [value-head params to initialise])."""
-    plan: dict[Path, list[tuple[str, str]]] = {}
+    reads: dict[Path, list[tuple[str, str]]] = {}
     missing, fresh = [], []
     has_score = any(n.startswith("score.") for n in files)
     for name, _ in model.named_parameters():
@@ -115,7 +115,7 @@ def _plan(model: Model, files: dict[str, Path], folder: Path):
         if name == "lm_head.weight" and model.args.tie_word_embeddings:
             source = "model.embed_tokens.weight"  # a last stage holding its own copy of the tie
         if source in files:
-            plan.setdefault(files[source], []).append((name, source))
+            reads.setdefault(files[source], []).append((name, source))
         elif isinstance(model, ValueModel) and name.startswith("score.") and not has_score:
             fresh.append(name)
         else:
@@ -130,7 +130,7 @@ def _plan(model: Model, files: dict[str, Path], folder: Path):
         if rows != 1:
             raise RLHFError(f"{folder}: score.weight has {rows} rows (num_labels={rows}); a value "
                             f"head needs num_labels=1")
-    return plan, sorted(fresh)
+    return reads, sorted(fresh)
 
 
 def _read(f, source: str, name: str, shard_fn: ShardFn | None) -> tuple[Tensor, int | None]:
@@ -164,7 +164,7 @@ def _copy(param: Tensor, tensor: Tensor, name: str, source: str, *,
             param = param.narrow(pad_dim, 0, got[pad_dim])
     if tuple(param.shape) != got:
         raise RLHFError(f"{source} gives shape {got} but parameter {name} has "
-                        f"shape {want}; check the config and the shard plan")
+                        f"shape {want}; check the config and the parallel layout")
     param.copy_(tensor)
 
 

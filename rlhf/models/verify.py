@@ -60,14 +60,14 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
     if device == "cuda" and not torch.cuda.is_available():
         raise RLHFError("--device cuda: torch sees no CUDA device here; use --device cpu")
     tolerance = DEFAULT_TOLERANCE[device] if tolerance is None else tolerance
-    plan, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
-                                      sequence_parallel=sequence_parallel, nproc=nproc,
-                                      num_seqs=num_seqs, max_len=max_len, device=device)
+    parallel, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
+                                          sequence_parallel=sequence_parallel, nproc=nproc,
+                                          num_seqs=num_seqs, max_len=max_len, device=device)
     seqs = random_batch(args, _pad_id(folder), num_seqs=num_seqs, max_len=max_len, seed=seed)
     with tempfile.TemporaryDirectory(prefix="rlhf-verify-") as tmp:
         ref_path = Path(tmp) / "reference.pt"
         torch.save(hf_reference(folder, seqs, device=device), ref_path)
-        per_rank = run_distributed(_rank_check, nproc, str(folder), plan, str(ref_path), seqs,
+        per_rank = run_distributed(_rank_check, nproc, str(folder), parallel, str(ref_path), seqs,
                                    device, timeout_s=timeout_s,
                                    backend="nccl" if device == "cuda" else "gloo")
     diffs = {check: max(r[check] for r in per_rank) for check in CHECKS if check in per_rank[0]}
@@ -84,7 +84,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
 
 def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len,
                   device="cpu"):
-    plan = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
     if not folder.is_dir():
         raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
     args = ModelArgs.from_pretrained(folder)
@@ -101,7 +101,7 @@ def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_se
         raise RLHFError(f"--nproc {nproc} needs a GPU per process but {gpus} are visible")
     if num_seqs < 1 or max_len < 1:
         raise RLHFError(f"num_seqs ({num_seqs}) and max_len ({max_len}) must be positive")
-    return plan, nproc, args
+    return parallel, nproc, args
 
 
 def _pad_id(folder: Path) -> int | None:
@@ -167,13 +167,13 @@ def hf_reference(folder: Path, seqs: list[torch.Tensor], *, device: str = "cpu")
             "grads": {n: p.grad.cpu() for n, p in hf.named_parameters()}}
 
 
-def _rank_check(rank: int, world: int, folder: str, plan: ParallelConfig, ref_path: str,
+def _rank_check(rank: int, world: int, folder: str, parallel: ParallelConfig, ref_path: str,
                 seqs: list[torch.Tensor], device_type: str = "cpu") -> dict:
     # run_distributed made this rank's GPU the current device (NCCL).
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     with ieee_fp32():
-        report = _compare(folder, plan, torch.load(ref_path, mmap=True), seqs, world=world,
+        report = _compare(folder, parallel, torch.load(ref_path, mmap=True), seqs, world=world,
                           device=device)
         tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return {**report, "device": _device_name(device), "tf32": tf32}
@@ -183,15 +183,15 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def _compare(folder: str, plan: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
+def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
              world: int, device: torch.device) -> dict:
     ref["valid"] = ref["valid"].to(device)
-    mesh = ParallelMesh(list(range(world)), tp=plan.tp, pp=plan.pp, cache=ProcessGroupCache())
-    built = build_model(folder, mesh=mesh, plan=plan, head="lm", device=device)
+    mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, cache=ProcessGroupCache())
+    built = build_model(folder, mesh=mesh, parallel=parallel, head="lm", device=device)
     model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.
     engine = TrainEngine(built, mesh, optim=OptimizerConfig())
-    if plan.pp > 1:
+    if parallel.pp > 1:
         return _pipeline_check(engine, seqs, ref)
     packed = _to_device(pack(seqs), device)
     with torch.no_grad():

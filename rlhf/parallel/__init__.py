@@ -5,7 +5,7 @@
 - `tensor_parallel.py`: column/row-parallel linears, vocab-parallel embedding, LM head.
 - `vocab_parallel.py`: log-probs and entropy over vocab-sharded logits.
 - `stages.py`: pipeline stage layout (even or uneven layers, virtual stages for interleaving).
-- `p2p.py`: activation and gradient transfer between stages, shapes from the micro-batch plan.
+- `p2p.py`: activation and gradient transfer between stages, shapes from the micro-batch assignment.
 - `launch.py`: run a function on N local processes (tests, `rlhf verify-model`).
 """
 

@@ -57,8 +57,8 @@ def candidates(cfg: JobConfig, plan: MemoryPlan) -> list[tuple[str, ...]]:
     for spec in plan.roles.values():
         world = spec.world_size if not spec.colocated else pool
         for axis in ("tp", "pp"):
-            size = getattr(spec.plan, axis) * 2
-            if world % (size * (spec.plan.pp if axis == "tp" else spec.plan.tp)) == 0:
+            size = getattr(spec.parallel, axis) * 2
+            if world % (size * (spec.parallel.pp if axis == "tp" else spec.parallel.tp)) == 0:
                 out.append((f"{spec.name}.parallel.{axis}={size}",))
         if spec.trains and spec.recompute != "full":
             nxt = "attention_block" if spec.recompute == "none" else "full"

@@ -36,7 +36,7 @@ class RoleSpec:
     name: str
     head: str  # "lm" or "value"
     args: ModelArgs
-    plan: ParallelConfig
+    parallel: ParallelConfig
     world_size: int
     colocated: bool
     dtype: torch.dtype
@@ -48,7 +48,7 @@ class RoleSpec:
 
     @property
     def layout(self) -> Layout:
-        return Layout.over(self.world_size, tp=self.plan.tp, pp=self.plan.pp)
+        return Layout.over(self.world_size, tp=self.parallel.tp, pp=self.parallel.pp)
 
     @property
     def dp(self) -> int:
@@ -121,7 +121,7 @@ def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     dp = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp).dp
     optim = getattr(role, "optim", None)
     return RoleSpec(
-        name=name, head=head, args=args, plan=role.parallel, world_size=world,
+        name=name, head=head, args=args, parallel=role.parallel, world_size=world,
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,

@@ -181,7 +181,7 @@ def recomputed_bytes(spec: RoleSpec, recompute: str) -> float:
 
 def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
     """Per token of one layer: (both norms, attention block, MLP block, a block's input)."""
-    args, tp, sp = spec.args, spec.plan.tp, spec.plan.sequence_parallel
+    args, tp, sp = spec.args, spec.parallel.tp, spec.parallel.sequence_parallel
     d = spec.dtype.itemsize
     h, inter = args.hidden_size, args.intermediate_size
     q, kv = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -203,9 +203,9 @@ def in_flight_chunks(pp: int, vpp: int, pp_rank: int) -> int:
 
 def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     """Per pipeline rank of `spec`: exact state bytes and estimated activation bytes."""
-    plan, tokens = spec.plan, spec.tokens
+    parallel, tokens = spec.parallel, spec.tokens
     out = []
-    for pp_rank, shapes in enumerate(stage_shapes(spec.args, plan, head=spec.head,
+    for pp_rank, shapes in enumerate(stage_shapes(spec.args, parallel, head=spec.head,
                                                   dtype=spec.dtype)):
         numels = [p.numel for p in shapes if p.trainable]
         no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
@@ -214,8 +214,8 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
         if spec.trains:
             state = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=spec.shards)
             replicated = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=1)
-        chunks = rank_chunks(spec.args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
-                             layers_per_stage=plan.layers_per_stage)
+        chunks = rank_chunks(spec.args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=pp_rank,
+                             layers_per_stage=parallel.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
         head = _head_ops(spec, shapes, backward=True) if spec.trains else {}
         head_forward = _head_ops(spec, shapes, backward=False)
@@ -241,7 +241,7 @@ def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
     # pp > 1 the last stage holds the tied copy under the head's name).
     head = ([p for p in shapes if p.name == "lm_head.weight"]
             or [p for p in shapes if p.name == "model.embed_tokens.weight"
-                and spec.plan.pp == 1 and spec.args.tie_word_embeddings])
+                and spec.parallel.pp == 1 and spec.args.tie_word_embeddings])
     if not head:
         return {}
     columns = head[0].shape[0]  # this rank's rows of the padded vocabulary
@@ -252,11 +252,11 @@ def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
 
 def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int) -> int:
     """Bytes saved for backward on this stage under recompute `mode` (see the module doc)."""
-    plan = spec.plan
+    parallel = spec.parallel
     per_layer = spec.tokens * layer_activation_bytes(spec, mode)
-    micro_batches = in_flight_chunks(plan.pp, plan.vpp, pp_rank) / plan.vpp
+    micro_batches = in_flight_chunks(parallel.pp, parallel.vpp, pp_rank) / parallel.vpp
     per_batch = layers * per_layer + spec.tokens * _stage_extra_bytes(
-        spec, last=pp_rank == plan.pp - 1)
+        spec, last=pp_rank == parallel.pp - 1)
     return int(micro_batches * per_batch + spec.tokens * recomputed_bytes(spec, mode))
 
 
@@ -265,7 +265,7 @@ def _stage_extra_bytes(spec: RoleSpec, *, last: bool) -> float:
     share, and on the last stage the final norm (its fp32 input, the normalised copy, and the
     head's input, all-gathered under sequence parallelism)."""
     args, d = spec.args, spec.dtype.itemsize
-    chunk = spec.plan.tp if spec.plan.sequence_parallel else 1
+    chunk = spec.parallel.tp if spec.parallel.sequence_parallel else 1
     rope = 2 * args.head_dim * d
     final_norm = ((4 + d) * args.hidden_size + 4) / chunk + d * args.hidden_size
     return rope + (final_norm if last else 0)
@@ -285,12 +285,12 @@ def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
                stages: list[StageMemory]) -> dict[str, int]:
     """Per actor rank: vLLM's share of the weights, its KV cache (CUDA: the rest of
     gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb) and the sync's buffers."""
-    full = sum(s.state["weights"] for s in stages) * actor.plan.tp  # whole model, dtype
-    largest = max(p.nbytes for shapes in stage_shapes(actor.args, actor.plan, head=actor.head,
+    full = sum(s.state["weights"] for s in stages) * actor.parallel.tp  # whole model, dtype
+    largest = max(p.nbytes for shapes in stage_shapes(actor.args, actor.parallel, head=actor.head,
                                                       dtype=actor.dtype) for p in shapes)
     # A bucket holds whole full tensors up to sync_bucket_mb (one bigger tensor alone), never
     # more than the model; counted twice: the TP/PP-gathered bucket and its staging copy.
-    bucket = min(full, max(int(cfg.rollout.sync_bucket_mb * 2**20), largest * actor.plan.tp))
+    bucket = min(full, max(int(cfg.rollout.sync_bucket_mb * 2**20), largest * actor.parallel.tp))
     out = {"weights": full // cfg.rollout.tp, "sync_bucket": 2 * bucket}
     if hw.device_type == "cuda":
         budget = int(cfg.rollout.gpu_memory_utilization * hw.device_bytes)
@@ -434,12 +434,12 @@ def communicators(members: list[RoleSpec], *, pool_size: int,
 
     add("world", range(pool_size))
     for spec in members:
-        layout, plan = spec.layout, spec.plan
+        layout, parallel = spec.layout, spec.parallel
         for axis in ("tp", "pp") + (("dp", "mp") if spec.trains else ()):
             for ranks in layout.groups(axis):
                 add(f"{spec.name} {axis}", ranks)
-        if plan.pp > 1:
-            wrap = plan.vpp > 1  # interleaved: the last stage sends to the first
+        if parallel.pp > 1:
+            wrap = parallel.vpp > 1  # interleaved: the last stage sends to the first
             for line in layout.groups("pp"):  # one (dp, tp) line of stages
                 pairs = list(zip(line, line[1:])) + ([(line[-1], line[0])] if wrap else [])
                 for a, b in pairs:  # a communicator per pair, beside any group's own

@@ -52,7 +52,7 @@ class ParamShape:
 
 
 @functools.lru_cache(maxsize=256)  # pure in its (frozen) arguments; advice re-plans often
-def stage_shapes(args: ModelArgs, plan: ParallelConfig, *, head: str,
+def stage_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str,
                  dtype: torch.dtype) -> tuple[tuple[ParamShape, ...], ...]:
     """Per pipeline rank (index = pp_rank), the parameters one of its TP ranks holds.
 
@@ -62,33 +62,33 @@ def stage_shapes(args: ModelArgs, plan: ParallelConfig, *, head: str,
     if dist.is_initialized():
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            return pool.submit(_stage_shapes, args, plan, head, dtype).result()
-    return _stage_shapes(args, plan, head, dtype)
+            return pool.submit(_stage_shapes, args, parallel, head, dtype).result()
+    return _stage_shapes(args, parallel, head, dtype)
 
 
-def _stage_shapes(args: ModelArgs, plan: ParallelConfig, head: str,
+def _stage_shapes(args: ModelArgs, parallel: ParallelConfig, head: str,
                   dtype: torch.dtype) -> tuple[tuple[ParamShape, ...], ...]:
-    return tuple(_rank_shapes(args, plan, head=head, dtype=dtype, pp_rank=pp_rank)
-                 for pp_rank in range(plan.pp))
+    return tuple(_rank_shapes(args, parallel, head=head, dtype=dtype, pp_rank=pp_rank)
+                 for pp_rank in range(parallel.pp))
 
 
-def _rank_shapes(args: ModelArgs, plan: ParallelConfig, *, head: str, dtype: torch.dtype,
+def _rank_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str, dtype: torch.dtype,
                  pp_rank: int) -> tuple[ParamShape, ...]:
     model_cls = {"lm": CausalLM, "value": ValueModel}[head]
     stage = {}
-    if plan.pp > 1:  # the same cut as build_model
-        chunks = rank_chunks(args.num_layers, pp=plan.pp, vpp=plan.vpp, pp_rank=pp_rank,
-                             layers_per_stage=plan.layers_per_stage)
+    if parallel.pp > 1:  # the same cut as build_model
+        chunks = rank_chunks(args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=pp_rank,
+                             layers_per_stage=parallel.layers_per_stage)
         stage = dict(layer_ranges=[c.layer_range for c in chunks],
                      has_embedding=chunks[0].has_embedding, has_head=chunks[-1].has_head)
-    layout = Layout.over(plan.tp * plan.pp, tp=plan.tp, pp=plan.pp)
+    layout = Layout.over(parallel.tp * parallel.pp, tp=parallel.tp, pp=parallel.pp)
     with _fake_world(world_size=layout.world_size, rank=layout.rank_at(dp=0, pp=pp_rank, tp=0)):
-        mesh = ParallelMesh(range(layout.world_size), tp=plan.tp, pp=plan.pp,
+        mesh = ParallelMesh(range(layout.world_size), tp=parallel.tp, pp=parallel.pp,
                             cache=ProcessGroupCache())
         with torch.device("meta"):
             model = model_cls(args, **stage)
         model.to(dtype=dtype)
-        apply_tp(model, mesh, sequence_parallel=plan.sequence_parallel)
+        apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
         return tuple(ParamShape(name, tuple(p.shape), p.dtype, p.requires_grad)
                      for name, p in model.named_parameters())  # named_parameters: tied once
 

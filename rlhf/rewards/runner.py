@@ -1,7 +1,7 @@
 """Score a batch of responses with weighted reward functions, in worker processes.
 
 `RewardRunner` loads every function in the driver first (so a bad spec fails before any
-process starts), then runs them in a `WorkerPool` (see rlhf.rewards.pool for the timeout
+process starts), then runs them in a `RewardProcesses` (see rlhf.rewards.processes for the timeout
 design). num_workers=0 runs them in the calling process instead, for debugging with
 breakpoints and prints; timeouts are then not enforced.
 """
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from rlhf.errors import RLHFError
 from rlhf.rewards.loader import load_reward_function
-from rlhf.rewards.pool import WorkerPool
+from rlhf.rewards.processes import RewardProcesses
 from rlhf.rewards.worker import Outcome, call_reward
 
 OnError = Literal["raise", "fallback"]
@@ -90,8 +90,8 @@ class RewardRunner:
         self.names = function_names(self.specs)
         self.on_error, self.fallback_score, self.timeout_s = on_error, fallback_score, timeout_s
         self._functions = [load_reward_function(spec) for spec in self.specs]
-        self._pool = (WorkerPool(self.specs, num_workers=num_workers, timeout_s=timeout_s)
-                      if num_workers > 0 and self.specs else None)
+        self._processes = (RewardProcesses(self.specs, num_workers=num_workers, timeout_s=timeout_s)
+                           if num_workers > 0 and self.specs else None)
         self._closed = False
 
     @classmethod
@@ -122,8 +122,8 @@ class RewardRunner:
         return self._collect(outcomes, n)
 
     def _outcomes(self, samples: list[dict]) -> Iterator[tuple[int, int, Outcome]]:
-        if self._pool is not None:
-            yield from self._pool.run(samples)
+        if self._processes is not None:
+            yield from self._processes.run(samples)
             return
         for index, sample in enumerate(samples):
             for f, fn in enumerate(self._functions):
@@ -162,8 +162,8 @@ class RewardRunner:
 
     def close(self) -> None:
         """Stop the worker processes; safe to call twice."""
-        if self._pool is not None and not self._closed:
-            self._pool.close()
+        if self._processes is not None and not self._closed:
+            self._processes.close()
         self._closed = True
 
     def __enter__(self) -> "RewardRunner":

@@ -77,13 +77,13 @@ def _score_chunk(functions: list[Callable], task: tuple, send: Callable) -> None
 
 def child_main(load: Callable, handle: Callable) -> None:
     """The body of a spawned worker (`python -c "...main()" FD PARENT_PID`, see
-    rlhf.rewards.pool.spawn_child): serve_loop on the pipe, ending with the parent."""
+    rlhf.rewards.processes.spawn_child): serve_loop on the pipe, ending with the parent."""
     fd, parent_pid = int(sys.argv[1]), int(sys.argv[2])
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     serve_loop(Connection(fd), load, handle)
 
 
 def main() -> None:
-    """Entry point of a reward worker, started by rlhf.rewards.pool: load the functions the
+    """Entry point of a reward worker, started by rlhf.rewards.processes: load the functions the
     driver names, then score chunks until told to stop."""
     child_main(_load_functions, _score_chunk)

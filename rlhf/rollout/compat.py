@@ -84,7 +84,7 @@ def check_vllm_internals(llm) -> None:
     if problems:
         raise VLLMVersionError(
             f"vLLM {installed_vllm_version()} lacks {', '.join(problems)}, which the weight sync "
-            f"into the rollout engine calls; install a vLLM in the tested range {TESTED_VLLM} "
+            f"into the rollout sampler calls; install a vLLM in the tested range {TESTED_VLLM} "
             "(the `gpu` extra of pyproject.toml pins it)")
     version = installed_vllm_version()
     if not in_tested_range(version):

@@ -89,7 +89,7 @@ class EpisodeRunner:
         return episodes_to_batch(episodes), sums
 
 
-def run_episodes(engine, episodes: list[Episode], *, runner: EnvRunner, renderer: TurnRenderer,
+def run_episodes(sampler, episodes: list[Episode], *, runner: EnvRunner, renderer: TurnRenderer,
                  decode: Callable[[list[int]], str], config: RolloutConfig,
                  greedy: bool) -> dict[str, float]:
     """Play `episodes` to the end in place; returns this rank's metric sums (see env_metrics)."""
@@ -116,7 +116,7 @@ def run_episodes(engine, episodes: list[Episode], *, runner: EnvRunner, renderer
                  for i in live]
         limits = [min(config.max_new_tokens, budget - len(episodes[i].ids)) for i in live]
         params = sampling_params(config, greedy=greedy, seeds=seeds, max_tokens=limits)
-        completions = engine.generate([episodes[i].prompt + episodes[i].ids for i in live], params)
+        completions = sampler.generate([episodes[i].prompt + episodes[i].ids for i in live], params)
         for i, c in zip(live, completions, strict=True):
             episodes[i].append(c.token_ids, c.log_probs, model=True)
             episodes[i].turns += 1

@@ -1,6 +1,6 @@
 """RolloutReplica: a rank's part in rollout, as the actor worker sees it.
 
-It owns this rank's RolloutEngine (built on first use, so a worker that never samples never
+It owns this rank's VllmSampler (built on first use, so a worker that never samples never
 imports vLLM), knows whether the engine's weights are behind the policy or were released by a
 sleep (rlhf.rollout.residency: only a colocated CUDA engine sleeps), splits prompts among the
 ranks of a replica (multi-turn episodes go to rlhf.rollout.multiturn.EpisodeRunner), syncs
@@ -23,7 +23,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
-from rlhf.rollout.engine import Completion, RolloutEngine, engine_environment
+from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
 from rlhf.rollout.multiturn import EpisodeRunner, env_metrics
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
 
@@ -49,24 +49,24 @@ class RolloutReplica:
 
     def __init__(self, spec: ReplicaSpec):
         self.spec = spec
-        self.engine: RolloutEngine | None = None
+        self.sampler: VllmSampler | None = None
         self.stale = False  # the engine starts from model_path, the initial policy
         self.calls = 0
         self.episodes = (EpisodeRunner(spec.model_path, spec.config)
                          if spec.config.env.path is not None else None)
 
-    def ensure_engine(self) -> RolloutEngine:
+    def ensure_sampler(self) -> VllmSampler:
         """Build the engine on first use, with vLLM's environment set only while it builds."""
-        if self.engine is None:
+        if self.sampler is None:
             spec = self.spec
             spread = spec.config.tp > 1  # vLLM's external launcher: the job's ranks
-            with engine_environment(device_type=spec.device.type,
-                                    launcher_rank=spec.rank if spread else None,
-                                    device_index=spec.device.index or 0):
-                self.engine = RolloutEngine(spec.model_path, config=spec.config,
-                                            device_type=spec.device.type, dtype=spec.dtype,
-                                            max_model_len=spec.max_model_len)
-        return self.engine
+            with vllm_environment(device_type=spec.device.type,
+                                  launcher_rank=spec.rank if spread else None,
+                                  device_index=spec.device.index or 0):
+                self.sampler = VllmSampler(spec.model_path, config=spec.config,
+                                           device_type=spec.device.type, dtype=spec.dtype,
+                                           max_model_len=spec.max_model_len)
+        return self.sampler
 
     def mark_stale(self) -> None:
         """The policy changed (a training step, a loaded checkpoint): sync before sampling."""
@@ -75,7 +75,7 @@ class RolloutReplica:
     def holds_weights(self) -> bool:
         """Whether the engine still holds the weights it was last given (model_path before any
         sync): False once a sleep released them, until the next sync."""
-        return self.engine is None or self.engine.has_weights
+        return self.sampler is None or self.sampler.has_weights
 
     # ---- sampling ----------------------------------------------------------------------------
 
@@ -96,16 +96,16 @@ class RolloutReplica:
         seeds = [s for pos, _ in rows for s in request_seeds(
             call_seed=call_seed, first_prompt=pos, num_prompts=1, n=n)]
         repeated = [prompt for _, prompt in rows for _ in range(n)]
-        engine = self.ensure_engine()  # on every rank at once: building may be collective
+        sampler = self.ensure_sampler()  # on every rank at once: building may be collective
         if self.episodes is not None:  # rollout.tp is 1: no replica peers share the requests
-            batch, env_sums = self.episodes.play(engine, repeated, seeds, env_rows, first=first,
+            batch, env_sums = self.episodes.play(sampler, repeated, seeds, env_rows, first=first,
                                                  n=n, greedy=greedy)
         else:
             params = sampling_params(self.spec.config, greedy=greedy, seeds=seeds)
-            completions = engine.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
+            completions = sampler.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
             batch, env_sums = _to_batch(completions, meta={}), None
-        engine.sleep()  # a sleeping engine (colocated, CUDA) releases its weights here
-        self.stale = self.stale or not engine.has_weights
+        sampler.sleep()  # a sleeping engine (colocated, CUDA) releases its weights here
+        self.stale = self.stale or not sampler.has_weights
         lengths = batch["response_ids"].lengths
         metrics = self._rollout_metrics(lengths, time.perf_counter() - start)
         if env_sums is not None:
@@ -190,11 +190,11 @@ class RolloutReplica:
         if not self.stale:  # a sleep that released the weights marked it stale too
             return {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/gather_s": 0.0,
                     "sync/broadcast_s": 0.0, "sync/reload_s": 0.0, "sync/skipped": 1.0}
-        engine = self.ensure_engine()
+        sampler = self.ensure_sampler()
         start = time.perf_counter()
         moved = [0]
         buckets = export()
-        engine.load_weights(_stream(buckets, moved))
+        sampler.load_weights(_stream(buckets, moved))
         total = time.perf_counter() - start
         times = buckets.times if isinstance(buckets, ExportStream) else ExportTimes()
         reload = total - times.gather_s - times.broadcast_s

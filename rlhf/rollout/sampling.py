@@ -89,7 +89,7 @@ def check_logprob_gap(gap_max: float, *, limit: float | None) -> None:
     raise LogprobGapError(
         f"rollout/logprob_gap_max is {gap_max:.4g} after a weight sync, above "
         f"rollout.max_logprob_gap={limit:g}: vLLM's log-probs of the tokens it sampled are "
-        "that far from the trainer's for the same policy, so the rollout engine does not run "
+        "that far from the trainer's for the same policy, so the rollout sampler does not run "
         "the policy (weights missed or corrupted by the sync, or a model vLLM computes "
         "differently). Stopping instead of training on its samples; raise "
         "rollout.max_logprob_gap (null turns the check off) only if such a gap is expected")

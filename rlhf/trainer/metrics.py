@@ -13,11 +13,11 @@ import ray
 
 from rlhf.trainer.loggers import METRICS_FILE, build_loggers, read_metrics, scalars
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "PhaseTimer", "RayMetrics", "gauge_name",
+__all__ = ["METRICS_FILE", "MetricsLogger", "SectionTimer", "RayMetrics", "gauge_name",
            "read_metrics"]
 
 
-class PhaseTimer:
+class SectionTimer:
     """`with timer("generate"): ...` adds the seconds to `timing/generate`.
 
     The driver's clock: each phase ends when the workers' results are on the host (ray.get),
@@ -27,12 +27,12 @@ class PhaseTimer:
         self.seconds: dict[str, float] = {}
 
     @contextmanager
-    def __call__(self, phase: str):
+    def __call__(self, section: str):
         start = time.perf_counter()
         try:
             yield
         finally:
-            key = f"timing/{phase}"
+            key = f"timing/{section}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
 

@@ -4,7 +4,7 @@ One step (see rlhf/data/fields.py for the fields each call reads and writes):
 sync weights -> generate -> rewards (with DAPO's dynamic sampling, repeated on fresh prompts
 until the batch is full) -> old log-probs -> ref log-probs -> values -> advantages (driver) ->
 masks and weights of the per-response recipes -> critic update -> actor update; every phase
-timed. Every role call gets the driver's plan of its mini- and micro-batches (step_plan.py);
+timed. Every role call gets the driver's batch split of its mini- and micro-batches (step_splits.py);
 on-policy, the old log-probs come from the actor update's first forward instead of their own
 pass. Validation (greedy, held-out prompts) every trainer.val_every steps; checkpoints every
 save_every.
@@ -46,9 +46,9 @@ from rlhf.rewards.runner import combine_scores
 from rlhf.rollout import logprob_gap
 from rlhf.rollout.sampling import check_logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
-from rlhf.trainer.metrics import MetricsLogger, PhaseTimer
+from rlhf.trainer.metrics import MetricsLogger, SectionTimer
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
-from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
+from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
 
 
 def step_seed(base: int, step: int) -> int:
@@ -339,7 +339,7 @@ class PPOTrainer:
 
     def train_step(self, step: int) -> dict[str, float]:
         """One PPO step on the next batch of prompts; returns its metrics."""
-        cfg, views, timer = self.cfg, self.views, PhaseTimer()
+        cfg, views, timer = self.cfg, self.views, SectionTimer()
         version = self.rollouts.policy_version  # the policy that scores this batch
         with timer("step"):
             if self.pipeline is not None:  # async: the batch sampled while the last step trained
@@ -351,34 +351,34 @@ class PPOTrainer:
                 batch, scores, metrics = fill_batch(
                     lambda r: next(self.loader).with_meta(seed=round_seed(seed, r)),
                     lambda prompts: self._generate_and_score(prompts, timer), cfg)
-            plans = StepPlanner(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
+            splits = StepSplits(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
             fused = fuse_old_log_probs(cfg, step=step)
             if not fused and "old_log_probs" not in batch:  # async: may be the rollout's
                 with timer("old_log_prob"):
                     batch = batch.union(views["actor"].compute_log_prob(
-                        batch, plan=plans.forward("actor")))
+                        batch, split=splits.forward("actor")))
             if cfg.algorithm.use_ref:
                 with timer("ref"):
                     batch = batch.union(views["ref"].compute_ref_log_prob(
-                        batch, plan=plans.forward("ref")))
+                        batch, split=splits.forward("ref")))
             if cfg.algorithm.use_critic:
                 with timer("values"):
                     batch = batch.union(views["critic"].compute_values(
-                        batch, plan=plans.forward("critic")))
+                        batch, split=splits.forward("critic")))
             with timer("advantages"):
                 advantages, adv_metrics = compute_advantages(batch, scores, cfg, self.kl_ctrl)
                 batch = batch.union(advantages)
             batch, recipe_metrics = prepare_update(batch, cfg, self.tokenizer.eos_token_id)
             if not fused:  # checked before the update trains on the engine's samples
                 metrics.update(self._logprob_gap(batch, version=version))
-            update_metrics, batch = self._update(batch, plans, timer, step=step, fused=fused)
+            update_metrics, batch = self._update(batch, splits, timer, step=step, fused=fused)
             if fused:  # the old log-probs came out of the update's first forward
                 metrics.update(self._logprob_gap(batch, version=version))
             metrics.update(recipe_metrics or rollout_corr_metrics(batch, cfg))
         stats = batch_metrics(batch)
         metrics.update(adv_metrics, **update_metrics, **timer.seconds)
         metrics.update(stats)
-        metrics["plan/imbalance"] = plans.imbalance
+        metrics["plan/imbalance"] = splits.imbalance
         for role in MEMORY_REPORTING_ROLES:  # each role method's worst rank, this step
             if role in views:
                 metrics.update(worst_memory(views[role].memory_metrics()))
@@ -386,22 +386,22 @@ class PPOTrainer:
         return metrics
 
     def _generate_and_score(self, prompts: Batch,
-                            timer: PhaseTimer) -> tuple[Batch, Tensor, dict[str, float]]:
+                            timer: SectionTimer) -> tuple[Batch, Tensor, dict[str, float]]:
         """Samples of `prompts`, their scores and the rollout and reward metrics."""
         batch, metrics = self._rollout(prompts, timer, greedy=False)
         scores, score_metrics = self._score(batch, timer)
         return batch, scores, {**metrics, **score_metrics}
 
-    def _score(self, batch: Batch, timer: PhaseTimer) -> tuple[Tensor, dict[str, float]]:
+    def _score(self, batch: Batch, timer: SectionTimer) -> tuple[Tensor, dict[str, float]]:
         """Scores of sampled `batch` (reward functions, reward model, overlong shaping) and
         the reward metrics."""
         cfg = self.cfg
         with timer("reward"):
             rm = None
             if cfg.reward.model_path:
-                plan = StepPlanner(cfg, {"reward": self.views["reward"].layout.dp}, batch)
+                split = StepSplits(cfg, {"reward": self.views["reward"].layout.dp}, batch)
                 rm = self.views["reward"].compute_rm_score(
-                    batch, plan=plan.forward("reward"))["rm_scores"]
+                    batch, split=split.forward("reward"))["rm_scores"]
             scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
                                                  rm_scores=rm)
             scores, shape_metrics = shape_scores(batch, scores, cfg, self.tokenizer.eos_token_id)
@@ -410,7 +410,7 @@ class PPOTrainer:
     def _prompts(self, step: int) -> Batch:
         return next(self.loader).with_meta(seed=step_seed(self.cfg.rollout.seed, step))
 
-    def _rollout(self, prompts: Batch, timer: PhaseTimer, *, greedy: bool) -> tuple[Batch, dict]:
+    def _rollout(self, prompts: Batch, timer: SectionTimer, *, greedy: bool) -> tuple[Batch, dict]:
         with timer("sync_weights"):
             sync = self.rollouts.sync()
         with timer("generate"):
@@ -439,7 +439,7 @@ class PPOTrainer:
                               limit=self.cfg.rollout.max_logprob_gap)
         return metrics
 
-    def _update(self, batch: Batch, plans: StepPlanner, timer: PhaseTimer, *, step: int,
+    def _update(self, batch: Batch, splits: StepSplits, timer: SectionTimer, *, step: int,
                 fused: bool) -> tuple[dict[str, float], Batch]:
         """Critic then actor updates; returns their metrics and the batch, with the old
         log-probs and entropy the actor's update computed when `fused`."""
@@ -447,11 +447,11 @@ class PPOTrainer:
         if self.cfg.algorithm.use_critic:
             with timer("update_critic"):
                 metrics.update(self.views["critic"].update_critic(
-                    batch, plan=plans.update("critic")))
+                    batch, split=splits.update("critic")))
             if step <= self.cfg.trainer.critic_warmup:
                 return metrics, batch
         with timer("update_actor"):
-            result = self.views["actor"].update_actor(batch, plan=plans.update("actor"))
+            result = self.views["actor"].update_actor(batch, split=splits.update("actor"))
         self.rollouts.policy_changed()
         if fused:
             result, fields = result
@@ -463,7 +463,7 @@ class PPOTrainer:
         """Greedy responses to every held-out prompt: val/accuracy is their mean reward."""
         loader = PromptLoader(self.val_data, batch_size=self.cfg.data.val_batch_size,
                               shuffle=False, drop_last=False)
-        timer, scores, lengths = PhaseTimer(), [], []
+        timer, scores, lengths = SectionTimer(), [], []
         with timer("validate"):
             for _ in range(loader.batches_per_epoch):
                 prompts = next(loader).with_meta(seed=VAL_SEED)

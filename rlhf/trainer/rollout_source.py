@@ -32,7 +32,7 @@ import torch
 
 from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
-from rlhf.trainer.metrics import PhaseTimer
+from rlhf.trainer.metrics import SectionTimer
 
 VERSION = "policy_version"  # per-sample field: the policy version that sampled it
 SKIPPED_SYNC = {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/skipped": 1.0}
@@ -48,41 +48,41 @@ def connect_weight_transfer(actor: RoleView, rollout: RoleView) -> None:
 
 
 class RolloutSource:
-    """The driver's sampler: sync the rollout engines to the policy, then generate."""
+    """The driver's sampler: sync the rollout samplers to the policy, then generate."""
 
     def __init__(self, views: dict[str, RoleView], *, n: int):
-        self.actor, self.pool, self.n = views["actor"], views.get("rollout"), n
+        self.actor, self.rollout, self.n = views["actor"], views.get("rollout"), n
         self.policy_version = 0  # actor updates so far
         self.rollout_version: int | None = 0  # what the separate engines hold; None = unknown
-        if self.pool is not None:
-            connect_weight_transfer(self.actor, self.pool)
+        if self.rollout is not None:
+            connect_weight_transfer(self.actor, self.rollout)
 
     def policy_changed(self) -> None:
         """The driver updated the actor (one new policy version)."""
         self.policy_version += 1
 
     def held_version(self) -> int | None:
-        """The policy version every separate rollout engine holds: the last one sent, while
+        """The policy version every separate rollout sampler holds: the last one sent, while
         every rank still holds it; None when unknown, colocated (the replicas decide) or when
         an engine released its weights."""
-        if self.pool is None or self.rollout_version is None:
+        if self.rollout is None or self.rollout_version is None:
             return None
-        return self.rollout_version if all(self.pool.holds_weights()) else None
+        return self.rollout_version if all(self.rollout.holds_weights()) else None
 
     def sync(self) -> dict[str, float]:
-        """Bring the rollout engines to the current policy (a no-op when they hold it)."""
-        if self.pool is None:
+        """Bring the rollout samplers to the current policy (a no-op when they hold it)."""
+        if self.rollout is None:
             return {k: float(v) for k, v in self.actor.sync_weights().items()}
         if self.held_version() == self.policy_version:
             return dict(SKIPPED_SYNC)
-        calls = [self.actor.send_weights(blocking=False), self.pool.receive_weights(blocking=False)]
+        calls = [self.actor.send_weights(blocking=False), self.rollout.receive_weights(blocking=False)]
         sent, received = (call.get() for call in calls)
         self.rollout_version = self.policy_version
         return {**{k: float(v) for k, v in received.items()}, **sent}
 
     def generate(self, prompts: Batch, *, greedy: bool, blocking: bool = True):
         """Sample on whichever role hosts the engines; a PendingCall when not blocking."""
-        view = self.pool if self.pool is not None else self.actor
+        view = self.rollout if self.rollout is not None else self.actor
         return view.generate(prompts, greedy=greedy, blocking=blocking)
 
     def assemble(self, prompts: Batch, out: Batch, *, greedy: bool,
@@ -134,7 +134,7 @@ class RolloutPipeline:
         self._busy_since: float | None = None  # when the rollout pool's last sync+sample began
         self._busy_s = 0.0  # how long that sync+sample took on the rollout pool
 
-    def next_batch(self, step: int, timer: PhaseTimer) -> tuple[Batch, dict[str, float]]:
+    def next_batch(self, step: int, timer: SectionTimer) -> tuple[Batch, dict[str, float]]:
         """Batch `step` (waiting for it if still sampling), after submitting batch step + 1."""
         metrics: dict[str, float] = {}
         if self.pending is None:  # the first step: nothing sampled ahead yet
@@ -151,7 +151,7 @@ class RolloutPipeline:
         metrics.update(rollout_metrics, **admit)  # the trainer's wait: timing/wait_rollout
         return batch, metrics
 
-    def _submit(self, step: int, *, ahead: int, timer: PhaseTimer) -> dict[str, float]:
+    def _submit(self, step: int, *, ahead: int, timer: SectionTimer) -> dict[str, float]:
         """Sync if needed, then start sampling batch `step`, trained after `ahead` more
         updates; returns the sync metrics and the rollout pool's idle time since it finished."""
         source = self.source
@@ -167,7 +167,7 @@ class RolloutPipeline:
             sync = source.sync() if behind else dict(SKIPPED_SYNC)
         self._busy_s = sync.get("sync/seconds", 0.0)
         prompts = self.draw(step)
-        version = source.rollout_version if source.pool is not None else source.policy_version
+        version = source.rollout_version if source.rollout is not None else source.policy_version
         self.pending = InFlight(prompts, version, source.generate(prompts, greedy=False,
                                                                   blocking=False))
         return {**metrics, **sync}

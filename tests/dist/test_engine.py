@@ -66,7 +66,7 @@ def _run_cases(rank, world_size, cases, folders):
         mbs = _micro_batches(shared)
         mesh = ParallelMesh(list(range(world_size)), tp=tp, cache=cache)
         engine = TrainEngine.from_pretrained(
-            folders[model], mesh=mesh, plan=ParallelConfig(tp=tp, sequence_parallel=sp),
+            folders[model], mesh=mesh, parallel=ParallelConfig(tp=tp, sequence_parallel=sp),
             head=head, optim=OPTIM, total_steps=10, device="cpu")
         local = _local(mbs, mesh, split)
         tokens, _ = engine.loss_normalizers(local, mask_key="loss_mask")

@@ -45,7 +45,7 @@ def test_all_gather_coalesced_gives_every_ranks_tensors_in_one_collective():
 
 def _export(rank, world, folder):
     mesh = ParallelMesh(list(range(world)), tp=2, pp=2, cache=ProcessGroupCache())
-    built = build_model(folder, mesh=mesh, plan=ParallelConfig(tp=2, pp=2), head="lm")
+    built = build_model(folder, mesh=mesh, parallel=ParallelConfig(tp=2, pp=2), head="lm")
     model, table = built.model, built.table
     counts = {"all_gather": 0, "broadcast": 0}
     single, broadcast = C._all_gather_single, dist.broadcast

@@ -117,9 +117,9 @@ def _full_logits(model, packed, mesh, tp):
     return C.all_gather(local_TV, dim=-1, group=shard["group"])[:, : shard["real_vocab_size"]]
 
 
-def _engine(folder, mesh, plan, head, **kw):
+def _engine(folder, mesh, parallel, head, **kw):
     """The built model inside a training engine: the grad sync training runs."""
-    return TrainEngine(build_model(folder, mesh=mesh, plan=plan, head=head, **kw), mesh,
+    return TrainEngine(build_model(folder, mesh=mesh, parallel=parallel, head=head, **kw), mesh,
                        optim=OptimizerConfig())
 
 

@@ -20,8 +20,8 @@ CASES = {  # name -> model, ParallelConfig kwargs
 ALL = OffloadConfig(params=True, grads=True, optimizer=True)
 
 
-def _steps(mesh, folder, plan, config):
-    engine = TrainEngine.from_pretrained(folder, mesh=mesh, plan=plan, optim=OPTIM,
+def _steps(mesh, folder, parallel, config):
+    engine = TrainEngine.from_pretrained(folder, mesh=mesh, parallel=parallel, optim=OPTIM,
                                          total_steps=10, device="cpu", dtype="bfloat16")
     offload = Offloader(engine.state_tensors, config=config)
     record = []
@@ -45,10 +45,10 @@ def _steps(mesh, folder, plan, config):
 
 def _run(rank, world_size, folders):
     cache, results = ProcessGroupCache(), {}
-    for name, (model, plan_kw) in CASES.items():
-        plan = ParallelConfig(**plan_kw)
-        mesh = ParallelMesh(list(range(world_size)), tp=plan.tp, pp=plan.pp, cache=cache)
-        results[name] = [_steps(mesh, folders[model], plan, config)
+    for name, (model, parallel_kw) in CASES.items():
+        parallel = ParallelConfig(**parallel_kw)
+        mesh = ParallelMesh(list(range(world_size)), tp=parallel.tp, pp=parallel.pp, cache=cache)
+        results[name] = [_steps(mesh, folders[model], parallel, config)
                          for config in (OffloadConfig(), ALL)]
     return results
 

@@ -63,7 +63,7 @@ def _folder(root, name):
 
 
 def _spec(case):
-    """(model, head, plan kwargs, samples, max_seqs, samples per prompt) of a case."""
+    """(model, head, parallel kwargs, samples, max_seqs, samples per prompt) of a case."""
     return (*case, 1)[:6]
 
 
@@ -73,8 +73,8 @@ def _mbs(n, max_seqs, group=1):
                               max_tokens=1000, max_seqs=max_seqs, share_prompts=group > 1)
 
 
-def _engine(mesh, folder, head, plan):
-    return TrainEngine.from_pretrained(folder, mesh=mesh, plan=plan, head=head, optim=OPTIM,
+def _engine(mesh, folder, head, parallel):
+    return TrainEngine.from_pretrained(folder, mesh=mesh, parallel=parallel, head=head, optim=OPTIM,
                                        total_steps=10, device="cpu")
 
 
@@ -85,18 +85,18 @@ def _train_step(engine, local, head):
     return metrics, engine.step()
 
 
-def _resumed(engine, mesh, folder, head, plan, local, ckpt):
+def _resumed(engine, mesh, folder, head, parallel, local, ckpt):
     """Save, load into a fresh engine, train one more step on both: the same weights."""
     engine.save_checkpoint(ckpt)
-    restored = _engine(mesh, folder, head, plan)
+    restored = _engine(mesh, folder, head, parallel)
     restored.load_checkpoint(ckpt)
     for e in (engine, restored):
         _train_step(e, local, head)
     return exported(engine), exported(restored), restored.step_count
 
 
-def _run_case(mesh, folder, head, plan, n, max_seqs, group, ckpt=None, *, tagged=True):
-    engine = _engine(mesh, folder, head, plan)
+def _run_case(mesh, folder, head, parallel, n, max_seqs, group, ckpt=None, *, tagged=True):
+    engine = _engine(mesh, folder, head, parallel)
     engine.schedule.tagged = tagged
     mbs = _mbs(n, max_seqs, group)
     local = mbs[mesh.dp_rank::mesh.dp_size]
@@ -113,7 +113,7 @@ def _run_case(mesh, folder, head, plan, n, max_seqs, group, ckpt=None, *, tagged
     stats = engine.step()
     after = exported(engine)
     return {"buckets": buckets,
-            "resumed": _resumed(engine, mesh, folder, head, plan, local, ckpt) if ckpt else None,
+            "resumed": _resumed(engine, mesh, folder, head, parallel, local, ckpt) if ckpt else None,
             "stage": mesh.pp_rank, "dp": mesh.dp_rank, "num_local": len(local),
             "forward": None if rows is None else (rows.values, rows.lengths),
             "weights": weights, "grads": grads, "loss": metrics["loss"],
@@ -125,11 +125,11 @@ def _run_cases(rank, world_size, cases, folders, ckpt_root):
     cache = ProcessGroupCache()
     results = {}
     for name, case in cases.items():
-        model, head, plan_kw, n, max_seqs, group = _spec(case)
-        plan = ParallelConfig(**plan_kw)
-        mesh = ParallelMesh(list(range(world_size)), tp=plan.tp, pp=plan.pp, cache=cache)
+        model, head, parallel_kw, n, max_seqs, group = _spec(case)
+        parallel = ParallelConfig(**parallel_kw)
+        mesh = ParallelMesh(list(range(world_size)), tp=parallel.tp, pp=parallel.pp, cache=cache)
         ckpt = f"{ckpt_root}/{name}" if name in CHECKPOINTED else None
-        results[name] = _run_case(mesh, folders[model], head, plan, n, max_seqs, group, ckpt,
+        results[name] = _run_case(mesh, folders[model], head, parallel, n, max_seqs, group, ckpt,
                                   tagged=not name.endswith(UNTAGGED))
     return results
 
@@ -174,9 +174,9 @@ def _max_err(got, want):
 
 
 def _check(results, setup, cases, name):
-    model, head, plan_kw, n, max_seqs, group = _spec(cases[name])
+    model, head, parallel_kw, n, max_seqs, group = _spec(cases[name])
     ref = _reference(setup[model], head, n, group)
-    plan = ParallelConfig(**plan_kw)
+    parallel = ParallelConfig(**parallel_kw)
     mbs = _mbs(n, max_seqs, group)
     m = len(mbs)
     assert (group > 1) == any(mb.packed.prefix is not None for mb in mbs)
@@ -186,11 +186,11 @@ def _check(results, setup, cases, name):
         assert _max_err(got["grads"], ref["grads"]) < TOL, (name, rank)
         assert _max_err(got["weights"], ref["weights"]) == 0.0, (name, rank)
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (name, rank)
-        held_bound = plan.pp - got["stage"] if plan.vpp == 1 else m * plan.vpp
-        assert 1 <= got["peak"] <= min(held_bound, got["num_local"] * plan.vpp), (name, rank)
-        if got["stage"] == plan.pp - 1:
+        held_bound = parallel.pp - got["stage"] if parallel.vpp == 1 else m * parallel.vpp
+        assert 1 <= got["peak"] <= min(held_bound, got["num_local"] * parallel.vpp), (name, rank)
+        if got["stage"] == parallel.pp - 1:
             _check_forward(got, ref, head, rank_slice=slice(got["dp"], None, len(results) //
-                                                            (plan.pp * plan.tp)), n=n,
+                                                            (parallel.pp * parallel.tp)), n=n,
                            max_seqs=max_seqs, group=group)
         else:
             assert got["forward"] is None

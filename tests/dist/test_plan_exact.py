@@ -18,13 +18,13 @@ from rlhf.engine.zero import num_shards
 from rlhf.models.config import ModelArgs
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from rlhf.plan.inputs import RoleSpec
-from rlhf.plan.memory import STATE_KINDS, stage_memory
+from rlhf.parallel.inputs import RoleSpec
+from rlhf.parallel.memory import STATE_KINDS, stage_memory
 
 # 4 layers for pp2 x vpp2; vocab 387 is padded to 388 at tp 2 (and 4 is not a divisor of it).
 SPEC = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
             vocab_size=387, max_position_embeddings=64)
-# case -> (tied, head, plan, dtype, distributed (None: on when dp > 1), trains)
+# case -> (tied, head, parallel, dtype, distributed (None: on when dp > 1), trains)
 CASES_1 = {
     "single-fp32": (False, "lm", ParallelConfig(), "float32", None, True),
     "single-bf16-tied": (True, "lm", ParallelConfig(), "bfloat16", None, True),
@@ -49,10 +49,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _held(rank, world_size, cases, folders):
     cache, out = ProcessGroupCache(), {}
-    for name, (tied, head, plan, dtype, distributed, trains) in cases.items():
-        mesh = ParallelMesh(list(range(world_size)), tp=plan.tp, pp=plan.pp, cache=cache)
+    for name, (tied, head, parallel, dtype, distributed, trains) in cases.items():
+        mesh = ParallelMesh(list(range(world_size)), tp=parallel.tp, pp=parallel.pp, cache=cache)
         optim = OptimizerConfig(distributed=distributed) if trains else None
-        engine = TrainEngine.from_pretrained(folders[tied], mesh=mesh, plan=plan, head=head,
+        engine = TrainEngine.from_pretrained(folders[tied], mesh=mesh, parallel=parallel, head=head,
                                              optim=optim, dtype=dtype, device="cpu")
         held = {kind: sum(t.numel() * t.element_size() for t in tensors)
                 for kind, tensors in engine.state_tensors().items()}
@@ -61,9 +61,9 @@ def _held(rank, world_size, cases, folders):
 
 
 def _predicted(folder, case, world_size):
-    tied, head, plan, dtype, distributed, trains = case
-    dp = world_size // (plan.tp * plan.pp)
-    spec = RoleSpec(name="role", head=head, args=ModelArgs.from_pretrained(folder), plan=plan,
+    tied, head, parallel, dtype, distributed, trains = case
+    dp = world_size // (parallel.tp * parallel.pp)
+    spec = RoleSpec(name="role", head=head, args=ModelArgs.from_pretrained(folder), parallel=parallel,
                     world_size=world_size, colocated=True, dtype=DTYPES[dtype], trains=trains,
                     recompute="none", tokens=64,
                     shards=num_shards(dp, distributed) if trains else 1,

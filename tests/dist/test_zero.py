@@ -45,8 +45,8 @@ CASES = {
 SCATTERED = ("dp2", "dp4-tied", "tp2-dp2-sp-tied", "pp2-vpp2-dp2")  # also run reduce-scattering
 
 
-def _engine(folder, mesh, plan, dtype, *, distributed, scatter_grads=None):
-    built = build_model(folder, mesh=mesh, plan=plan, head="lm", dtype=getattr(torch, dtype))
+def _engine(folder, mesh, parallel, dtype, *, distributed, scatter_grads=None):
+    built = build_model(folder, mesh=mesh, parallel=parallel, head="lm", dtype=getattr(torch, dtype))
     optim = dataclasses.replace(OPTIM, distributed=distributed)
     return TrainEngine(built, mesh, optim=optim, total_steps=10,
                        bucket_numel=BUCKET, scatter_grads=scatter_grads)
@@ -69,14 +69,14 @@ def _bytes(engine, kind):
     return sum(t.numel() * t.element_size() for t in engine.state_tensors()[kind])
 
 
-def _run_case(mesh, folder, plan, dtype, ckpt):
-    zero = _engine(folder, mesh, plan, dtype, distributed=True)
-    plain = _engine(folder, mesh, plan, dtype, distributed=False)
+def _run_case(mesh, folder, parallel, dtype, ckpt):
+    zero = _engine(folder, mesh, parallel, dtype, distributed=True)
+    plain = _engine(folder, mesh, parallel, dtype, distributed=False)
     stats = {"zero": [], "plain": []}
     for i, seed in enumerate(SEEDS):
         if i == 2:
             zero.save_checkpoint(ckpt)
-            resumed = _engine(folder, mesh, plan, dtype, distributed=True)
+            resumed = _engine(folder, mesh, parallel, dtype, distributed=True)
             resumed.load_checkpoint(ckpt)
             resumed_stats = _step(resumed, seed)
         stats["zero"].append(_step(zero, seed))
@@ -91,11 +91,11 @@ def _run_case(mesh, folder, plan, dtype, ckpt):
             "buckets": len(zero.grads.part.buckets), "dp": mesh.dp_size}
 
 
-def _scattered(folder, mesh, plan, dtype):
+def _scattered(folder, mesh, parallel, dtype):
     """The ZeRO-1 engine with NCCL's grad sync forced on gloo (reduce-scatter into the owned
     ranges): three steps, counting the reduce-scatters that ran."""
-    engine = _engine(folder, mesh, plan, dtype, distributed=True, scatter_grads=True)
-    default = _engine(folder, mesh, plan, dtype, distributed=True)
+    engine = _engine(folder, mesh, parallel, dtype, distributed=True, scatter_grads=True)
+    default = _engine(folder, mesh, parallel, dtype, distributed=True)
     calls = []
     real = grads_module.reduce_scatter_single
 
@@ -151,13 +151,13 @@ def _metrics(cache):
 def _run_all(rank, world, folders, root):
     cache = ProcessGroupCache()
     results = {"metrics": _metrics(cache)}
-    for name, (model, n, plan_kw, dtype) in CASES.items():
-        plan = ParallelConfig(**plan_kw)
-        mesh = ParallelMesh(list(range(n)), tp=plan.tp, pp=plan.pp, cache=cache)
+    for name, (model, n, parallel_kw, dtype) in CASES.items():
+        parallel = ParallelConfig(**parallel_kw)
+        mesh = ParallelMesh(list(range(n)), tp=parallel.tp, pp=parallel.pp, cache=cache)
         if mesh.is_member:
-            results[name] = _run_case(mesh, folders[model], plan, dtype, f"{root}/{name}")
+            results[name] = _run_case(mesh, folders[model], parallel, dtype, f"{root}/{name}")
             if name in SCATTERED:
-                results[f"{name}-scatter"] = _scattered(folders[model], mesh, plan, dtype)
+                results[f"{name}-scatter"] = _scattered(folders[model], mesh, parallel, dtype)
     dp2 = ParallelMesh([0, 1], cache=cache)
     dp4 = ParallelMesh([0, 1, 2, 3], cache=cache)
     llama = folders["llama"]

@@ -1,7 +1,7 @@
 """The first PPO step is the same whatever the actor's layout: on 4 ranks, dp=4, tp=2, pp=2
 and tp=2 x pp=2 give the same old log-probs, losses, grad norm and updated log-probs for the
 same batch (driver-side GRPO advantages from fixed scores; two mini-batches, each balanced
-over the DP groups by the driver's plan, so dp 4, 2 and 1 step on the same samples)."""
+over the DP groups by the driver's batch split, so dp 4, 2 and 1 step on the same samples)."""
 
 import pytest
 import torch
@@ -10,7 +10,7 @@ from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.trainer.ppo import compute_advantages
-from rlhf.trainer.step_plan import StepPlanner
+from rlhf.trainer.step_splits import StepSplits
 from tests.unit.trainer.jobs import job_config, make_assets
 from workers.actor import ActorWorker
 
@@ -38,22 +38,22 @@ def step(cfg, name, *, fused=False):
     group = WorkerGroup(pool, {"actor": (ActorWorker, {"config": cfg})}, job_name=f"lay-{name}")
     try:
         batch = first_batch()
-        plans = StepPlanner(cfg, {"actor": group.role_views()["actor"].layout.dp}, batch)
-        old = group.compute_log_prob(batch, plan=plans.forward("actor"))
+        splits = StepSplits(cfg, {"actor": group.role_views()["actor"].layout.dp}, batch)
+        old = group.compute_log_prob(batch, split=splits.forward("actor"))
         scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
         advantages, _ = compute_advantages(batch.union(old), scores, cfg, kl_ctrl=None)
         batch = batch.union(advantages)
-        assert plans.update("actor").num_mini_batches == \
+        assert splits.update("actor").num_mini_batches == \
             len(batch) // (cfg.actor.ppo_mini_batch_size * cfg.rollout.n)
         if fused:
-            metrics, fields = group.update_actor(batch, plan=plans.update("actor"))
+            metrics, fields = group.update_actor(batch, split=splits.update("actor"))
             torch.testing.assert_close(fields["entropy"].values, old["entropy"].values,
                                        atol=1e-5, rtol=0)
             lp = fields["old_log_probs"]
         else:
-            metrics = group.update_actor(batch.union(old), plan=plans.update("actor"))
+            metrics = group.update_actor(batch.union(old), split=splits.update("actor"))
             lp = old["old_log_probs"]
-        after = group.compute_log_prob(batch, plan=plans.forward("actor"))["old_log_probs"]
+        after = group.compute_log_prob(batch, split=splits.forward("actor"))["old_log_probs"]
         torch.testing.assert_close(lp.values, old["old_log_probs"].values, atol=1e-5, rtol=0)
         return lp, metrics, after
     finally:

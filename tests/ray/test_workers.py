@@ -13,7 +13,7 @@ from rlhf.data.batch import Batch
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.transformer import ValueModel
-from rlhf.trainer.step_plan import StepPlanner
+from rlhf.trainer.step_splits import StepSplits
 from tests.unit.test_worker_roles import (ACTOR_KEYS, CRITIC_KEYS, TEMPERATURE, hf_token_stats,
                                           make_batch, make_config, make_folders, per_token)
 from transformers import LlamaForSequenceClassification
@@ -75,8 +75,8 @@ def test_each_role_has_its_own_layout(views):
     assert {name: view.layout for name, view in views.items()} == LAYOUTS
 
 
-def planner(views, folders, batch):
-    return StepPlanner(job_config(*folders), {k: v.layout.dp for k, v in views.items()}, batch)
+def splits_of(views, folders, batch):
+    return StepSplits(job_config(*folders), {k: v.layout.dp for k, v in views.items()}, batch)
 
 
 def test_actor_log_probs_and_entropy_match_transformers(views, folders, batch7, policy_stats):
@@ -84,12 +84,12 @@ def test_actor_log_probs_and_entropy_match_transformers(views, folders, batch7, 
     assert out.keys() == ["old_log_probs", "entropy"] and len(out) == 7
     assert_rows_close(out["old_log_probs"], [logp for logp, _ in policy_stats])
     assert_rows_close(out["entropy"], [ent for _, ent in policy_stats])
-    # the driver's plan reorders rows over the DP groups; results come back in driver order
-    plan = planner(views, folders, batch7).forward("actor")
-    assert [sorted(r) for r in plan.rows] != [[0, 1, 2, 3], [4, 5, 6]]
-    planned = views["actor"].compute_log_prob(batch7, plan=plan)
-    assert_rows_close(planned["old_log_probs"], [logp for logp, _ in policy_stats])
-    assert_rows_close(planned["entropy"], [ent for _, ent in policy_stats])
+    # the driver's batch split reorders rows over the DP groups; results come back in driver order
+    split = splits_of(views, folders, batch7).forward("actor")
+    assert [sorted(r) for r in split.rows] != [[0, 1, 2, 3], [4, 5, 6]]
+    by_split = views["actor"].compute_log_prob(batch7, split=split)
+    assert_rows_close(by_split["old_log_probs"], [logp for logp, _ in policy_stats])
+    assert_rows_close(by_split["entropy"], [ent for _, ent in policy_stats])
 
 
 def test_reference_log_probs_match_transformers(views, batch7, policy_stats):
@@ -139,10 +139,10 @@ def test_updates_report_metrics_and_change_only_their_role(views, folders, batch
     sign = torch.tensor([1.0, -1.0] * 4).repeat_interleave(lengths)
     batch = batch.union(Batch({"advantages": per_token(batch, sign),
                                "returns": per_token(batch, sign * 0.5)}))
-    plans = planner(views, folders, batch)
+    splits = splits_of(views, folders, batch)
     # Queued together: every rank runs the two updates in the same order.
-    pending = views["actor"].update_actor(batch, plan=plans.update("actor"), blocking=False)
-    critic_metrics = views["critic"].update_critic(batch, plan=plans.update("critic"))
+    pending = views["actor"].update_actor(batch, split=splits.update("actor"), blocking=False)
+    critic_metrics = views["critic"].update_critic(batch, split=splits.update("critic"))
     actor_metrics = pending.get()
     assert set(actor_metrics) == ACTOR_KEYS | {"actor/kl_loss"}
     assert set(critic_metrics) == CRITIC_KEYS

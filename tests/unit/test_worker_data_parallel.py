@@ -1,5 +1,5 @@
 """Data parallelism of the worker roles without Ray: two DP ranks, each updating its rows of
-the driver's plan, take the same steps as one rank with every sample."""
+the driver's batch split, take the same steps as one rank with every sample."""
 
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ if _ROOT not in sys.path:  # spawned ranks import this module by name
 from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.parallel.launch import run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
-from rlhf.trainer.step_plan import StepPlanner  # noqa: E402
+from rlhf.trainer.step_splits import StepSplits  # noqa: E402
 from tests.unit.test_worker_roles import (TOL, context, folders, make_config,  # noqa: E402,F401
                                           rl_batch, world)
 from workers.actor import ActorWorker  # noqa: E402
@@ -23,26 +23,26 @@ from workers.critic import CriticWorker  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 
-def planned_call(method, batch, plan, rank):
-    """What the dispatcher does for DP group `rank`: its rows of the plan, with its GroupPlan."""
-    return method(batch.select(list(plan.rows[rank])), plan=plan.groups[rank])
+def split_call(method, batch, split, rank):
+    """What the dispatcher does for DP group `rank`: its rows of the plan, with its GroupBatches."""
+    return method(batch.select(list(split.rows[rank])), split=split.groups[rank])
 
 
 def _train_both(rank, world_size, policy, batch):
     """Actor and critic colocated over `world_size` DP ranks: update on this rank's rows of the
-    driver's plan (two mini-batches), then the new log-probs and values of the whole batch."""
+    driver's batch split (two mini-batches), then the new log-probs and values of the whole batch."""
     cache = ProcessGroupCache()
     cfg = make_config(policy, ranks=world_size, actor={"ppo_mini_batch_size": 4},
                       algorithm={"ppo_epochs": 2, "loss_agg_mode": "seq-mean-token-mean"})
     actor = ActorWorker(context(cache, "actor", rank, world_size), config=cfg)
     critic = CriticWorker(context(cache, "critic", rank, world_size), config=cfg)
-    planner = StepPlanner(cfg, {"actor": world_size, "critic": world_size}, batch)
-    plans = {key: planner.update(key) for key in ("actor", "critic")}
+    planner = StepSplits(cfg, {"actor": world_size, "critic": world_size}, batch)
+    splits = {key: balancing.update(key) for key in ("actor", "critic")}
     if world_size > 1:  # no rank guesses what the others will do
-        with pytest.raises(ValueError, match="needs the driver's plan"):
+        with pytest.raises(ValueError, match="needs the driver's batch split"):
             actor.update_actor(batch.chunk(world_size)[rank])
-    metrics = {**planned_call(actor.update_actor, batch, plans["actor"], rank),
-               **planned_call(critic.update_critic, batch, plans["critic"], rank)}
+    metrics = {**split_call(actor.update_actor, batch, splits["actor"], rank),
+               **split_call(critic.update_critic, batch, splits["critic"], rank)}
     return (metrics, actor.compute_log_prob(batch)["old_log_probs"],
             critic.compute_values(batch)["values"])
 

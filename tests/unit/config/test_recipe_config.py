@@ -4,7 +4,7 @@ rejected naming the dotted key; good ones load and reach the fields the code rea
 import pytest
 
 from rlhf.config import ConfigError, load_config
-from rlhf.trainer.step_plan import fuse_old_log_probs
+from rlhf.trainer.step_splits import fuse_old_log_probs
 from tests.unit.config.test_config_checks import QUICKSTART
 
 GRPO = ["algorithm.adv_estimator=grpo", "rollout.n=4"]

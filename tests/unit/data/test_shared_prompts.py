@@ -5,7 +5,7 @@ kernels, the planner's units)."""
 import pytest
 import torch
 
-from rlhf.data.batch_plan import plan_batch, share_units
+from rlhf.data.batch_split import split_batch, share_units
 from rlhf.data.packing import pack_prompt_response, response_values, shared_prompt_lens
 from rlhf.models.attention import sdpa_split, sdpa_varlen
 from rlhf.models.config import ModelArgs
@@ -122,16 +122,16 @@ def test_planner_keeps_runs_together_and_counts_their_packed_tokens():
                                                            ((6,), 10), ((7,), 10),
                                                            ((8,), 10), ((9,), 10)]
     for dp in (1, 2):
-        plan = plan_batch(lengths, dp=dp, max_tokens=24, mini_size=None, shared=shared)
-        plain = plan_batch(lengths, dp=dp, max_tokens=24, mini_size=None)
-        assert plan.mini_batch_rows(0) == plain.mini_batch_rows(0) == list(range(10))
-        for g, group in enumerate(plan.groups):
-            rows = plan.rows[g]
+        split = split_batch(lengths, dp=dp, max_tokens=24, mini_size=None, shared=shared)
+        plain = split_batch(lengths, dp=dp, max_tokens=24, mini_size=None)
+        assert split.mini_batch_rows(0) == plain.mini_batch_rows(0) == list(range(10))
+        for g, group in enumerate(split.groups):
+            rows = split.rows[g]
             for mb, count in zip(group.mini_batches[0], group.token_counts[0]):
                 ids = [rows[i] for i in mb]
                 packed = pack_prompt_response([prompts[i] for i in ids],
                                               [responses[i] for i in ids], share_prompts=True)
                 assert packed.tokens.shape[0] == count <= 24
     # A sample cap counts samples, so the plan is per sample (packing may still share).
-    capped = plan_batch(lengths, dp=1, max_tokens=64, max_seqs=2, shared=shared)
+    capped = split_batch(lengths, dp=1, max_tokens=64, max_seqs=2, shared=shared)
     assert all(len(mb) <= 2 for mb in capped.groups[0].mini_batches[0])

@@ -119,8 +119,8 @@ def engine_run(engine: TrainEngine, sample: Sample, old: torch.Tensor, *,
             "log_prob_dtypes": sorted(map(str, dtypes)), "num_micro_batches": len(mbs)}
 
 
-def bf16_engine(folder: Path, mesh, plan=None) -> TrainEngine:
-    return TrainEngine.from_pretrained(folder, mesh=mesh, plan=plan, optim=OptimizerConfig(),
+def bf16_engine(folder: Path, mesh, parallel=None) -> TrainEngine:
+    return TrainEngine.from_pretrained(folder, mesh=mesh, parallel=parallel, optim=OptimizerConfig(),
                                        dtype="bfloat16", device="cpu")
 
 

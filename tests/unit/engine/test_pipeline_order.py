@@ -4,7 +4,7 @@ import pytest
 
 from rlhf.engine.pipeline_order import (BACKWARD, FORWARD, Message, Step, comm_program,
                                         forward_only_order, interleaved_order, one_f_one_b_order,
-                                        peak_held, simulate, training_plan, units)
+                                        peak_held, simulate, training_orders, units)
 
 SIZES = [(pp, vpp, m) for pp in (2, 3, 4) for vpp in (1, 2, 3) for m in range(1, 14)]
 SIZES += [(8, vpp, m) for vpp in (1, 2) for m in (1, 7, 8, 9, 16)]
@@ -17,7 +17,7 @@ def _complete(order, m, vpp):
 
 @pytest.mark.parametrize("pp, vpp, m", SIZES)
 def test_training_and_forward_orders_are_complete_and_never_stall(pp, vpp, m):
-    orders, pair = training_plan(m, pp=pp, vpp=vpp)
+    orders, pair = training_orders(m, pp=pp, vpp=vpp)
     assert all(_complete(o, m, vpp) for o in orders)
     assert simulate(orders, pp=pp, vpp=vpp, pair=pair)
     forward = forward_only_order(m, pp=pp, vpp=vpp)
@@ -34,7 +34,7 @@ def test_one_f_one_b_holds_at_most_pp_minus_stage(pp, m):
 @pytest.mark.parametrize("pp, vpp", [(2, 2), (4, 2), (4, 3)])
 def test_interleaving_pairs_exchanges_as_megatron_when_m_is_a_multiple_of_pp(pp, vpp):
     m = 3 * pp
-    orders, pair = training_plan(m, pp=pp, vpp=vpp)
+    orders, pair = training_orders(m, pp=pp, vpp=vpp)
     assert pair
     assert list(orders[0]) == interleaved_order(m, pp=pp, vpp=vpp, pp_rank=0)  # no extra warmup
     # Fewer activations held than running all forwards first.

@@ -12,7 +12,7 @@ from rlhf.data.dataset import PromptDataset, read_rows
 from rlhf.demo.calculator_data import CalcTask, tool_call_text, write_calc_dataset
 from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.tools import calculator
-from rlhf.rollout.engine import Completion
+from rlhf.rollout.vllm_sampler import Completion
 from rlhf.rollout.multiturn import Episode
 from rlhf.trainer.sft import response_ids
 from tests.unit.envs.play import play_episodes

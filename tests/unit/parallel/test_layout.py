@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlhf.config import load_config
-from rlhf.controller.dispatch import Dispatch, Layout as DispatchLayout, plan_call
+from rlhf.controller.dispatch import Dispatch, Layout as DispatchLayout, route_call
 from rlhf.data.batch import Batch
 from rlhf.parallel.layout import Layout
 
@@ -87,11 +87,11 @@ def test_dispatch_sends_each_rank_its_dp_groups_rows_and_keeps_the_layouts_outpu
     assert DispatchLayout is Layout  # the dispatcher has no layout arithmetic of its own
     monkeypatch.setattr(dispatch.ray, "put", lambda value: value)  # no object store needed
     batch = Batch({"id": torch.arange(4)})
-    plan = plan_call(Dispatch.DP_COMPUTE, Layout(dp=2, pp=2, tp=2), (batch,), {})
-    rows = [call[0][0]["id"].tolist() for call in plan.args]
+    routing = route_call(Dispatch.DP_COMPUTE, Layout(dp=2, pp=2, tp=2), (batch,), {})
+    rows = [call[0][0]["id"].tolist() for call in routing.args]
     # ranks 0-3 are DP group 0 (by hand, above), 4-7 group 1; the last stage's tp 0 answers
     assert rows == [[0, 1]] * 4 + [[2, 3]] * 4
-    assert plan.keep == [False, False, True, False, False, False, True, False]
+    assert routing.keep == [False, False, True, False, False, False, True, False]
 
 
 def test_planner_puts_each_rank_on_the_layouts_stage(monkeypatch):

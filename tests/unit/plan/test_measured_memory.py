@@ -33,7 +33,7 @@ def _args(vocab: int, hidden: int, inter: int, layers: int = 2) -> ModelArgs:
 
 
 def _spec(args: ModelArgs, dtype, tokens: int, recompute: str = "none") -> RoleSpec:
-    return RoleSpec(name="actor", head="lm", args=args, plan=ParallelConfig(), world_size=1,
+    return RoleSpec(name="actor", head="lm", args=args, parallel=ParallelConfig(), world_size=1,
                     colocated=True, dtype=dtype, trains=True, recompute=recompute, tokens=tokens,
                     shards=1, offload=OffloadConfig())
 

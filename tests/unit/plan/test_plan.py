@@ -107,8 +107,8 @@ def test_activation_estimates_shrink_with_recompute_and_sequence_parallelism():
                  if s.name == "actor")
     none, sel, full = (layer_activation_bytes(actor, r) for r in ("none", "attention_block", "full"))
     assert full < sel < none
-    no_sp = dataclasses.replace(actor, plan=dataclasses.replace(actor.plan,
-                                                                sequence_parallel=False))
+    no_sp = dataclasses.replace(actor, parallel=dataclasses.replace(actor.parallel,
+                                                                    sequence_parallel=False))
     assert layer_activation_bytes(no_sp, "full") == 4 * layer_activation_bytes(actor, "full")
     # 1F1B: rank r holds pp - r micro-batches; interleaved: Megatron's warm-up + 1 chunks
     assert [in_flight_chunks(4, 1, r) for r in range(4)] == [4, 3, 2, 1]

@@ -21,7 +21,7 @@ def _spec(name, *, tp=1, pp=1, world=8, trains=True, tied=False, vpp=1):
         model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         tie_word_embeddings=tied))
-    return RoleSpec(name=name, head="lm", args=args, plan=ParallelConfig(tp=tp, pp=pp, vpp=vpp),
+    return RoleSpec(name=name, head="lm", args=args, parallel=ParallelConfig(tp=tp, pp=pp, vpp=vpp),
                     world_size=world, colocated=True, dtype=None, trains=trains,
                     recompute="none", tokens=16, shards=1, offload=OffloadConfig())
 
@@ -109,7 +109,7 @@ def test_a_tied_head_at_pp1_has_its_workspace_counted():
     def head_bytes(tied: bool) -> int:
         args = ModelArgs.from_hf_config(tiny_hf_config(TinyModelConfig(tie_embeddings=tied),
                                                    bos_id=0, eos_id=1, pad_id=2).to_dict())
-        spec = RoleSpec(name="actor", head="lm", args=args, plan=ParallelConfig(), world_size=1,
+        spec = RoleSpec(name="actor", head="lm", args=args, parallel=ParallelConfig(), world_size=1,
                         colocated=True, dtype=torch.bfloat16, trains=True, recompute="none",
                         tokens=1024, shards=1, offload=OffloadConfig())
         (stage,) = stage_memory(spec)

@@ -178,7 +178,7 @@ def test_in_process_mode_reports_errors_the_same_way(fns):
 def test_close_stops_the_workers(fns):
     runner = RewardRunner([(fns("value"), 1.0)], num_workers=2)
     score(runner, ["1", "2"])
-    procs = [worker.proc for worker in runner._pool._workers]
+    procs = [worker.proc for worker in runner._processes._workers]
     runner.close()
     runner.close()
     assert all(proc.poll() is not None for proc in procs)
@@ -261,7 +261,7 @@ def test_a_worker_that_cannot_load_the_function_is_reported(tmp_path):
 def test_no_functions_score_zero_for_a_reward_model_only_job(num_workers):
     with RewardRunner([], num_workers=num_workers) as runner:
         result = runner.score(["p"] * 3, ["a", "b", "c"], ["g"] * 3)
-        assert runner._pool is None  # no worker processes for nothing to run
+        assert runner._processes is None  # no worker processes for nothing to run
     assert torch.equal(result.scores, torch.zeros(3))
     assert result.function_scores == {} and result.metrics == {}
     rm = torch.tensor([0.5, -1.0, 2.0])

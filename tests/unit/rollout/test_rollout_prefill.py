@@ -16,11 +16,11 @@ ROOT = str(Path(__file__).resolve().parents[3])
 SCRIPT = r"""
 import sys, torch
 from rlhf.config import RolloutConfig
-from rlhf.rollout import RolloutEngine, engine_environment, sampling_params
+from rlhf.rollout import VllmSampler, vllm_environment, sampling_params
 
 cfg = RolloutConfig(max_new_tokens=2, cpu_kv_cache_gb=0.2, max_num_seqs=256)
-with engine_environment(device_type="cpu"):
-    engine = RolloutEngine(sys.argv[1], config=cfg, device_type="cpu", dtype=torch.float32,
+with vllm_environment(device_type="cpu"):
+    engine = VllmSampler(sys.argv[1], config=cfg, device_type="cpu", dtype=torch.float32,
                            max_model_len=40)
 prompts = [[(7 * i + j) % 500 + 3 for j in range(30)] for i in range(256)]  # 7680 tokens
 seeds = list(range(256))

@@ -21,7 +21,7 @@ from rlhf.rollout import compat, replica as replica_module
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
 from rlhf.rollout.residency import replica_sleeps
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
-from rlhf.trainer.metrics import PhaseTimer
+from rlhf.trainer.metrics import SectionTimer
 from tests.unit.rollout.vllm_fakes import install_fake_reload
 from workers.actor import ActorWorker
 from workers.rollout import RolloutWorker
@@ -215,7 +215,7 @@ def test_one_step_off_generates_sample_with_the_version_they_carry(fake_cuda, pl
                            old_from_rollout=True)
     trained = []
     for step in range(1, 5):
-        batch, _ = pipe.next_batch(step, PhaseTimer())
+        batch, _ = pipe.next_batch(step, SectionTimer())
         versions = set(batch[VERSION].tolist())
         assert _sampled_by(batch) == versions and len(versions) == 1
         assert source.policy_version - versions.pop() <= 1
@@ -231,8 +231,8 @@ def test_the_driver_asks_the_rollout_ranks_before_skipping_a_sync(fake_cuda):
     source.sync()
     source.generate(_prompts(1), greedy=False)
     assert source.sync()["sync/skipped"] == 1.0  # resident: it still holds version 0
-    replica.engine.llm.sleep(level=2)
-    replica.engine.asleep, replica.engine.has_weights = {"weights", "kv_cache"}, False
+    replica.sampler.llm.sleep(level=2)
+    replica.sampler.asleep, replica.sampler.has_weights = {"weights", "kv_cache"}, False
     assert source.held_version() is None
     assert source.sync()["sync/skipped"] == 0.0
     out = source.generate(_prompts(2), greedy=False)
@@ -260,10 +260,10 @@ def test_every_wake_comes_after_the_allocator_cache_is_emptied_weights_sync_then
                    ("gc",), ("empty_cache",), ("wake_up", ("weights",)), ("reload",),
                    ("gc",), ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 4),
                    ("sleep", 2)]
-    assert replica.engine.llm.kwargs["enable_sleep_mode"] is True
+    assert replica.sampler.llm.kwargs["enable_sleep_mode"] is True
 
 
 def test_a_separate_cuda_engine_is_built_without_sleep_mode(fake_cuda):
     _, source, _, replica = _job("separate")
     source.generate(_prompts(1), greedy=False)
-    assert replica.engine.llm.kwargs["enable_sleep_mode"] is False and not replica.engine.sleeps
+    assert replica.sampler.llm.kwargs["enable_sleep_mode"] is False and not replica.sampler.sleeps

@@ -1,4 +1,4 @@
-"""The rollout engine's sleep and two-part wake, and the vLLM internals check, against a fake
+"""The rollout sampler's sleep and two-part wake, and the vLLM internals check, against a fake
 `vllm` module whose LLM records every call (no GPU and no real engine needed)."""
 
 import sys
@@ -12,7 +12,7 @@ from rlhf.config import RolloutConfig
 from rlhf.data.ragged import Ragged
 from rlhf.rollout import compat, weights as weights_module
 from rlhf.rollout.compat import VLLMVersionError, check_vllm_internals
-from rlhf.rollout.engine import RolloutEngine
+from rlhf.rollout.vllm_sampler import VllmSampler
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
 from tests.unit.rollout.vllm_fakes import install_fake_reload
 
@@ -58,8 +58,8 @@ def fake_vllm(monkeypatch):
 
 
 def _engine(device_type):
-    return RolloutEngine("unused", config=RolloutConfig(max_new_tokens=4),
-                         device_type=device_type, dtype=torch.bfloat16, max_model_len=32)
+    return VllmSampler("unused", config=RolloutConfig(max_new_tokens=4),
+                       device_type=device_type, dtype=torch.bfloat16, max_model_len=32)
 
 
 def _replica(monkeypatch, device_type):
@@ -79,7 +79,7 @@ def test_cuda_sleeps_at_level_2_and_wakes_weights_for_the_sync_then_the_kv_cache
     replica = _replica(monkeypatch, "cuda")
     prompts = Ragged.from_list([[1, 2], [3]], dtype=torch.int64)
     replica.generate(prompts, greedy=False, seed=0)
-    llm = replica.engine.llm
+    llm = replica.sampler.llm
     assert replica.stale  # the level-2 sleep discarded the weights: the sync must re-send them
     replica.sync(_export)
     assert not replica.stale and llm.received == ["model.embed_tokens.weight", "lm_head.weight"]
@@ -111,7 +111,7 @@ def test_cpu_never_sleeps_so_a_sync_is_skipped_until_the_policy_changes(fake_vll
     replica.mark_stale()
     replica.sync(_export)
     replica.generate(prompts, greedy=True, seed=0)
-    assert replica.engine.llm.calls == [
+    assert replica.sampler.llm.calls == [
         ("LLM", False), ("rpc", "_has_runner_model"), ("generate", 1),
         ("rpc", "reload_weights"), ("reset_prefix_cache",), ("generate", 1)]
 

@@ -3,7 +3,7 @@ matches transformers on the new weights, reloading the old ones gives bit for bi
 own loading gave (a tied LM head included), it equals vLLM's layer-wise reload, and it
 refuses a sync that leaves any module short of its weights (a whole layer, one of the q/k/v
 pieces of a stacked module, a norm), naming the modules. The engine is built inside
-`engine_environment`, and generates and syncs after the environment is restored."""
+`vllm_environment`, and generates and syncs after the environment is restored."""
 
 import subprocess
 import sys
@@ -20,7 +20,7 @@ SCRIPT = r"""
 import os, sys, torch
 from transformers import AutoModelForCausalLM
 from rlhf.config import RolloutConfig
-from rlhf.rollout import RolloutEngine, engine_environment, sampling_params
+from rlhf.rollout import VllmSampler, vllm_environment, sampling_params
 from rlhf.rollout.weights import DirectReload, IncompleteSyncError, _layerwise_reload
 
 old, new = sys.argv[1], sys.argv[2]
@@ -29,8 +29,8 @@ ours = {"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CON
         "HF_HUB_OFFLINE", "TOKENIZERS_PARALLELISM"}
 for key in ours:
     os.environ.pop(key, None)
-with engine_environment(device_type="cpu"):
-    engine = RolloutEngine(old, config=cfg, device_type="cpu", dtype=torch.float32,
+with vllm_environment(device_type="cpu"):
+    engine = VllmSampler(old, config=cfg, device_type="cpu", dtype=torch.float32,
                            max_model_len=64)
 assert not ours & set(os.environ), ours & set(os.environ)  # restored: the engine runs on
 prompts = [[1, 5, 6, 7], [3, 4], [9, 8, 7, 6, 5]]

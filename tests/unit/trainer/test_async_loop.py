@@ -11,7 +11,7 @@ from rlhf.controller.dispatch import Layout
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
-from rlhf.trainer.metrics import PhaseTimer
+from rlhf.trainer.metrics import SectionTimer
 
 N = 2  # samples per prompt
 
@@ -41,7 +41,7 @@ class FakeActor:
         return Done({"transfer/bytes": 8.0})
 
 
-class FakePool:
+class FakeRollout:
     """Rollout ranks: an engine version, set by receive_weights from the actor's version; a
     sample's log-prob is -(engine version + 1), so a batch shows which weights sampled it."""
 
@@ -78,18 +78,18 @@ def draw(step):
 
 def make(*, max_staleness=1, total=6, old_from_rollout=True):
     actor = FakeActor()
-    pool = FakePool(actor)
-    source = RolloutSource({"actor": actor, "rollout": pool}, n=N)
+    rollout = FakeRollout(actor)
+    source = RolloutSource({"actor": actor, "rollout": rollout}, n=N)
     pipe = RolloutPipeline(source, draw, max_staleness=max_staleness, total_steps=total,
                            old_from_rollout=old_from_rollout)
-    return actor, pool, source, pipe
+    return actor, rollout, source, pipe
 
 
 def train(actor, source, pipe, steps):
     """Each step takes its batch, then 'updates' the policy; returns what each step trained."""
     seen = []
     for step in steps:
-        batch, metrics = pipe.next_batch(step, PhaseTimer())
+        batch, metrics = pipe.next_batch(step, SectionTimer())
         seen.append({"step": step, "seed": int(batch["response_ids"].to_list()[0][0]),
                      "versions": batch[VERSION].tolist(),
                      "old": batch["old_log_probs"].values.unique().tolist(),
@@ -102,7 +102,7 @@ def train(actor, source, pipe, steps):
 
 
 def test_one_step_trains_batch_k_on_samples_of_version_k_minus_2_with_their_log_probs():
-    actor, pool, source, pipe = make()
+    actor, rollout, source, pipe = make()
     seen = train(actor, source, pipe, range(1, 7))
     for s in seen:
         k = s["step"]
@@ -113,13 +113,13 @@ def test_one_step_trains_batch_k_on_samples_of_version_k_minus_2_with_their_log_
         assert s["old"] == [-(sampled + 1.0)]  # the ratio's denominator is that version's
         assert s["staleness_1"] == (1.0 if k >= 2 else 0.0) and s["dropped"] == 0
     # batch k+1 was submitted during step k, after the weights of version k-1 were sent
-    assert pool.generated == [(k, max(k - 2, 0)) for k in range(1, 7)]
+    assert rollout.generated == [(k, max(k - 2, 0)) for k in range(1, 7)]
     assert actor.sent == [1, 2, 3, 4]  # version 0 is model.path, never sent
     assert pipe.pending is None  # nothing sampled past the last step
 
 
 def test_bounded_staleness_sends_weights_less_often_and_stays_within_the_bound():
-    actor, pool, source, pipe = make(max_staleness=2, total=8)
+    actor, rollout, source, pipe = make(max_staleness=2, total=8)
     seen = train(actor, source, pipe, range(1, 9))
     assert all(s["trainer_version"] - v <= 2 for s in seen for v in s["versions"])
     assert max(s["trainer_version"] - s["versions"][0] for s in seen) == 2
@@ -144,15 +144,15 @@ def test_samples_older_than_the_bound_are_dropped_and_counted():
 
 def test_recompute_leaves_old_log_probs_to_the_trainer():
     _, _, source, pipe = make(old_from_rollout=False)
-    batch, _ = pipe.next_batch(1, PhaseTimer())
+    batch, _ = pipe.next_batch(1, SectionTimer())
     assert "old_log_probs" not in batch and "rollout_log_probs" in batch
 
 
 def test_resume_restores_the_in_flight_batch_and_reproduces_the_run():
-    actor, pool, source, pipe = make(total=6)
+    actor, rollout, source, pipe = make(total=6)
     whole = train(actor, source, pipe, range(1, 7))
 
-    actor, pool, source, pipe = make(total=6)
+    actor, rollout, source, pipe = make(total=6)
     first = train(actor, source, pipe, range(1, 4))
     buffer = io.BytesIO()
     torch.save(pipe.state_dict(), buffer)  # as the checkpoint stores it
@@ -169,12 +169,12 @@ def test_resume_restores_the_in_flight_batch_and_reproduces_the_run():
 
 
 def test_checkpoints_cross_between_sync_and_async_runs():
-    actor, pool, source, pipe = make()
+    actor, rollout, source, pipe = make()
     pipe.load_state_dict({"policy_version": 4})  # a synchronous run's RolloutSource state
     assert source.policy_version == 4 and source.rollout_version is None and pipe.pending is None
     actor.version = 4
-    batch, _ = pipe.next_batch(5, PhaseTimer())  # sends version 4 first: nothing is stale
+    batch, _ = pipe.next_batch(5, SectionTimer())  # sends version 4 first: nothing is stale
     assert batch[VERSION].tolist() == [4] * (2 * N) and actor.sent == [4]
-    plain = RolloutSource({"actor": FakeActor(), "rollout": FakePool(FakeActor())}, n=N)
+    plain = RolloutSource({"actor": FakeActor(), "rollout": FakeRollout(FakeActor())}, n=N)
     plain.load_state_dict(pipe.state_dict())
     assert plain.policy_version == 4

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from rlhf.errors import RLHFError
-from rlhf.trainer.metrics import MetricsLogger, PhaseTimer, gauge_name, read_metrics
+from rlhf.trainer.metrics import MetricsLogger, SectionTimer, gauge_name, read_metrics
 
 
 def test_records_are_json_lines_and_a_resume_drops_later_steps(tmp_path):
@@ -43,7 +43,7 @@ def test_tensorboard_without_the_package_names_the_fix(tmp_path):
 def test_gauge_names_are_prometheus_safe_and_timer_adds_up():
     assert gauge_name("actor/pg_loss") == "rlhf_actor_pg_loss"
     assert gauge_name("throughput/tokens_per_s") == "rlhf_throughput_tokens_per_s"
-    timer = PhaseTimer()
+    timer = SectionTimer()
     for _ in range(2):
         with timer("generate"):
             pass

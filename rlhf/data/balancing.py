@@ -1,7 +1,7 @@
-"""Micro-batch plan: which samples each data-parallel rank runs, in which micro-batch, in what order.
+"""Micro-batch assignment: which samples each data-parallel rank runs, in which micro-batch, in what order.
 
 Pure bookkeeping on sample lengths, no tensors and no communication: the driver computes one
-`MicroBatchPlan` and sends the same object to every rank and pipeline stage, so each of them
+`MicroBatchAssignment` and sends the same object to every rank and pipeline stage, so each of them
 knows every micro-batch's packed token count (hence every send/recv shape) before it starts.
 
 Steps: balance per-sample cost across DP ranks (Karmarkar-Karp, checked against LPT, then a
@@ -27,7 +27,7 @@ def default_cost(length: int) -> float:
 
 
 @dataclass(frozen=True)
-class MicroBatchPlan:
+class MicroBatchAssignment:
     """Per DP rank, equally many micro-batches of sample indices, with their packed token counts."""
 
     micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
@@ -73,9 +73,9 @@ class MicroBatchPlan:
         return self.max_rank_cost / mean if mean > 0 else 1.0
 
 
-def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
-                       cost: Callable[[int], float] | None = None, max_seqs: int | None = None,
-                       min_micro_batches: int = 0) -> MicroBatchPlan:
+def assign_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
+                         cost: Callable[[int], float] | None = None, max_seqs: int | None = None,
+                         min_micro_batches: int = 0) -> MicroBatchAssignment:
     """Split samples (packed lengths, prompt + response) over `dp` ranks into micro-batches of at
     most `max_tokens` tokens (and `max_seqs` samples), balancing `cost` (default `default_cost`)
     across ranks; at least `min_micro_batches` per rank (to match other ranks' count)."""
@@ -90,7 +90,7 @@ def plan_micro_batches(lengths: Sequence[int], *, dp: int, max_tokens: int,
     target = max(max((len(mbs) for mbs in packed), default=0), min_micro_batches)
     packed = [_split_to_count(mbs, target, lengths) for mbs in packed]
     ordered = [_small_large_small(mbs, costs) for mbs in packed]
-    return MicroBatchPlan(
+    return MicroBatchAssignment(
         micro_batches=tuple(tuple(tuple(mb) for mb in mbs) for mbs in ordered),
         token_counts=tuple(tuple(sum(lengths[i] for i in mb) for mb in mbs) for mbs in ordered),
         rank_costs=tuple(sum(costs[i] for i in p) for p in parts),

@@ -1,4 +1,4 @@
-"""The driver's step plans: shared between calls that plan alike, the same optimizer-step
+"""The driver's batch splits of a step: shared between calls that split alike, the same optimizer-step
 samples at every DP size, and the one decision whether old log-probs get their own pass."""
 
 import dataclasses
@@ -10,7 +10,7 @@ from rlhf.config import (AlgorithmConfig, DataConfig, ForwardRoleConfig, JobConf
                          RolloutConfig, TrainerConfig, TrainRoleConfig)
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.step_plan import StepPlanner, fuse_old_log_probs
+from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
 
 
 def make_batch(n, seed=0):
@@ -47,27 +47,27 @@ def test_fused_old_log_probs_only_on_policy_without_kl_in_reward():
 
 def test_calls_that_plan_alike_share_one_plan():
     batch = make_batch(8)
-    plans = StepPlanner(config(), {"actor": 2, "ref": 2}, batch)
-    assert plans.forward("actor") is plans.forward("ref")  # same dp, budget and no sample cap
-    assert plans.update("actor") is not plans.forward("actor")
-    assert plans.update("actor").num_mini_batches == 1
-    capped = StepPlanner(config(actor_mbs=2), {"actor": 2, "ref": 2}, batch)
+    splits = StepSplits(config(), {"actor": 2, "ref": 2}, batch)
+    assert splits.forward("actor") is splits.forward("ref")  # same dp, budget and no sample cap
+    assert splits.update("actor") is not splits.forward("actor")
+    assert splits.update("actor").num_mini_batches == 1
+    capped = StepSplits(config(actor_mbs=2), {"actor": 2, "ref": 2}, batch)
     assert capped.forward("actor") is not capped.forward("ref")
     assert all(len(mb) <= 2 for g in capped.forward("actor").groups
                for mb in g.mini_batches[0])
-    other_dp = StepPlanner(config(), {"actor": 2, "ref": 4}, batch)
+    other_dp = StepSplits(config(), {"actor": 2, "ref": 4}, batch)
     assert other_dp.forward("ref").dp == 4 and other_dp.forward("actor").dp == 2
-    assert plans.imbalance >= 1.0
+    assert splits.imbalance >= 1.0
 
 
 def test_update_plans_step_on_the_same_samples_at_every_dp():
     cfg, batch = config(actor_mini=2), make_batch(16, seed=3)  # 4 samples per step, 4 steps
-    plans = {dp: StepPlanner(cfg, {"actor": dp}, batch).update("actor") for dp in (1, 2, 4)}
+    splits = {dp: StepSplits(cfg, {"actor": dp}, batch).update("actor") for dp in (1, 2, 4)}
     for k in range(4):
-        assert {tuple(p.mini_batch_rows(k)) for p in plans.values()} == \
+        assert {tuple(p.mini_batch_rows(k)) for p in splits.values()} == \
             {tuple(range(4 * k, 4 * k + 4))}
     with pytest.raises(ValueError, match=r"actor\.ppo_mini_batch_size \* rollout\.n = 2 samples "
                                          r"per optimizer step cannot give each of the actor's 4"):
-        StepPlanner(config(actor_mini=1), {"actor": 4}, batch).update("actor")
+        StepSplits(config(actor_mini=1), {"actor": 4}, batch).update("actor")
     with pytest.raises(ValueError, match=r"send a multiple of 8"):
-        StepPlanner(config(actor_mini=4), {"actor": 2}, batch[:12]).update("actor")
+        StepSplits(config(actor_mini=4), {"actor": 2}, batch[:12]).update("actor")

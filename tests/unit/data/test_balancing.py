@@ -1,17 +1,17 @@
-"""Micro-batch planner: exact cover, token budget, equal counts per rank, order and balance."""
+"""Micro-batch assignment: exact cover, token budget, equal counts per rank, order and balance."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.data.planner import (
+from rlhf.data.balancing import (
     _split_to_count,
     balanced_partition,
     default_cost,
     karmarkar_karp,
     lpt_partition,
-    plan_micro_batches,
+    assign_micro_batches,
 )
 
 FAST = settings(max_examples=60, deadline=None)
@@ -21,17 +21,17 @@ def group_sums(groups, costs):
     return [sum(costs[i] for i in g) for g in groups]
 
 
-def fill_fraction(plan):
+def fill_fraction(assignment):
     """Packed tokens over the budget of all micro-batches (1.0: every one full)."""
-    slots = plan.dp * plan.num_micro_batches * plan.max_tokens
-    return plan.total_tokens / slots if slots else 1.0
+    slots = assignment.dp * assignment.num_micro_batches * assignment.max_tokens
+    return assignment.total_tokens / slots if slots else 1.0
 
 
-def padding_fraction_vs_padded(plan, max_len):
+def padding_fraction_vs_padded(assignment, max_len):
     """Share of a (num_samples, max_len) padded batch that would be padding, which packing
     avoids."""
-    slots = plan.num_samples * max_len
-    return 1.0 - plan.total_tokens / slots if slots else 0.0
+    slots = assignment.num_samples * max_len
+    return 1.0 - assignment.total_tokens / slots if slots else 0.0
 
 
 def round_robin(costs, parts):
@@ -56,25 +56,25 @@ def problems(draw):
 @given(problems())
 def test_cover_budget_equal_counts_order(problem):
     lengths, dp, max_tokens = problem
-    plan = plan_micro_batches(lengths, dp=dp, max_tokens=max_tokens)
-    used = sorted(i for r in range(dp) for mb in plan.rank(i=r) for i in mb)
+    assignment = assign_micro_batches(lengths, dp=dp, max_tokens=max_tokens)
+    used = sorted(i for r in range(dp) for mb in assignment.rank(i=r) for i in mb)
     assert used == list(range(len(lengths)))  # every sample exactly once
-    assert plan.dp == dp and plan.num_samples == len(lengths)
-    assert plan.total_tokens == sum(lengths)
+    assert assignment.dp == dp and assignment.num_samples == len(lengths)
+    assert assignment.total_tokens == sum(lengths)
     for r in range(dp):
-        mbs = plan.rank(r)
-        assert len(mbs) == plan.num_micro_batches  # same count on every rank
-        assert plan.token_counts[r] == tuple(sum(lengths[i] for i in mb) for mb in mbs)
-        assert all(t <= max_tokens for t in plan.token_counts[r])
+        mbs = assignment.rank(r)
+        assert len(mbs) == assignment.num_micro_batches  # same count on every rank
+        assert assignment.token_counts[r] == tuple(sum(lengths[i] for i in mb) for mb in mbs)
+        assert all(t <= max_tokens for t in assignment.token_counts[r])
         assert all(list(mb) == sorted(mb) for mb in mbs)
         n_samples = sum(len(mb) for mb in mbs)
-        if n_samples >= plan.num_micro_batches:  # empties only when the rank lacks samples
+        if n_samples >= assignment.num_micro_batches:  # empties only when the rank lacks samples
             assert all(mbs)
         costs = [sum(default_cost(lengths[i]) for i in mb) for mb in mbs]
         mid = len(costs) // 2
         assert costs[:mid + 1] == sorted(costs[:mid + 1])  # ascending up to the middle
         assert costs[mid:] == sorted(costs[mid:], reverse=True)  # then descending
-    assert plan.has_empty_micro_batches == any(not mb for r in plan.micro_batches for mb in r)
+    assert assignment.has_empty_micro_batches == any(not mb for r in assignment.micro_batches for mb in r)
 
 
 @FAST
@@ -82,9 +82,9 @@ def test_cover_budget_equal_counts_order(problem):
 def test_never_worse_than_lpt(problem):
     lengths, dp, max_tokens = problem
     costs = [default_cost(n) for n in lengths]
-    plan = plan_micro_batches(lengths, dp=dp, max_tokens=max_tokens)
+    assignment = assign_micro_batches(lengths, dp=dp, max_tokens=max_tokens)
     lpt_max = max(group_sums(lpt_partition(costs, dp), costs))
-    assert plan.max_rank_cost <= lpt_max * (1 + 1e-12)
+    assert assignment.max_rank_cost <= lpt_max * (1 + 1e-12)
     assert sorted(sum(balanced_partition(costs, dp), [])) == list(range(len(lengths)))
 
 
@@ -94,13 +94,13 @@ def test_balance_on_rl_like_lengths():
         lengths = rl_lengths(seed)
         costs = [default_cost(n) for n in lengths]
         mean = sum(costs) / 4
-        plan = plan_micro_batches(lengths, dp=4, max_tokens=4096)
-        assert plan.imbalance < 1.005
-        assert plan.imbalance == pytest.approx(plan.max_rank_cost / mean)
+        assignment = assign_micro_batches(lengths, dp=4, max_tokens=4096)
+        assert assignment.imbalance < 1.005
+        assert assignment.imbalance == pytest.approx(assignment.max_rank_cost / mean)
         kk = max(group_sums(karmarkar_karp(costs, 4), costs))
         lpt = max(group_sums(lpt_partition(costs, 4), costs))
         rr = max(group_sums(round_robin(costs, 4), costs))
-        assert kk <= rr and plan.max_rank_cost <= kk
+        assert kk <= rr and assignment.max_rank_cost <= kk
         kk_wins += kk <= lpt
         lpt_wins += lpt < kk
     assert kk_wins >= 16, (kk_wins, lpt_wins)
@@ -114,22 +114,22 @@ def test_hand_example_kk_beats_lpt():
 
 
 def test_hand_example_plan():
-    plan = plan_micro_batches([8, 7, 6, 5, 4], dp=2, max_tokens=10, cost=float)
+    assignment = assign_micro_batches([8, 7, 6, 5, 4], dp=2, max_tokens=10, cost=float)
     # KK's {7,5,4} | {8,6} swaps 7 for 6; first-fit decreasing then packs {6,4} and {5}.
-    assert plan.micro_batches == (((3,), (2, 4)), ((1,), (0,)))
-    assert plan.token_counts == ((5, 10), (7, 8))
-    assert plan.rank_costs == (15.0, 15.0)
-    assert plan.num_micro_batches == 2 and not plan.has_empty_micro_batches
-    assert plan.imbalance == 1.0
-    assert fill_fraction(plan) == pytest.approx(30 / 40)
-    assert padding_fraction_vs_padded(plan, 8) == pytest.approx(1 - 30 / 40)
+    assert assignment.micro_batches == (((3,), (2, 4)), ((1,), (0,)))
+    assert assignment.token_counts == ((5, 10), (7, 8))
+    assert assignment.rank_costs == (15.0, 15.0)
+    assert assignment.num_micro_batches == 2 and not assignment.has_empty_micro_batches
+    assert assignment.imbalance == 1.0
+    assert fill_fraction(assignment) == pytest.approx(30 / 40)
+    assert padding_fraction_vs_padded(assignment, 8) == pytest.approx(1 - 30 / 40)
 
 
 def test_small_large_small_order():
     # One rank, five one-sample micro-batches (no two fit together): 6..10 become 6, 8, 10, 9, 7.
-    plan = plan_micro_batches([6, 7, 8, 9, 10], dp=1, max_tokens=10, cost=float)
-    assert plan.token_counts == ((6, 8, 10, 9, 7),)
-    assert plan.micro_batches == (((0,), (2,), (4,), (3,), (1,)),)
+    assignment = assign_micro_batches([6, 7, 8, 9, 10], dp=1, max_tokens=10, cost=float)
+    assert assignment.token_counts == ((6, 8, 10, 9, 7),)
+    assert assignment.micro_batches == (((0,), (2,), (4,), (3,), (1,)),)
 
 
 def test_split_largest_first():
@@ -142,36 +142,36 @@ def test_split_largest_first():
 
 def test_equalises_by_splitting_and_flags_unavoidable_empty():
     # Squared cost: {8} balances {4,4,4,4}, which needs two micro-batches of 8 tokens.
-    plan = plan_micro_batches([8, 4, 4, 4, 4], dp=2, max_tokens=8, cost=lambda n: n * n)
-    assert plan.rank_costs == (64, 64)
-    assert plan.num_micro_batches == 2
-    assert plan.has_empty_micro_batches  # rank 0 has one sample for two micro-batches
-    assert plan.micro_batches[1] == ((), (0,))  # the empty one is cheapest: it goes first
+    assignment = assign_micro_batches([8, 4, 4, 4, 4], dp=2, max_tokens=8, cost=lambda n: n * n)
+    assert assignment.rank_costs == (64, 64)
+    assert assignment.num_micro_batches == 2
+    assert assignment.has_empty_micro_batches  # rank 0 has one sample for two micro-batches
+    assert assignment.micro_batches[1] == ((), (0,))  # the empty one is cheapest: it goes first
     # Rank 1's {1,2,3,4} fits one micro-batch but rank 0 needs two ({1} and {10}): split it
     # into halves of equal tokens instead of padding with an empty micro-batch.
-    plan = plan_micro_batches([1, 2, 3, 4, 1, 10], dp=2, max_tokens=10, cost=float)
-    assert plan.micro_batches == (((4,), (5,)), ((0, 3), (1, 2)))
-    assert plan.token_counts == ((1, 10), (5, 5))
-    assert not plan.has_empty_micro_batches
+    assignment = assign_micro_batches([1, 2, 3, 4, 1, 10], dp=2, max_tokens=10, cost=float)
+    assert assignment.micro_batches == (((4,), (5,)), ((0, 3), (1, 2)))
+    assert assignment.token_counts == ((1, 10), (5, 5))
+    assert not assignment.has_empty_micro_batches
 
 
 def test_over_long_sample_raises():
     with pytest.raises(ValueError, match=r"sample 2 has 11 tokens .*max_tokens=10"):
-        plan_micro_batches([3, 10, 11], dp=2, max_tokens=10)
+        assign_micro_batches([3, 10, 11], dp=2, max_tokens=10)
     with pytest.raises(ValueError, match="dp"):
-        plan_micro_batches([3], dp=0, max_tokens=10)
+        assign_micro_batches([3], dp=0, max_tokens=10)
     with pytest.raises(ValueError, match="max_tokens"):
-        plan_micro_batches([3], dp=1, max_tokens=0)
+        assign_micro_batches([3], dp=1, max_tokens=0)
 
 
 def test_empty_input():
-    plan = plan_micro_batches([], dp=3, max_tokens=8)
-    assert plan.micro_batches == ((), (), ()) and plan.num_micro_batches == 0
-    assert plan.imbalance == 1.0
+    assignment = assign_micro_batches([], dp=3, max_tokens=8)
+    assert assignment.micro_batches == ((), (), ()) and assignment.num_micro_batches == 0
+    assert assignment.imbalance == 1.0
 
 
 def test_deterministic():
     lengths = rl_lengths(7, n=128) + [20] * 16  # ties included
-    a = plan_micro_batches(lengths, dp=4, max_tokens=2048)
-    b = plan_micro_batches(tuple(lengths), dp=4, max_tokens=2048)
+    a = assign_micro_batches(lengths, dp=4, max_tokens=2048)
+    b = assign_micro_batches(tuple(lengths), dp=4, max_tokens=2048)
     assert a == b and hash(a) == hash(b)

@@ -1,17 +1,17 @@
-"""The driver's plan of one role call: which rows each data-parallel group gets, in which
+"""The driver's batch split of one role call: which rows each data-parallel group gets, in which
 mini-batches and micro-batches.
 
-The driver sees every sample, so it plans (workers only execute):
+The driver sees every sample, so it splits (workers only execute):
     mini-batch k = driver rows [k * mini_size, (k + 1) * mini_size), whatever the DP size, so
     every optimizer step sees the same samples at dp 1, 2, 4;
-    within it, samples are balanced over DP groups by cost (Karmarkar-Karp, `planner.py`) and
+    within it, samples are balanced over DP groups by cost (Karmarkar-Karp, `balancing.py`) and
     packed into micro-batches under the token budget, every group getting the same count.
     With shared prompts (`shared`, rlhf.data.packing.shared_prompt_lens) the units balanced and
     packed are runs of one prompt's samples, counted at the tokens they pack to (the prompt
     once), so they land in one micro-batch and hold the prompt once; a run that would pass the
     budget is cut into pieces that fit.
-A `BatchPlan` is small and picklable (index lists and token counts). The dispatcher hands
-DP group g the rows `plan.rows[g]` in that order with `plan.groups[g]`, whose index lists
+A `BatchSplit` is small and picklable (index lists and token counts). The dispatcher hands
+DP group g the rows `split.rows[g]` in that order with `split.groups[g]`, whose index lists
 point into those rows, and maps results back to the driver's order.
 """
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlhf.data.planner import check_lengths, plan_micro_batches
+from rlhf.data.balancing import check_lengths, assign_micro_batches
 
 
 @dataclass(frozen=True)
-class GroupPlan:
+class GroupBatches:
     """What one DP group runs on the rows it receives, in execution order."""
 
     mini_batches: tuple[tuple[tuple[int, ...], ...], ...]
@@ -38,12 +38,12 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
-class BatchPlan:
-    """Per DP group, the driver rows it receives (in order) and the GroupPlan it executes."""
+class BatchSplit:
+    """Per DP group, the driver rows it receives (in order) and the GroupBatches it executes."""
 
     rows: tuple[tuple[int, ...], ...]
     """[group] -> driver row indices, in the order the group receives them."""
-    groups: tuple[GroupPlan, ...]
+    groups: tuple[GroupBatches, ...]
     group_costs: tuple[tuple[float, ...], ...]
     """[mini-batch][group] -> summed sample cost: what the balancing evens out."""
 
@@ -75,15 +75,15 @@ class BatchPlan:
         return worst
 
 
-def plan_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: int | None = None,
-               max_seqs: int | None = None, cost: Callable[[int], float] | None = None,
-               what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchPlan:
-    """Plan samples of packed `lengths` over `dp` groups: consecutive mini-batches of
+def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: int | None = None,
+                max_seqs: int | None = None, cost: Callable[[int], float] | None = None,
+                what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchSplit:
+    """Split samples of packed `lengths` over `dp` groups: consecutive mini-batches of
     `mini_size` samples (None: one mini-batch of all), each balanced over the groups and
     packed under `max_tokens` (and `max_seqs`) per micro-batch. `what` names `mini_size` in
     errors (say, "actor.ppo_mini_batch_size * rollout.n"). `shared[i]`: prompt tokens sample
     i reads from the first sample of its run (packing's shared prompts); not with `max_seqs`,
-    which counts samples, so a sample cap plans sample by sample (packing still shares)."""
+    which counts samples, so a sample cap splits sample by sample (packing still shares)."""
     n = len(lengths)
     check_lengths(lengths, max_tokens)
     size = n if mini_size is None else mini_size
@@ -98,8 +98,8 @@ def plan_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: i
         units = share_units(lengths[start:start + size],
                             shared[start:start + size] if shared and max_seqs is None else None,
                             max_tokens)
-        sub = plan_micro_batches([tokens for _, tokens in units], dp=dp, max_tokens=max_tokens,
-                                 max_seqs=max_seqs, cost=cost)
+        sub = assign_micro_batches([tokens for _, tokens in units], dp=dp, max_tokens=max_tokens,
+                                   max_seqs=max_seqs, cost=cost)
         costs.append(sub.rank_costs)
         for g in range(dp):
             mbs, counts = [], []
@@ -111,14 +111,14 @@ def plan_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: i
                     counts.append(count)
             minis[g].append(mbs)
             tokens[g].append(counts)
-    groups = tuple(GroupPlan(tuple(tuple(m) for m in minis[g]), tuple(tuple(c) for c in tokens[g]))
+    groups = tuple(GroupBatches(tuple(tuple(m) for m in minis[g]), tuple(tuple(c) for c in tokens[g]))
                    for g in range(dp))
-    return BatchPlan(tuple(tuple(r) for r in rows), groups, tuple(costs))
+    return BatchSplit(tuple(tuple(r) for r in rows), groups, tuple(costs))
 
 
 def share_units(lengths: Sequence[int], shared: Sequence[int] | None,
                 max_tokens: int) -> list[tuple[tuple[int, ...], int]]:
-    """(samples, packed tokens) of each planning unit: a run of samples that share a prompt
+    """(samples, packed tokens) of each balancing unit: a run of samples that share a prompt
     (`shared[i]` > 0: sample i continues the run before it), cut where the next sample would
     pass `max_tokens` (it then starts a unit of its own, holding the whole prompt); one unit
     per sample without `shared`."""
@@ -139,11 +139,11 @@ def role_budget(role) -> tuple[int, int | None]:
     return role.max_tokens_per_micro_batch, getattr(role, "micro_batch_size", None)
 
 
-def plan_role_batch(lengths: Sequence[int], role, *, dp: int, mini_size: int | None = None,
-                    what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchPlan:
-    """`plan_batch` under a role config's budget (`role_budget`); `shared` (the batch's
+def split_role_batch(lengths: Sequence[int], role, *, dp: int, mini_size: int | None = None,
+                     what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchSplit:
+    """`split_batch` under a role config's budget (`role_budget`); `shared` (the batch's
     shared_prompt_lens) is used when the role shares prompts (`share_prompts`)."""
     max_tokens, max_seqs = role_budget(role)
-    return plan_batch(lengths, dp=dp, max_tokens=max_tokens, max_seqs=max_seqs,
-                      mini_size=mini_size, what=what,
-                      shared=shared if role.share_prompts else None)
+    return split_batch(lengths, dp=dp, max_tokens=max_tokens, max_seqs=max_seqs,
+                       mini_size=mini_size, what=what,
+                       shared=shared if role.share_prompts else None)

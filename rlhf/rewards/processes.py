@@ -82,7 +82,7 @@ class _Worker:
         self.conn.close()
 
 
-class WorkerPool:
+class RewardProcesses:
     """num_workers spawned processes running the functions of specs; see the module docstring."""
 
     def __init__(self, specs: Sequence[str], *, num_workers: int, timeout_s: float):

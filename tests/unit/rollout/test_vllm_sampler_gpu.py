@@ -1,4 +1,4 @@
-"""The CUDA path of RolloutEngine: chosen on a GPU rank, sleeps around training and wakes up
+"""The CUDA path of VllmSampler: chosen on a GPU rank, sleeps around training and wakes up
 for a weight reload; only where CUDA (and a CUDA build of vLLM) is present."""
 
 import subprocess
@@ -18,11 +18,11 @@ SCRIPT = r"""
 import sys, torch
 from transformers import AutoModelForCausalLM
 from rlhf.config import RolloutConfig
-from rlhf.rollout import RolloutEngine, engine_environment, sampling_params
+from rlhf.rollout import VllmSampler, vllm_environment, sampling_params
 folder = sys.argv[1]
 cfg = RolloutConfig(max_new_tokens=8, gpu_memory_utilization=0.3)
-with engine_environment(device_type="cuda"):
-    engine = RolloutEngine(folder, config=cfg, device_type="cuda", dtype=torch.float32,
+with vllm_environment(device_type="cuda"):
+    engine = VllmSampler(folder, config=cfg, device_type="cuda", dtype=torch.float32,
                            max_model_len=64)
 params = sampling_params(cfg, greedy=True, seeds=[0])
 before = engine.generate([[1, 5, 6, 7]], params)[0].token_ids

@@ -1,9 +1,9 @@
-"""The driver's plans for one PPO step: every role call's mini- and micro-batches per DP group,
+"""The driver's batch splits for one PPO step: every role call's mini- and micro-batches per DP group,
 and the one decision whether old log-probs get their own pass.
 
-The driver sees every sample and every role's layout, so it plans and the workers execute
-(see rlhf/data/batch_plan.py). Calls that plan alike (same DP size, budget, sample cap and
-mini-batch size: say the actor's and the reference's forward passes) share one plan.
+The driver sees every sample and every role's layout, so it splits and the workers execute
+(see rlhf/data/batch_split.py). Calls that split alike (same DP size, budget, sample cap and
+mini-batch size: say the actor's and the reference's forward passes) share one split.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from rlhf.config import JobConfig
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import BatchPlan, plan_role_batch, role_budget
+from rlhf.data.batch_split import BatchSplit, split_role_batch, role_budget
 from rlhf.data.fields import sample_lengths
 from rlhf.data.packing import shared_prompt_lens
 
@@ -33,39 +33,39 @@ def fuse_old_log_probs(cfg: JobConfig, *, step: int) -> bool:
             and not old_is_rollout)
 
 
-class StepPlanner:
-    """Plans the role calls of one step on `batch`; `dp` maps role key -> its DP size."""
+class StepSplits:
+    """Splits the role calls of one step on `batch`; `dp` maps role key -> its DP size."""
 
     def __init__(self, cfg: JobConfig, dp: Mapping[str, int], batch: Batch):
         self.cfg, self.dp = cfg, dict(dp)
         self.lengths = sample_lengths(batch)
         self.shared = shared_prompt_lens(batch["prompt_ids"])
-        self._plans: dict[tuple, BatchPlan] = {}
+        self._splits: dict[tuple, BatchSplit] = {}
 
-    def forward(self, key: str) -> BatchPlan:
-        """The plan of a forward pass of role `key` (actor, ref, critic, reward) on the batch."""
-        return self._plan(key, mini_size=None, what="")
+    def forward(self, key: str) -> BatchSplit:
+        """The split of a forward pass of role `key` (actor, ref, critic, reward) on the batch."""
+        return self._split(key, mini_size=None, what="")
 
-    def update(self, key: str) -> BatchPlan:
-        """The plan of role `key`'s (actor, critic) PPO update on the batch."""
+    def update(self, key: str) -> BatchSplit:
+        """The split of role `key`'s (actor, critic) PPO update on the batch."""
         mini = getattr(self.cfg, key).ppo_mini_batch_size * self.cfg.rollout.n
         what = f"{key}.ppo_mini_batch_size * rollout.n"
         if mini < self.dp[key]:
             raise ValueError(f"{what} = {mini} samples per optimizer step cannot give each of "
                              f"the {key}'s {self.dp[key]} DP groups a sample; raise "
                              f"{key}.ppo_mini_batch_size or use fewer DP groups")
-        return self._plan(key, mini_size=mini, what=what)
+        return self._split(key, mini_size=mini, what=what)
 
     @property
     def imbalance(self) -> float:
-        """The worst max-over-mean group cost of any plan made so far (1.0: perfect)."""
-        return max((p.imbalance for p in self._plans.values()), default=1.0)
+        """The worst max-over-mean group cost of any split made so far (1.0: perfect)."""
+        return max((p.imbalance for p in self._splits.values()), default=1.0)
 
-    def _plan(self, key: str, *, mini_size: int | None, what: str) -> BatchPlan:
+    def _split(self, key: str, *, mini_size: int | None, what: str) -> BatchSplit:
         role = getattr(self.cfg, key)
         spec = (self.dp[key], mini_size, *role_budget(role), role.share_prompts)
-        if spec not in self._plans:
-            self._plans[spec] = plan_role_batch(self.lengths, role, dp=self.dp[key],
-                                                mini_size=mini_size, what=what,
-                                                shared=self.shared)
-        return self._plans[spec]
+        if spec not in self._splits:
+            self._splits[spec] = split_role_batch(self.lengths, role, dp=self.dp[key],
+                                                  mini_size=mini_size, what=what,
+                                                  shared=self.shared)
+        return self._splits[spec]

@@ -1,4 +1,4 @@
-"""The driver's batch plan: exact cover, layout-independent mini-batches, token balance over DP
+"""The driver's batch split: exact cover, layout-independent mini-batches, token balance over DP
 groups against contiguous chunks, budgets, equal micro-batch counts, and clear errors."""
 
 import pickle
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlhf.data.batch import Batch
-from rlhf.data.batch_plan import plan_batch
-from rlhf.data.planner import default_cost
+from rlhf.data.batch_split import split_batch
+from rlhf.data.balancing import default_cost
 from rlhf.data.ragged import Ragged
 from workers.micro_batches import build_micro_batches
 
@@ -31,18 +31,18 @@ def contiguous_imbalance(lengths, dp, mini):
     return worst
 
 
-def check_cover(plan, lengths, *, max_tokens, mini):
+def check_cover(split, lengths, *, max_tokens, mini):
     """Every driver row once; group index lists point into the group's rows in order; budgets."""
-    assert sorted(i for rows in plan.rows for i in rows) == list(range(len(lengths)))
-    for rows, grp in zip(plan.rows, plan.groups):
+    assert sorted(i for rows in split.rows for i in rows) == list(range(len(lengths)))
+    for rows, grp in zip(split.rows, split.groups):
         flat = [i for mini_mbs in grp.mini_batches for mb in mini_mbs for i in mb]
         assert flat == list(range(len(rows))), "a group runs its rows in the order it gets them"
         for mbs, counts in zip(grp.mini_batches, grp.token_counts):
             assert [sum(lengths[rows[i]] for i in mb) for mb in mbs] == list(counts)
             assert all(0 < c <= max_tokens for c in counts)
     if mini is not None:
-        for k in range(plan.num_mini_batches):
-            assert plan.mini_batch_rows(k) == list(range(k * mini, (k + 1) * mini))
+        for k in range(split.num_mini_batches):
+            assert split.mini_batch_rows(k) == list(range(k * mini, (k + 1) * mini))
 
 
 @pytest.mark.parametrize("n", [64, 128, 256])
@@ -50,11 +50,11 @@ def check_cover(plan, lengths, *, max_tokens, mini):
 def test_forward_plans_balance_tokens_over_dp_groups(n, dp):
     for seed in range(3):
         lengths = rl_lengths(seed, n)
-        plan = plan_batch(lengths, dp=dp, max_tokens=1024)
-        check_cover(plan, lengths, max_tokens=1024, mini=None)
-        assert plan.imbalance < 1.001, (seed, plan.imbalance)
-        assert plan.imbalance < contiguous_imbalance(lengths, dp, n)
-        counts = {len(g.mini_batches[0]) for g in plan.groups}
+        split = split_batch(lengths, dp=dp, max_tokens=1024)
+        check_cover(split, lengths, max_tokens=1024, mini=None)
+        assert split.imbalance < 1.001, (seed, split.imbalance)
+        assert split.imbalance < contiguous_imbalance(lengths, dp, n)
+        counts = {len(g.mini_batches[0]) for g in split.groups}
         assert len(counts) == 1, "every group runs the same number of micro-batches"
 
 
@@ -64,48 +64,48 @@ def test_update_plans_balance_every_mini_batch(n, dp):
     mini = n // 4
     for seed in range(3):
         lengths = rl_lengths(seed, n)
-        plan = plan_batch(lengths, dp=dp, max_tokens=512, mini_size=mini)
-        check_cover(plan, lengths, max_tokens=512, mini=mini)
-        assert plan.num_mini_batches == 4
-        assert plan.imbalance < 1.03, (seed, plan.imbalance)
-        assert plan.imbalance < contiguous_imbalance(lengths, dp, mini)
+        split = split_batch(lengths, dp=dp, max_tokens=512, mini_size=mini)
+        check_cover(split, lengths, max_tokens=512, mini=mini)
+        assert split.num_mini_batches == 4
+        assert split.imbalance < 1.03, (seed, split.imbalance)
+        assert split.imbalance < contiguous_imbalance(lengths, dp, mini)
         for k in range(4):
-            assert len({len(g.mini_batches[k]) for g in plan.groups}) == 1
+            assert len({len(g.mini_batches[k]) for g in split.groups}) == 1
 
 
 def test_every_dp_size_steps_on_the_same_samples():
     lengths = rl_lengths(7, 96)
-    plans = {dp: plan_batch(lengths, dp=dp, max_tokens=600, mini_size=24, max_seqs=5)
-             for dp in (1, 2, 4)}
+    splits = {dp: split_batch(lengths, dp=dp, max_tokens=600, mini_size=24, max_seqs=5)
+              for dp in (1, 2, 4)}
     for k in range(4):
-        steps = {dp: p.mini_batch_rows(k) for dp, p in plans.items()}
+        steps = {dp: p.mini_batch_rows(k) for dp, p in splits.items()}
         assert steps[1] == steps[2] == steps[4] == list(range(24 * k, 24 * (k + 1)))
-    for plan in plans.values():
-        check_cover(plan, lengths, max_tokens=600, mini=24)
-        assert all(len(mb) <= 5 for g in plan.groups for m in g.mini_batches for mb in m)
+    for split in splits.values():
+        check_cover(split, lengths, max_tokens=600, mini=24)
+        assert all(len(mb) <= 5 for g in split.groups for m in g.mini_batches for mb in m)
 
 
 def test_plans_are_small_plain_objects():
-    plan = plan_batch(rl_lengths(1, 256), dp=4, max_tokens=2048, mini_size=64)
-    assert pickle.loads(pickle.dumps(plan)) == plan
-    assert len(pickle.dumps(plan)) < 16 * 256 + 4096  # index lists and counts, nothing else
+    split = split_batch(rl_lengths(1, 256), dp=4, max_tokens=2048, mini_size=64)
+    assert pickle.loads(pickle.dumps(split)) == split
+    assert len(pickle.dumps(split)) < 16 * 256 + 4096  # index lists and counts, nothing else
     with pytest.raises(AttributeError):
-        plan.rows = ()
+        split.rows = ()
 
 
 def test_fewer_samples_than_groups_leave_groups_empty_in_forward_plans():
-    plan = plan_batch([5, 9], dp=4, max_tokens=16)
-    assert sorted(len(r) for r in plan.rows) == [0, 0, 1, 1]
-    empty = plan_batch([], dp=2, max_tokens=16)
+    split = split_batch([5, 9], dp=4, max_tokens=16)
+    assert sorted(len(r) for r in split.rows) == [0, 0, 1, 1]
+    empty = split_batch([], dp=2, max_tokens=16)
     assert empty.rows == ((), ()) and all(g.num_rows == 0 for g in empty.groups)
 
 
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"10 samples do not split into mini-batches of "
                                          r"actor\.x = 4; send a multiple of 4"):
-        plan_batch([3] * 10, dp=2, max_tokens=8, mini_size=4, what="actor.x")
+        split_batch([3] * 10, dp=2, max_tokens=8, mini_size=4, what="actor.x")
     with pytest.raises(ValueError, match="raise the budget to at least 9"):
-        plan_batch([3, 9], dp=1, max_tokens=8)
+        split_batch([3, 9], dp=1, max_tokens=8)
 
 
 def test_groups_build_equal_micro_batch_counts_small_large_small():
@@ -115,9 +115,9 @@ def test_groups_build_equal_micro_batch_counts_small_large_small():
     batch = Batch({"prompt_ids": Ragged.from_list([[1, 1]] * len(lengths), dtype=torch.int64),
                    "response_ids": Ragged.from_list([[2] * (n - 2) for n in lengths],
                                                     dtype=torch.int64)})
-    plan = plan_batch(lengths, dp=2, max_tokens=24, max_seqs=3)
+    split = split_batch(lengths, dp=2, max_tokens=24, max_seqs=3)
     built = []
-    for rows, grp in zip(plan.rows, plan.groups):
+    for rows, grp in zip(split.rows, split.groups):
         mbs = build_micro_batches(batch.select(list(rows)), grp.mini_batches[0])
         assert [mb.num_tokens for mb in mbs] == list(grp.token_counts[0])
         assert sorted(torch.cat([mb.sample_ids for mb in mbs]).tolist()) == \
