@@ -29,7 +29,8 @@ def test_ours_passes_within_factor_times_theirs_plus_floor():
     assert all(row["passed"] for row in out.values()), out
     assert out["logits"]["limit"] == pytest.approx(4.01e-4)
     assert out["logits"]["ours_rel"] == pytest.approx(3.9e-5)
-    assert out["grads"]["ours"] == pytest.approx(3.9e-4)
+    assert out["grads"]["worst"] == "a" and out["grads"]["ours"] == pytest.approx(3.9e-4)
+    assert out["grads"]["max_transformers_fp32"] == pytest.approx(1e-4)
 
 
 def test_a_small_grad_is_judged_on_its_own_scale():
