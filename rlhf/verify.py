@@ -46,7 +46,7 @@ from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.stages import split_layers
 
-CHECKS = ("logits", "log_probs", "entropy", "grads")
+OUTPUTS = ("logits", "log_probs", "entropy")  # compared value by value; grads per parameter
 # Ours may be this many times further from float64 than transformers' float32 is: both add the
 # same terms in another order (sharded sums, packed attention), so their errors are alike.
 DEFAULT_FACTOR = 4.0
@@ -90,7 +90,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         per_rank = run_distributed(_rank_check, nproc, str(folder), plan, str(ref_path), seqs,
                                    device, timeout_s=timeout_s,
                                    backend="nccl" if device == "cuda" else "gloo")
-    ours = {check: max(r[check] for r in per_rank) for check in CHECKS[:3] if check in per_rank[0]}
+    ours = {check: max(r[check] for r in per_rank) for check in OUTPUTS if check in per_rank[0]}
     ours["grads"] = {n: max(r["grads"][n] for r in per_rank) for n in per_rank[0]["grads"]}
     errors = judge(ours, theirs, scales, factor=factor, floor=floor)
     return {
@@ -108,7 +108,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
 
 def distances(got: dict, want: dict) -> dict:
     """Max abs difference per quantity, and per parameter for grads (keys of `want`)."""
-    out = {check: _max_diff(check, got[check], want[check]) for check in CHECKS[:3]
+    out = {check: _max_diff(check, got[check], want[check]) for check in OUTPUTS
            if check in want and check in got}
     if got["grads"].keys() != want["grads"].keys():
         raise RLHFError(f"parameter names differ from transformers': "
@@ -118,7 +118,7 @@ def distances(got: dict, want: dict) -> dict:
 
 
 def _scales(ref: dict) -> dict:
-    out = {check: ref[check].abs().max().item() for check in CHECKS[:3]}
+    out = {check: ref[check].abs().max().item() for check in OUTPUTS}
     out["grads"] = {n: g.abs().max().item() for n, g in ref["grads"].items()}
     return out
 
@@ -129,7 +129,7 @@ def judge(ours: dict, theirs: dict, scales: dict, *, factor: float, floor: float
     Grads are judged parameter by parameter: the row is the worst one's (error / limit), with
     the max over all parameters beside it."""
     out = {}
-    for check in CHECKS[:3]:
+    for check in OUTPUTS:
         if check in ours:
             out[check] = _row(ours[check], theirs[check], scales[check], factor=factor,
                               floor=floor)

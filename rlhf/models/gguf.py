@@ -62,7 +62,7 @@ def check_gguf(path: str | Path) -> dict:
     unknown = [t for t in types if t not in _PLAIN_TYPES and not hasattr(gguf.quants, t)]
     if unknown:
         raise RLHFError(f"{path.name}: tensor type(s) {', '.join(unknown)} cannot be "
-                        f"dequantized by gguf {gguf.__version__}; convert from F16/F32 or a "
+                        f"dequantized by the installed gguf package; convert from F16/F32 or a "
                         f"Q4_0/Q4_1/Q8_0/K-quant file")
     return {"architecture": arch, "tensor_types": types, "tensors": len(reader.tensors)}
 
