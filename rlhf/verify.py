@@ -41,7 +41,7 @@ from rlhf.errors import RLHFError
 from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
 from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
-from rlhf.models.tp_plan import check_tp_compatible
+from rlhf.models.tp_sharding import check_tp_compatible
 from rlhf.parallel.collectives import all_gather
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

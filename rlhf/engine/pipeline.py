@@ -23,7 +23,7 @@ from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
                                         training_orders, units)
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
-from rlhf.models.tp_plan import TPState
+from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.p2p import (ACTIVATION, GRADIENT, Recv, Send, activation_shape, exchange,
                                message_tag)

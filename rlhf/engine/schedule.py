@@ -24,7 +24,7 @@ from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
 from rlhf.models.build import BuiltModel
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
-from rlhf.models.tp_plan import TPState
+from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
 
 __all__ = ["LossFn", "MicroBatchResult", "NoPipeline", "Outputs", "Schedule", "make_schedule"]

@@ -1,4 +1,4 @@
-"""Building one rank's shard of an HF model folder: meta build, stage cut, TP plan, weights.
+"""Building one rank's shard of an HF model folder: meta build, stage cut, TP sharding, weights.
 
 `build_model` returns a `BuiltModel`: the model beside what the build computed about it, its
 `ParamTable` (one entry per local parameter: HF name, TP split, partial grads, pipeline ties),
@@ -18,7 +18,7 @@ from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import SliceSpec, load_hf_weights
 from rlhf.models.param_table import ParamTable, param_table
-from rlhf.models.tp_plan import Model, TPState, apply_tp
+from rlhf.models.tp_sharding import Model, TPState, apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel, rope_inv_freq
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.stages import StageChunk, rank_chunks

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf.data.packing import Packed, shifted_targets
-from rlhf.models.tp_plan import TPState
+from rlhf.models.tp_sharding import TPState
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.models.varlen_layout import varlen_layout
 from rlhf.parallel.mesh import ParallelMesh

@@ -1,6 +1,6 @@
 """The per-parameter table of a built model: one `ParamInfo` per local parameter.
 
-`param_table` fills it from the TP plan and the pipeline stage (`build_model` returns it
+`param_table` fills it from the TP sharding and the pipeline stage (`build_model` returns it
 beside the model); the engine adds each parameter's flat range and ZeRO-1 owners. Grad sync,
 the optimizer partition, the HF export and `rlhf verify-model` all read it. The table is plain
 data: no tensors, no communication.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
-from rlhf.models.tp_plan import SequenceGatheredLinear, TPState
+from rlhf.models.tp_sharding import SequenceGatheredLinear, TPState
 from rlhf.models.transformer import Attention, RMSNorm
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
                                            RowParallelLinear, VocabParallelEmbedding)

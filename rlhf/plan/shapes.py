@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
-from rlhf.models.tp_plan import apply_tp
+from rlhf.models.tp_sharding import apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache

@@ -22,7 +22,7 @@ from rlhf.models.config import ModelArgs
 from rlhf.models.export import export_full_hf_weights
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_shard
-from rlhf.models.tp_plan import apply_tp, check_tp_compatible
+from rlhf.models.tp_sharding import apply_tp, check_tp_compatible
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed

@@ -135,7 +135,7 @@ ROW = ("o_proj", "down_proj")
 
 
 def _shard_half(model, rank):
-    """Replace modules by rank's half the way a TP plan would: rows of column-parallel ones,
+    """Replace modules by rank's half the way the TP sharding would: rows of column-parallel ones,
     input columns of row-parallel ones (embedding and LM head by vocabulary rows)."""
     for name, module in list(model.named_modules()):
         kind = name.rsplit(".", 1)[-1]

@@ -6,7 +6,7 @@ import torch
 from rlhf.engine.zero import partition
 from rlhf.models.config import ModelArgs
 from rlhf.models.param_table import param_table
-from rlhf.models.tp_plan import TPState
+from rlhf.models.tp_sharding import TPState
 from rlhf.models.transformer import CausalLM
 
 QWEN3 = {"model_type": "qwen3", "vocab_size": 384, "hidden_size": 64, "intermediate_size": 96,

@@ -1,4 +1,4 @@
-"""The tensor-parallel plan of a Llama-family model: which module becomes which parallel layer.
+"""The tensor-parallel sharding of a Llama-family model: which module becomes which parallel layer.
 
 `apply_tp` swaps the modules of a single-device `CausalLM` / `ValueModel` for Megatron-style
 parallel ones; the model code itself does not change. Per decoder layer:
