@@ -6,7 +6,7 @@ import pytest
 import ray
 
 from rlhf.errors import RLHFError
-from rlhf.files import check_user_files
+from rlhf.controller.nodes import check_user_files
 
 
 def views_on_this_node() -> dict:
