@@ -14,7 +14,6 @@ a model hub.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 from collections.abc import Iterator

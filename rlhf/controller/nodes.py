@@ -6,6 +6,7 @@ start of Ray's node id too.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -16,6 +17,8 @@ from rlhf.config import JobConfig
 from rlhf.config.paths import is_file_target
 from rlhf.errors import RLHFError
 from rlhf.rewards.loader import load_object
+
+logger = logging.getLogger(__name__)
 
 
 def node_table() -> dict[str, dict]:
@@ -70,7 +73,7 @@ def user_files(cfg: JobConfig) -> dict[str, str]:
     return {key: spec for key, spec in specs.items() if is_file_target(spec.rpartition(":")[0])}
 
 
-def check_user_files(specs: dict[str, str], views: Mapping[str, RoleView], *,
+def check_user_files(specs: dict[str, str], views: Mapping[str, Any], *,
                      timeout_s: float) -> None:
     """RLHFError naming each node and config key whose file (`specs`: key -> spec) does not
     import on a node hosting ranks of `views`; nothing runs when `specs` is empty."""

@@ -20,7 +20,6 @@ import functools
 import inspect
 from collections.abc import Callable
 
-import torch
 from torch import Tensor
 
 from rlhf.data.packing import SharedPrefix

@@ -41,7 +41,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
 
 from rlhf.config import JobConfig
 from rlhf.engine.offload import offloaded_kinds, placement

@@ -36,8 +36,8 @@ def _train_both(rank, world_size, policy, batch):
                       algorithm={"ppo_epochs": 2, "loss_agg_mode": "seq-mean-token-mean"})
     actor = ActorWorker(context(cache, "actor", rank, world_size), config=cfg)
     critic = CriticWorker(context(cache, "critic", rank, world_size), config=cfg)
-    planner = StepSplits(cfg, {"actor": world_size, "critic": world_size}, batch)
-    splits = {key: balancing.update(key) for key in ("actor", "critic")}
+    step = StepSplits(cfg, {"actor": world_size, "critic": world_size}, batch)
+    splits = {key: step.update(key) for key in ("actor", "critic")}
     if world_size > 1:  # no rank guesses what the others will do
         with pytest.raises(ValueError, match="needs the driver's batch split"):
             actor.update_actor(batch.chunk(world_size)[rank])
