@@ -22,6 +22,14 @@ def wait_for_cpus(expected, timeout_s=10):
     return free_cpus()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def idle_cluster(ray_cluster):
+    """Start from an idle session cluster: the ranks of a job that an earlier test module ran
+    give their CPUs back a few seconds after the job returns, and these tests count CPUs."""
+    total = ray.cluster_resources().get("CPU", 0)
+    assert wait_for_cpus(total, timeout_s=30) == total, "an earlier test left ranks running"
+
+
 def test_ranks_map_to_bundles_node_by_node():
     before = free_cpus()
     pool = ResourcePool("map", ranks_per_node=[2, 1], use_gpu=False)

@@ -352,7 +352,7 @@ def test_shipped_gpu_config_passes_config_show_on_a_gpu_install(tmp_path, monkey
     # the cluster that RAY_ADDRESS names.
     real_find_spec = importlib.util.find_spec
     gpu_packages = _names("gpu")
-    monkeypatch.setattr(preflight_module.importlib.util, "find_spec", lambda name, *a: (
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (
         real_find_spec(name, *a) or (object() if name in gpu_packages else None)))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     config = str(REPO / "configs/qwen2.5-7b_ppo_multigpu.yaml")
