@@ -48,7 +48,7 @@ def _start(args, command: str):
     from rlhf.preflight import check_cluster_fits, preflight
     from rlhf.trainer.device import use_gpu
     from rlhf.trainer.jobs import init_ray
-    from rlhf.trainer.run_folder import move_old_run_aside
+    from rlhf.trainer.run_folder import move_old_run_aside, restart_line
 
     cfg = _load(args)
     checked = preflight(cfg, command=command, ray_address=env_address())
@@ -58,8 +58,9 @@ def _start(args, command: str):
     if command == "train" and not joins:
         check_fits(cfg, config_path=args.config)
     if checked.move_old_run_aside:
-        print(f"trainer.overwrite: moved the previous run aside to "
-              f"{move_old_run_aside(cfg.trainer.output_dir)}", flush=True)
+        moved = move_old_run_aside(cfg.trainer.output_dir)
+        print(restart_line(cfg.trainer.output_dir, moved) if checked.restart else
+              f"trainer.overwrite: moved the previous run aside to {moved}", flush=True)
     log_dir = Path(cfg.trainer.output_dir) / ("logs" if command == "train" else "sft/logs")
     setup_driver_logging(log_dir)
     init_ray(cfg, env_address=env_address())
@@ -73,9 +74,14 @@ def _start(args, command: str):
 
 def _train(args) -> int:
     from rlhf.trainer.jobs import run_train
+    from rlhf.trainer.preemption import EXIT_PREEMPTED, Preempted
 
     cfg = _start(args, "train")
-    records = run_train(cfg, progress=not args.no_progress)
+    try:
+        records = run_train(cfg, progress=not args.no_progress)
+    except Preempted as stopped:
+        print(f"preempted: {stopped}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     _print_summary(records, Path(cfg.trainer.output_dir))
     return 0
 

@@ -41,6 +41,7 @@ class Preflight:
 
     notes: list[str] = field(default_factory=list)
     move_old_run_aside: bool = False
+    restart: bool = False  # what is moved aside is an earlier attempt of this same run
 
 
 def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> Preflight:
@@ -61,6 +62,7 @@ def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> P
         problems += folder.problems
         result.notes += folder.notes
         result.move_old_run_aside = folder.move_old_run_aside
+        result.restart = folder.restart
         problems += _check_extras(cfg)
         problems += _check_reward_imports(cfg)
     if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):

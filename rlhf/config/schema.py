@@ -694,8 +694,8 @@ class TrainerConfig:
     """Start afresh in an output_dir that holds another run: its checkpoints, metrics and
     exports are first moved aside to output_dir/old_runs/<time>."""
     allow_config_change: bool = False
-    """Resume even though keys that define the run (model, algorithm, rewards, data, layouts)
-    differ from the checkpoint's config."""
+    """Resume even though keys that define the run (model, algorithm, rewards, data) differ
+    from the checkpoint's config (another dp size needs no flag; another tp/pp is refused)."""
     seed: int = 0
     """Seed of training-side randomness (new value heads, mini-batch order)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -743,10 +743,16 @@ class TrainerConfig:
     async_old_log_probs: Literal["rollout", "recompute"] = "rollout"
     """Async ratio denominator: rollout = the sampling version's vLLM log-probs; recompute = the
     trainer's current weights (rollout.tis_cap then corrects towards the sampling version)."""
+    save_on_signal: bool = True
+    """On SIGTERM/SIGINT, finish the current step, save a checkpoint and exit with status 75
+    (a second signal exits at once); false = the signal stops the run as Python would."""
+    max_hours: float | None = None
+    """Stop like on a signal (checkpoint, status 75) when another step would end past this many
+    hours of training: set it below a scheduler's time limit; null = no limit."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
-        require_positive_or_none(self, "device_memory_gb", "host_memory_gb")
+        require_positive_or_none(self, "device_memory_gb", "host_memory_gb", "max_hours")
         if self.init_timeout_s <= 0:
             raise ConfigError(f"init_timeout_s must be positive, got {self.init_timeout_s}")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")

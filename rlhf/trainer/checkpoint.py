@@ -15,7 +15,7 @@ import random
 import re
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +33,12 @@ _CHUNK = 1 << 20
 
 # ---- what makes two training runs the same run ----
 # A manifest stores the config a checkpoint was written with and a fingerprint of RUN_KEYS;
-# resuming compares them with the new config (rlhf.trainer.run_folder).
+# resuming compares them with the new config (rlhf.trainer.run_folder). The data-parallel size
+# (trainer.nnodes, trainer.ranks_per_node, a role's world_size) is not among them: the step
+# plan makes the same optimizer steps from the same samples at any dp size, and engine
+# checkpoints reshard the ZeRO-1 optimizer state over dp (rlhf.engine.checkpoint). The
+# model-parallel layout (MODEL_PARALLEL_KEYS of each trained role) decides which file each rank
+# reads, so a change there is refused on its own (`layout_differences`), not overridable.
 
 RUN_KEYS = (
     "model.path", "model.tokenizer_path",
@@ -41,10 +46,10 @@ RUN_KEYS = (
     "reward.functions", "reward.model_path",
     "data.train_files", "data.prompt_key", "data.ground_truth_key",
     "critic.model_path",
-    "trainer.nnodes", "trainer.ranks_per_node",
-    "actor.parallel", "actor.placement", "actor.world_size",
-    "critic.parallel", "critic.placement", "critic.world_size",
+    "actor.placement", "critic.placement",
 )
+LAYOUT_ROLES = ("actor", "critic")  # the roles whose engines a checkpoint holds
+MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "layers_per_stage")
 _ABSENT = "<absent>"
 
 
@@ -71,6 +76,26 @@ def config_differences(saved: dict, current: dict) -> list[str]:
         if old != new:
             lines.append(f"{key}: {_short(old)} -> {_short(new)}")
     return lines
+
+
+def layout_differences(saved: dict, current: dict, *,
+                       roles: Sequence[str] = LAYOUT_ROLES) -> list[str]:
+    """'actor: tp=1 pp=1 -> tp=2 pp=1' for each of `roles` whose model-parallel layout differs
+    between the config a checkpoint was `saved` with and the `current` one."""
+    lines = []
+    for role in roles:
+        old, new = _get(saved, f"{role}.parallel"), _get(current, f"{role}.parallel")
+        if not isinstance(old, dict) or not isinstance(new, dict):
+            continue
+        if any(old.get(k) != new.get(k) for k in MODEL_PARALLEL_KEYS):
+            lines.append(f"{role}: {_layout(old)} -> {_layout(new)}")
+    return lines
+
+
+def _layout(parallel: dict) -> str:
+    parts = [f"{k}={json.dumps(parallel.get(k))}" for k in MODEL_PARALLEL_KEYS
+             if k in ("tp", "pp") or parallel.get(k) not in (None, 1)]
+    return " ".join(parts)
 
 
 def _short(value) -> str:
@@ -237,10 +262,17 @@ class CheckpointManager:
                             f"({type(e).__name__}: {e})") from None
 
     def remove_stale(self) -> None:
-        """Delete temporary folders left by a crash during a save."""
-        if self.root.is_dir():
-            for path in self.root.glob(".step_*"):
-                shutil.rmtree(path, ignore_errors=True)
+        """Delete temporary folders left by a crash during a save; a step_N that a crash
+        caught between the two renames of its re-save (rlhf.files.atomic_folder) gets its
+        previous folder back."""
+        if not self.root.is_dir():
+            return
+        for path in self.root.glob(".step_*.old-*"):
+            final = self.root / path.name[1:].split(".old-")[0]
+            if not final.exists():
+                path.rename(final)
+        for path in self.root.glob(".step_*"):
+            shutil.rmtree(path, ignore_errors=True)
 
     def _prune(self) -> None:
         if self.max_keep > 0:

@@ -173,13 +173,15 @@ def run_train(cfg, *, progress: bool = True) -> list[dict]:
 
     `rlhf train` checks the job's inputs first (rlhf.preflight); callers of this function
     directly may too."""
-    from rlhf.config import format_config
+    from rlhf.config import config_to_dict, format_config
     from rlhf.trainer.ppo import PPOTrainer
+    from rlhf.trainer.run_folder import write_run_identity
 
     ensure_model(cfg.model.path, cfg.model.tiny)
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(format_config(cfg), encoding="utf-8")
+    write_run_identity(out, config_to_dict(cfg))  # before step 1: see run_folder.py
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
     roles, role_configs = job_workers(cfg)
     groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,

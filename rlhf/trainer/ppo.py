@@ -7,7 +7,7 @@ masks and weights of the per-response recipes -> critic update -> actor update; 
 timed. Every role call gets the driver's batch split of its mini- and micro-batches (step_splits.py);
 on-policy, the old log-probs come from the actor update's first forward instead of their own
 pass. Validation (greedy, held-out prompts) every trainer.val_every steps; checkpoints every
-save_every.
+save_every, and before stopping early on a signal or trainer.max_hours (preemption.py).
 
 The driver-side pieces come first, in the order a step uses them: scoring and advantages, the
 recipes (overlong shaping of the scores, masking of truncated responses, sequence-level rollout
@@ -19,6 +19,7 @@ one trains (one batch a step: dynamic sampling needs async_mode off).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from rlhf.rollout import logprob_gap
 from rlhf.rollout.sampling import check_logprob_gap
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, SectionTimer
+from rlhf.trainer.preemption import Preempted, StopRequests
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
 
@@ -321,17 +323,24 @@ class PPOTrainer:
         records = []
         self.runner = RewardRunner.from_config(self.cfg.reward)
         try:
-            if start == 0 and t.val_every > 0 and t.val_before_train:
-                records.append(logger.log(0, self.validate()))
-            for step in range(start + 1, t.total_steps + 1):
-                metrics = self.train_step(step)
-                if t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps):
-                    metrics.update(self.validate())
-                records.append(logger.log(step, metrics))
-                if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:
-                    self.save(step)
-                if after_step is not None:
-                    after_step(step)
+            with StopRequests(on_signal=t.save_on_signal, max_hours=t.max_hours) as stop:
+                if start == 0 and t.val_every > 0 and t.val_before_train:
+                    records.append(logger.log(0, self.validate()))
+                for step in range(start + 1, t.total_steps + 1):
+                    began = time.monotonic()
+                    metrics = self.train_step(step)
+                    if t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps):
+                        metrics.update(self.validate())
+                    records.append(logger.log(step, metrics))
+                    saved = None
+                    if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:
+                        saved = self.save(step)
+                    if after_step is not None:
+                        after_step(step)
+                    stop.step_took(time.monotonic() - began)
+                    if step < t.total_steps and (reason := stop.reason()) is not None:
+                        raise Preempted(step=step, reason=reason,  # see preemption.py
+                                        checkpoint=saved or self.save(step))
         finally:
             self.runner.close()
             logger.close()

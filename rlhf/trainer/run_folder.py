@@ -1,13 +1,19 @@
 """The run folder (trainer.output_dir): before a training run starts, it must hold either
 nothing of another run, or a checkpoint that verifies and was written with the same run-defining
-config (rlhf.trainer.checkpoint.RUN_KEYS). Another model, algorithm, reward setup, data or
-parallel layout pointed at an existing output_dir stops with the list of differing keys instead
-of silently training on (or failing deep in a state-dict load); trainer.overwrite moves an
-earlier run aside instead.
+config (rlhf.trainer.checkpoint.RUN_KEYS). Another model, algorithm, reward setup or data
+pointed at an existing output_dir stops with the list of differing keys instead of silently
+training on, another model-parallel layout stops naming both layouts (instead of failing deep
+in a state-dict load); trainer.overwrite moves an earlier run aside instead.
+
+Each run writes RUN_FILE (its run-defining fingerprint and start time) before its first step,
+so a folder left by an earlier attempt of the same command that was killed before its first
+checkpoint completed is recognised: `resume=auto` moves those leftovers aside and starts over,
+as a cluster that re-runs a failed job expects; another run's leftovers are still refused.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -16,12 +22,14 @@ from pathlib import Path
 from rlhf.config import JobConfig, config_from_dict, config_to_dict
 from rlhf.config.paths import resolve_paths
 from rlhf.errors import ConfigError, RLHFError
-from rlhf.trainer.checkpoint import (CheckpointManager, config_differences, model_config_digest,
-                                     read_manifest)
+from rlhf.files import atomic_write
+from rlhf.trainer.checkpoint import (CheckpointManager, config_differences, layout_differences,
+                                     model_config_digest, read_manifest, run_fingerprint)
 
+RUN_FILE = "run.json"  # the run's identity, written when it starts
 # What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", "hf_model", "tensorboard", "logs",
-               "wandb", "mlflow.db", "wandb_run_id", "mlflow_run_id")
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", RUN_FILE, "hf_model",
+               "tensorboard", "logs", "wandb", "mlflow.db", "wandb_run_id", "mlflow_run_id")
 
 
 @dataclass
@@ -31,6 +39,7 @@ class RunFolderCheck:
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     move_old_run_aside: bool = False
+    restart: bool = False  # the folder holds an earlier attempt of this run, no checkpoint
 
 
 def check_run_folder(cfg: JobConfig) -> RunFolderCheck:
@@ -55,6 +64,9 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
             return
         folder = None
     if folder is None:
+        if has_run and not t.overwrite and t.resume == "auto" and _same_run(out, cfg):
+            result.move_old_run_aside = result.restart = True
+            return
         if has_run and not t.overwrite:
             why = ("trainer.resume=never would start a new run over it" if t.resume == "never"
                    else "it has no checkpoint to resume")
@@ -65,7 +77,17 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
         result.move_old_run_aside = has_run and t.overwrite
         return
     manifest, current = read_manifest(folder), config_to_dict(cfg)
-    diffs = config_differences(_absolute_paths(manifest.get("config", {})), current)
+    saved = _absolute_paths(manifest.get("config", {}))
+    layouts = layout_differences(saved, current,
+                                 roles=[p.name for p in folder.iterdir() if p.is_dir()])
+    if layouts:
+        yield (f"trainer.resume={t.resume} resumes {folder}, which was written at another "
+               f"model-parallel layout: {'; '.join(layouts)}; checkpoints reshard over the "
+               f"data-parallel size only (ranks, nodes), not over tp or pp: resume with the "
+               f"checkpoint's tp and pp, or export its policy (rlhf export-hf) and start a new "
+               f"run from that folder")
+        return
+    diffs = config_differences(saved, current)
     saved_model, model_now = manifest.get("model_config_sha256"), model_config_digest(current)
     if saved_model and model_now and saved_model != model_now:
         diffs.append(f"{cfg.model.path}/config.json: another model than the checkpoint's")
@@ -74,6 +96,36 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
                f"differ from its config: {'; '.join(diffs)}; use another trainer.output_dir, "
                f"or set trainer.allow_config_change=true to resume anyway")
     result.notes.append(f"resuming from {folder}")
+
+
+def write_run_identity(output_dir: str | Path, config: dict) -> Path:
+    """RUN_FILE: the fingerprint of the run-defining keys of `config` (config_to_dict's) and
+    the model's config.json, and the start time; written before the first step."""
+    path = Path(output_dir) / RUN_FILE
+    identity = {"config_fingerprint": run_fingerprint(config),
+                "model_config_sha256": model_config_digest(config),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    with atomic_write(path, "w", encoding="utf-8") as f:
+        json.dump(identity, f, indent=1)
+    return path
+
+
+def _same_run(out: Path, cfg: JobConfig) -> bool:
+    """Whether RUN_FILE in `out` says an earlier attempt of this very run wrote the folder."""
+    try:
+        identity = json.loads((out / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # no identity (an older version's run, or not ours): not provably ours
+    current = config_to_dict(cfg)
+    return (identity.get("config_fingerprint") == run_fingerprint(current)
+            and identity.get("model_config_sha256") == model_config_digest(current))
+
+
+def restart_line(output_dir: str | Path, moved_to: Path) -> str:
+    """The one line saying an earlier attempt's leftovers were moved aside."""
+    return (f"trainer.resume=auto: {output_dir} holds an earlier attempt of this run that "
+            f"completed no checkpoint; moved its leftovers (metrics, partial checkpoints) "
+            f"aside to {moved_to} and starting from step 1")
 
 
 def move_old_run_aside(output_dir: str | Path) -> Path:

@@ -12,7 +12,7 @@ from transformers import LlamaForSequenceClassification
 from rlhf.cli import main
 from rlhf.config import config_from_dict, config_to_dict
 from rlhf.preflight import pool_problems, preflight
-from rlhf.trainer.run_folder import move_old_run_aside
+from rlhf.trainer.run_folder import move_old_run_aside, restart_line, write_run_identity
 from rlhf.errors import ConfigError
 from rlhf.trainer.checkpoint import CheckpointManager
 from tests.unit.trainer.jobs import TINY, make_assets
@@ -274,7 +274,6 @@ RUN_CHANGES = {
     "another reward": ({"reward": {"functions": [{"path": "rlhf.rewards.gsm8k:score"}]}},
                        "reward.functions:"),
     "another data file": ({"data": {"train_files": ["{val}"]}}, "data.train_files:"),
-    "another layout": ({"actor": {"parallel": {"tp": 2}}}, "actor.parallel:"),
 }
 
 
@@ -355,3 +354,99 @@ def test_metrics_of_a_run_without_checkpoints_are_not_appended_to(assets, tmp_pa
     with pytest.raises(ConfigError, match=r"holds another run \(checkpoints/ or metrics.jsonl\) "
                                           r"and it has no checkpoint to resume"):
         preflight(cfg, command="train", ray_address=None)
+
+
+# ---- resuming at another size, and a folder left by an earlier attempt of the same run ----
+
+@pytest.mark.parametrize("change", [{"ranks_per_node": 1}, {"ranks_per_node": 4},
+                                    {"nnodes": 2, "ranks_per_node": 1}])
+def test_another_data_parallel_size_resumes(change, assets, tmp_path):
+    t = saved_run(assets, tmp_path / "run", **change)
+    t["ray"]["num_cpus"] = 4
+    checked = preflight(config_from_dict(t), command="train", ray_address="auto")
+    assert checked.notes == [f"resuming from {tmp_path / 'run' / 'checkpoints' / 'step_1'}"]
+
+
+def test_another_tensor_or_pipeline_layout_stops_naming_both(assets, tmp_path):
+    t = saved_run(assets, tmp_path / "run", allow_config_change=True)  # no way around it
+    t["actor"]["parallel"] = {"tp": 2}
+    t["critic"]["parallel"] = {"pp": 2}  # the checkpoint holds no critic: not a difference
+    with pytest.raises(ConfigError) as info:
+        preflight(config_from_dict(t), command="train", ray_address=None)
+    message = str(info.value)
+    assert "another model-parallel layout: actor: tp=1 pp=1 -> tp=2 pp=1;" in message
+    assert "critic" not in message.split("layout:")[1].split(";")[0]
+    assert "rlhf export-hf" in message
+
+
+def _write_leftovers(out: Path, stage: str) -> None:
+    """What `rlhf train` leaves when SIGKILLed at `stage` of its first save (step 1)."""
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    if stage == "logged, before the save":
+        return
+    tmp = out / "checkpoints" / ".step_1.tmp-123-abcd"
+    (tmp / "actor").mkdir(parents=True)
+    (tmp / "actor" / "engine_pp00_tp00.pt").write_bytes(b"x" * 100)  # shards (or part of one)
+    if stage == "shards written":
+        return
+    (tmp / "trainer_state.pt").write_bytes(b"state")
+    if stage == "state written":
+        return
+    (tmp / "manifest.json").write_text("{}")  # complete, never renamed to step_1
+
+
+STAGES = ["logged, before the save", "shards written", "state written", "manifest written"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_attempt_killed_in_its_first_save_restarts_with_its_leftovers_moved_aside(
+        stage, assets, tmp_path):
+    out = tmp_path / "run"
+    t = tree(assets, out)
+    cfg = config_from_dict(t)
+    out.mkdir()
+    write_run_identity(out, config_to_dict(cfg))  # what run_train writes before step 1
+    _write_leftovers(out, stage)
+    checked = preflight(cfg, command="train", ray_address=None)
+    assert checked.move_old_run_aside and checked.restart
+    moved = move_old_run_aside(out)
+    assert (moved / "metrics.jsonl").is_file() and (moved / "run.json").is_file()
+    if stage != STAGES[0]:
+        assert list((moved / "checkpoints").glob(".step_1.tmp-*"))
+    assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()
+    assert "earlier attempt of this run" in restart_line(out, moved) and str(moved) in \
+        restart_line(out, moved)
+    again = preflight(cfg, command="train", ray_address=None)
+    assert not again.move_old_run_aside and not again.restart
+
+
+@pytest.mark.parametrize("identity", ["another run", "none (an older version)"])
+def test_leftovers_of_another_run_are_still_refused(identity, assets, tmp_path):
+    out = tmp_path / "run"
+    t = tree(assets, out)
+    out.mkdir()
+    if identity == "another run":
+        other = tree(assets, out)
+        other["algorithm"] = {"adv_estimator": "grpo"}
+        write_run_identity(out, config_to_dict(config_from_dict(other)))
+    _write_leftovers(out, "shards written")
+    with pytest.raises(ConfigError, match="holds another run"):
+        preflight(config_from_dict(t), command="train", ray_address=None)
+    t["trainer"]["resume"] = "never"  # never resumes, so never restarts either
+    with pytest.raises(ConfigError, match="holds another run"):
+        preflight(config_from_dict(t), command="train", ray_address=None)
+
+
+def test_a_changed_model_at_the_same_path_is_another_run(assets, tmp_path):
+    from rlhf.demo.tiny_model import make_tiny_model
+
+    model, out = tmp_path / "model", tmp_path / "run"
+    shutil.copytree(assets["model"], model)
+    t = tree({**assets, "model": str(model)}, out)
+    out.mkdir()
+    write_run_identity(out, config_to_dict(config_from_dict(t)))
+    _write_leftovers(out, "shards written")
+    shutil.rmtree(model)
+    make_tiny_model(TINY.__class__(**{**TINY.__dict__, "num_layers": 3}), model)
+    with pytest.raises(ConfigError, match="holds another run"):
+        preflight(config_from_dict(t), command="train", ray_address=None)
