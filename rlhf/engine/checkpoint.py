@@ -104,5 +104,5 @@ def check_layout(state: dict[str, Any], mesh: ParallelMesh, where: str) -> None:
     got, want = state.get("layout"), layout(mesh)
     if got != want:
         raise RLHFError(f"{where} was written for {got} but this rank is {want}; engine "
-                        "checkpoints do not reshard: resume with the same tp and pp, or start "
-                        "from an exported HF folder")
+                        "checkpoints reshard over data parallelism only, not over tp or pp: "
+                        "resume with the same tp and pp, or start from an exported HF folder")

@@ -3,7 +3,8 @@
 One launch of 4 gloo processes runs every case: for each, a ZeRO-1 engine and a
 non-distributed engine of the same layout take three steps on the same micro-batches; the
 ZeRO-1 engine is also checkpointed after two steps and resumed into a fresh engine (of the
-same layout, of another dp size, and without ZeRO-1: the optimizer state is resharded). The
+same layout, of a smaller and a larger dp size, and without ZeRO-1: the optimizer state is
+resharded) whose third step must match the uninterrupted engine's. The
 pytest process computes the single-process reference (three steps of torch AdamW on the
 unsharded model). Small buckets make the flat buffer hold several padded buckets.
 """
@@ -164,6 +165,9 @@ def _run_all(rank, world, folders, root):
     if dp2.is_member:
         results["dp4-into-dp2"] = _resumed_elsewhere(llama, dp2, f"{root}/dp4", distributed=True)
     results["dp2-into-dp4"] = _resumed_elsewhere(llama, dp4, f"{root}/dp2", distributed=True)
+    dp1 = ParallelMesh([0], cache=cache)  # one rank left: the default turns ZeRO-1 off
+    if dp1.is_member:
+        results["dp2-into-dp1"] = _resumed_elsewhere(llama, dp1, f"{root}/dp2", distributed=None)
     results["dp4-into-dp4-plain"] = _resumed_elsewhere(llama, dp4, f"{root}/dp4",
                                                        distributed=False)
     results["missing-shard"] = _missing_shard(llama, dp4, f"{root}/dp2", root)
@@ -249,6 +253,7 @@ def test_zero1_checkpoint_round_trip_is_exact(setup, name):
 
 @pytest.mark.parametrize("name,saved,ranks", [("dp4-into-dp2", "dp4", 2),
                                                ("dp2-into-dp4", "dp2", 4),
+                                               ("dp2-into-dp1", "dp2", 1),
                                                ("dp4-into-dp4-plain", "dp4", 4)])
 def test_loading_at_another_dp_size_or_zero1_setting_reshards(setup, name, saved, ranks):
     _, results = setup

@@ -1,7 +1,21 @@
-"""`rlhf train` killed (SIGKILL) while it saves a checkpoint, then a shard of the newest
-complete checkpoint corrupted in place (same size): the next `rlhf train` skips that
-checkpoint with a message naming the file and continues from the previous good one."""
+"""The ways a cluster stops and restarts `rlhf train`, one job through all of them, each time
+re-run with the same command (plus, once, fewer ranks):
 
+1. SIGKILLed while it writes its first checkpoint: an attempt with no complete checkpoint, whose
+   metrics.jsonl (steps 1..4, sampled and trained without interruption at dp=2) is the
+   reference for the rest;
+2. re-run: it recognises its own earlier attempt (run.json), moves the leftovers aside, starts
+   from step 1 and is sent SIGTERM after step 1: it finishes the step, saves a checkpoint and
+   exits with EXIT_PREEMPTED;
+3. re-run on one rank instead of two (dp 2 -> 1, ZeRO-1 shards resharded): it resumes there and
+   finishes; every step is in metrics.jsonl once, with the reference's losses, gradient norms
+   and rewards, and hf_model is written.
+
+A damaged newest checkpoint is skipped for the previous good one: tests/unit/trainer/
+test_checkpoint.py kills a saving driver and corrupts a shard without the cost of Ray.
+"""
+
+import json
 import os
 import signal
 import subprocess
@@ -14,18 +28,25 @@ import pytest
 from rlhf.config import format_config
 from rlhf.trainer.checkpoint import CheckpointManager, verify_checkpoint
 from rlhf.trainer.metrics import read_metrics
+from rlhf.trainer.preemption import EXIT_PREEMPTED
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(900)
 
+# Every sample scores by its length, so GRPO's advantages (and the updates) are not all zero.
+LENGTH_REWARD = ("def score(*, prompt, response, ground_truth, extra):\n"
+                 "    return float(len(response) % 3)\n")
+COMPARED = ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "reward/mean",
+            "response_length/mean")
 
-def start_train(config: Path, log: Path) -> subprocess.Popen:
+
+def start_train(config: Path, log: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own, like a user's first run
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "rlhf.cli", "train", str(config),
-                                 "--no-progress"], stdout=out, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                 *overrides, "--no-progress"], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
 def kill_when_saving(proc: subprocess.Popen, root: Path, step: int, timeout_s: float) -> None:
@@ -39,49 +60,80 @@ def kill_when_saving(proc: subprocess.Popen, root: Path, step: int, timeout_s: f
     proc.wait()
 
 
-def test_kill_during_save_then_a_corrupted_shard_resumes_from_the_last_good(tmp_path):
+def terminate_after_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float) -> None:
+    """SIGTERM the driver (as a scheduler would) once this attempt's metrics.jsonl (the old
+    one is moved to old_runs first) has step `step`."""
+    deadline = time.monotonic() + timeout_s
+    path = out / "metrics.jsonl"
+    while time.monotonic() < deadline and proc.poll() is None:
+        ready = (out / "old_runs").is_dir() and path.is_file()
+        lines = path.read_text().split("\n")[:-1] if ready else []  # whole lines only
+        if any(json.loads(line).get("step") == step for line in lines if line):
+            os.kill(proc.pid, signal.SIGTERM)
+            break
+        time.sleep(0.01)
+    proc.wait(timeout=timeout_s)
+
+
+def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninterrupted(
+        tmp_path):
     assets = make_assets(tmp_path)
-    cfg = job_config(assets, tmp_path / "run",
-                     algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
-                     trainer={"total_steps": 4, "save_every": 1, "val_every": 0},
+    (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
+    out = tmp_path / "run"
+    cfg = job_config(assets, out, algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
+                     reward={"functions": [{"path": f"{tmp_path / 'length_reward.py'}:score"}]},
+                     trainer={"total_steps": 4, "save_every": 0, "val_every": 0},
                      ray={"num_cpus": 2})
     config = tmp_path / "job.yaml"
     config.write_text(format_config(cfg))
-    root = tmp_path / "run" / "checkpoints"
+    root, ckpt = out / "checkpoints", CheckpointManager(out)
+
+    # 1. SIGKILL in the first save (save_every=0: the final one), after all four steps
     proc = start_train(config, tmp_path / "first.log")
     try:
-        kill_when_saving(proc, root, step=3, timeout_s=600)
+        kill_when_saving(proc, root, step=4, timeout_s=600)
     finally:
         _kill_group(proc)
     log = (tmp_path / "first.log").read_text()
     assert proc.returncode == -signal.SIGKILL, log
-    ckpt = CheckpointManager(tmp_path / "run")
-    assert [s for s, _ in ckpt.step_folders()] == [1, 2], log  # step_3 never published
-    assert all(verify_checkpoint(folder) is None for _, folder in ckpt.step_folders())
+    assert (out / "run.json").is_file() and ckpt.step_folders() == [], log
+    uninterrupted = read_metrics(out)
+    assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4], log
+    assert any(r["actor/grad_norm"] > 0 for r in uninterrupted)  # the updates do something
 
-    shard = max((p for p in (root / "step_2" / "actor").rglob("*") if p.is_file()),
-                key=lambda p: p.stat().st_size)
-    size = shard.stat().st_size
-    with open(shard, "r+b") as f:  # a bad block: same size, other bytes (inverted, as zeros
-        f.seek(size // 2)          # might land on zeros and change nothing)
-        block = f.read(256)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in block))
-    assert shard.stat().st_size == size
-
+    # 2. the same command: restarts from scratch; SIGTERM after step 1 -> checkpoint, status 75
     proc = start_train(config, tmp_path / "second.log")
+    try:
+        terminate_after_step(proc, out, step=1, timeout_s=600)
+    finally:
+        _kill_group(proc)
+    log = (tmp_path / "second.log").read_text()
+    assert proc.returncode == EXIT_PREEMPTED, log
+    assert "holds an earlier attempt of this run that completed no checkpoint" in log
+    assert "SIGTERM received: finishing the current step" in log and "preempted: " in log
+    [(saved, folder)] = ckpt.step_folders()
+    assert 1 <= saved < 4 and verify_checkpoint(folder) is None, log
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, saved + 1))
+    [first_attempt] = (out / "old_runs").iterdir()
+    assert [r["step"] for r in read_metrics(first_attempt)] == [1, 2, 3, 4]
+    assert list((first_attempt / "checkpoints").glob(".step_4.tmp-*"))
+
+    # 3. the same command on one rank (data parallel 2 -> 1): resumes and finishes
+    proc = start_train(config, tmp_path / "third.log", "trainer.ranks_per_node=1")
     try:
         proc.wait(timeout=600)
     finally:
         _kill_group(proc)
-    log = (tmp_path / "second.log").read_text()
+    log = (tmp_path / "third.log").read_text()
     assert proc.returncode == 0, log
-    name = shard.relative_to(root / "step_2").as_posix()
-    assert f"checkpoint step_2 is damaged: {name} hash mismatch" in log
-    assert f"resumed from {root / 'step_1'} (step 1)" in log
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
-    assert [s for s, _ in ckpt.step_folders()] == [1, 2, 3, 4]
-    assert all(verify_checkpoint(folder) is None for _, folder in ckpt.step_folders())
+    assert f"resumed from {root / f'step_{saved}'} (step {saved})" in log
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for got, want in zip(records, uninterrupted):
+        for key in COMPARED:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
+    assert (out / "hf_model" / "config.json").is_file()
+    assert [s for s, _ in ckpt.step_folders()] == [saved, 4]
     assert not list(root.glob(".step_*"))
 
 

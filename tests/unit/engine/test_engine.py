@@ -150,7 +150,7 @@ def test_checkpoint_of_another_layout_is_refused(folder, world, tmp_path):
     engine = _engine(folder)
     state = engine.state_dict()
     state["layout"] = dict(state["layout"], tp=2)
-    with pytest.raises(RLHFError, match="do not reshard"):
+    with pytest.raises(RLHFError, match="reshard over data parallelism only"):
         engine.load_state_dict(state)
     with pytest.raises(RLHFError, match="does not exist"):
         engine.load_checkpoint(tmp_path / "nothing")

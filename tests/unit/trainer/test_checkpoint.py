@@ -217,3 +217,13 @@ def test_a_driver_killed_while_saving_and_a_corrupted_shard_resume_from_the_last
     assert said == ["checkpoint step_2 is damaged: actor/model_rank1.pt hash mismatch (its bytes "
                     "changed after the save); skipped"]
     assert not list(root.glob(".step_*"))
+
+
+def test_a_crash_between_the_renames_of_a_re_save_gets_the_previous_folder_back(tmp_path):
+    ckpt = CheckpointManager(tmp_path)
+    good = ckpt.save(3, write_roles=write_shard, state={"step": 3})
+    good.rename(good.with_name(".step_3.old-1234abcd"))  # SIGKILL after the first rename
+    (tmp_path / "checkpoints" / ".step_3.tmp-99-deadbeef").mkdir()  # the new one, unpublished
+    ckpt.remove_stale()
+    assert ckpt.latest() == good and verify_checkpoint(good) is None
+    assert not list((tmp_path / "checkpoints").glob(".step_*"))
