@@ -4,7 +4,10 @@ finishes the step in progress, writes a checkpoint of it and `rlhf train` exits 
 EXIT_PREEMPTED; running the same command again resumes there.
 
 Only the driver handles the signals (it runs the loop; the Ray workers do the work and are
-stopped with it). A second signal exits at once with 128 + its number: nothing is left half
+stopped with it). While the loop runs these handlers replace the driver's own (Python's
+KeyboardInterrupt, and the SIGTERM handler a local Ray head installs to shut itself down), and
+put them back when it ends; Ray's processes share the driver's fate, so an immediate exit leaves
+none behind. A second signal exits at once with 128 + its number: nothing is left half
 written, because every checkpoint is assembled in a temporary folder and published by one
 rename (rlhf.trainer.checkpoint), and the next start deletes or ignores the temporary folder.
 The step in progress is finished rather than abandoned: a step's updates change the workers'
