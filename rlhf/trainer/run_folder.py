@@ -66,6 +66,8 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
     if folder is None:
         if has_run and not t.overwrite and t.resume == "auto" and _same_run(out, cfg):
             result.move_old_run_aside = result.restart = True
+            result.notes.append(f"{out} holds an earlier attempt of this run that completed no "
+                                "checkpoint: `rlhf train` moves it aside and starts from step 1")
             return
         if has_run and not t.overwrite:
             why = ("trainer.resume=never would start a new run over it" if t.resume == "never"

@@ -409,6 +409,8 @@ def test_an_attempt_killed_in_its_first_save_restarts_with_its_leftovers_moved_a
     _write_leftovers(out, stage)
     checked = preflight(cfg, command="train", ray_address=None)
     assert checked.move_old_run_aside and checked.restart
+    assert checked.notes == [f"{out} holds an earlier attempt of this run that completed no "
+                             "checkpoint: `rlhf train` moves it aside and starts from step 1"]
     moved = move_old_run_aside(out)
     assert (moved / "metrics.jsonl").is_file() and (moved / "run.json").is_file()
     if stage != STAGES[0]:
