@@ -217,3 +217,14 @@ def test_no_ref_role_with_lora_and_the_actor_s_base_gives_the_ref_log_probs(fold
     assert (policy.values - got.values).abs().max() > 1e-4  # the adapters were on again
     with pytest.raises(ConfigError):
         ActorWorker(context(world, "actor"), config=plain).compute_ref_log_prob(batch)
+
+
+def test_a_value_model_keeps_its_head_trainable(folder):
+    from rlhf.models.config import ModelArgs
+    from rlhf.models.transformer import ValueModel
+
+    model = ValueModel(ModelArgs.from_pretrained(folder))
+    L.apply_lora(model, LoraConfig(r=2, target_modules=("q_proj", "v_proj")))
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert {"score.weight"} | {n for n in trainable if L.is_lora_param(n)} == trainable
+    assert len(trainable) == 1 + 2 * 2 * SMALL["num_layers"]
