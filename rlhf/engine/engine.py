@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -44,7 +44,7 @@ from rlhf.engine.recompute import Recompute, apply_recompute
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
-from rlhf.models.export import export_full_hf_weights, gather_full_grads
+from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_full_grads
 from rlhf.models.transformer import ValueModel
 from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import ParallelMesh
@@ -238,10 +238,16 @@ class TrainEngine:
 
     # ---- weights -----------------------------------------------------------------------------
 
-    def export_hf_weights(self, *, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-        """Full HF-named tensors in size-bounded buckets (collective over the model group)."""
+    def export_hf_weights(self, *, bucket_bytes: int, select: Callable[[str], bool] | None = None
+                          ) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full HF-named tensors in size-bounded buckets (collective over the model group);
+        only those `select(name)` accepts when given."""
         return export_full_hf_weights(self.model, self.table, self.mesh,
-                                      bucket_bytes=bucket_bytes)
+                                      bucket_bytes=bucket_bytes, select=select)
+
+    def export_nbytes(self, *, select: Callable[[str], bool] | None = None) -> int:
+        """Bytes `export_hf_weights` sends with the same `select` (collective over pp)."""
+        return export_nbytes(self.model, self.table, self.mesh, select=select)
 
     def state_dict(self) -> dict:
         """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step."""
