@@ -322,6 +322,59 @@ class OffloadConfig:
     """fp32 master weights and AdamW moments on the host outside the updates."""
 
 
+# The decoder's linear layers LoRA can adapt, by peft's (Hugging Face's) module names; the
+# embedding, LM head and value head are never adapted.
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA adapters on the decoder's linear layers, with peft's names; the base stays frozen."""
+
+    r: int = 0
+    """Adapter rank; 0 = LoRA off (every weight is trained)."""
+    lora_alpha: float = 8.0
+    """Scale numerator: the adapter output is multiplied by lora_alpha / r (peft's default 8)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input during training, in [0, 1)."""
+    target_modules: tuple[str, ...] = (LORA_ALL_LINEAR,)
+    """Module names to adapt (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), or
+    [all-linear] for all seven."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling lora_alpha / sqrt(r) instead of lora_alpha / r."""
+
+    def __post_init__(self):
+        require_min(self, 0, "r")
+        if self.lora_alpha <= 0:
+            raise ConfigError(f"lora_alpha must be positive, got {self.lora_alpha}")
+        require_range(self, "lora_dropout", 0, 1, high_open=True)
+        names = list(self.target_modules)
+        if not names:
+            raise ConfigError("target_modules is empty; list module names or use [all-linear]")
+        if LORA_ALL_LINEAR in names and len(names) > 1:
+            raise ConfigError(f"target_modules {names}: all-linear already means every linear "
+                              "layer; give it alone or list the names")
+        unknown = [n for n in names if n not in (*LORA_TARGET_MODULES, LORA_ALL_LINEAR)]
+        if unknown:
+            raise ConfigError(f"target_modules has unknown module names {unknown}; the model's "
+                              f"linear layers are {list(LORA_TARGET_MODULES)} (or all-linear)")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"target_modules lists a name twice: {names}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the role trains adapters (r > 0) rather than every weight."""
+        return self.r > 0
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The adapted module names, all-linear expanded, in the decoder's order."""
+        if LORA_ALL_LINEAR in self.target_modules:
+            return LORA_TARGET_MODULES
+        return tuple(n for n in LORA_TARGET_MODULES if n in self.target_modules)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ForwardRoleConfig:
     """A role that only runs forward passes (reference policy, reward model)."""
@@ -360,6 +413,8 @@ class TrainRoleConfig(ForwardRoleConfig):
     """Optional cap on samples per micro-batch, on top of the token budget; null = tokens only."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What this role moves to host memory around rollouts (see rlhf/engine/offload.py)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (off unless lora.r > 0): train low-rank adapters on a frozen base."""
 
     def __post_init__(self):
         super().__post_init__()

@@ -13,7 +13,8 @@ The optimizer is AdamW on flat fp32 state laid out by `rlhf.engine.zero`. With Z
 over the DP group: grads are reduce-scattered into the owning shard, the shard steps, and the
 updated parameters are all-gathered back. Otherwise every DP rank holds and steps the whole
 state. Low-precision (bf16) models train through fp32 master weights; fp32 models are their
-own masters.
+own masters. Only trainable parameters get grads and optimizer state: with LoRA adapters
+(`rlhf.models.lora`) the frozen base is outside the grad buffer, the grad sync and ZeRO-1.
 
 With pp > 1 the model is this rank's pipeline chunks and the schedule is 1F1B or interleaved
 1F1B (`rlhf.engine.pipeline`); metrics are broadcast from the last stage, so every rank
@@ -34,7 +35,7 @@ from torch import Tensor
 
 import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
-from rlhf.config.schema import OptimizerConfig, ParallelConfig
+from rlhf.config.schema import LoraConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
                                sync_grads)
 from rlhf.engine.metrics import reduce_metrics
@@ -89,11 +90,18 @@ class TrainEngine:
         if any(p.dtype == torch.float16 for p in model.parameters()):
             raise ValueError("float16 training needs loss scaling, which the engine does not do; "
                              "train in bfloat16 or float32")
-        params = [p for _, p in model.named_parameters()]  # the table's order; a tie once
+        # Only trainable parameters get grads and optimizer state: under LoRA the frozen base
+        # is outside the grad buffer, the ZeRO-1 partition and the grad sync.
+        trainable = {e.name for e in self.table if e.trainable}
+        params = [p for name, p in model.named_parameters() if name in trainable]
+        if not params:
+            raise ValueError("the model has no trainable parameters; build a forward-only "
+                             "engine (optim=None) or unfreeze some")
         shards = num_shards(group_size(mesh.dp_group), optim.distributed)
         self.distributed = shards > 1
         part = partition([p.numel() for p in params], shards, bucket_numel=bucket_numel)
         self.table = self.table.with_partition(part)
+        self._train_table = self.table.trainable()  # grads.py indexes it like `params`
         self._shard_rank = mesh.dp_rank if self.distributed else 0
         if scatter_grads is None:
             scatter_grads = scatters_grads(part, mesh.dp_group)
@@ -106,8 +114,10 @@ class TrainEngine:
                         parallel: ParallelConfig | None = None, head: Head = "lm",
                         optim: OptimizerConfig | None = None, total_steps: int = 1,
                         dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                        recompute: Recompute = "none", seed: int = 0) -> TrainEngine:
-        """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head."""
+                        recompute: Recompute = "none", seed: int = 0,
+                        lora: LoraConfig | None = None) -> TrainEngine:
+        """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head and
+        the adapters of `lora` (when enabled: the base is frozen, only adapters train)."""
         parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size)
         if (parallel.tp, parallel.pp) != (mesh.tp_size, mesh.pp_size):
             raise ValueError(f"the parallel config has tp={parallel.tp} pp={parallel.pp} but the mesh has "
@@ -115,7 +125,7 @@ class TrainEngine:
         device = resolve_device(device)
         built = build_model(path, mesh=mesh, parallel=parallel, head=head,
                             dtype=resolve_dtype(dtype, device), device=device,
-                            value_head_seed=seed)
+                            value_head_seed=seed, lora=lora)
         return cls(built, mesh, optim=optim, total_steps=total_steps, head=head,
                    recompute=recompute)
 
@@ -156,7 +166,7 @@ class TrainEngine:
         """Sum the accumulated grads over TP, pipeline ties and DP (`rlhf.engine.grads`);
         `forward_backward` calls it. Collective over the role's ranks."""
         self._require_optimizer("sync_grads")
-        sync_grads(self.grads, self.table, self.mesh, rank=self._shard_rank)
+        sync_grads(self.grads, self._train_table, self.mesh, rank=self._shard_rank)
         self._grads_synced = True
 
     def step(self) -> dict[str, float]:
@@ -165,7 +175,7 @@ class TrainEngine:
         A non-finite grad norm skips the update (and the schedule step) with a warning.
         """
         self._require_optimizer("step")
-        norm = grad_norm(self.grads, self.table, self.mesh, rank=self._shard_rank)
+        norm = grad_norm(self.grads, self._train_table, self.mesh, rank=self._shard_rank)
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
         norm_value = float(norm)  # the step's one read: skipping needs it on the host
         if not math.isfinite(norm_value):

@@ -14,9 +14,10 @@ from typing import Literal
 
 import torch
 
-from rlhf.config.schema import ParallelConfig
+from rlhf.config.schema import LoraConfig, ParallelConfig
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import SliceSpec, load_hf_weights
+from rlhf.models.lora import apply_lora, init_lora_
 from rlhf.models.param_table import ParamTable, param_table
 from rlhf.models.tp_sharding import Model, TPState, apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel, rope_inv_freq
@@ -42,14 +43,17 @@ class BuiltModel:
 
 def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfig,
                 head: Literal["lm", "value"], dtype: torch.dtype = torch.float32,
-                device: str | torch.device = "cpu", value_head_seed: int = 0) -> BuiltModel:
+                device: str | torch.device = "cpu", value_head_seed: int = 0,
+                lora: LoraConfig | None = None) -> BuiltModel:
     """This rank's shard of the HF model in `path`, laid out by `plan` over `mesh`.
 
     Built on the meta device, sharded, then materialised with local shapes only; each rank
     reads just its slices from the safetensors files. `head`: "lm" (CausalLM) or "value"
     (ValueModel; a fresh head from `value_head_seed` if the folder has none). With pp > 1 the
     model holds this pipeline rank's chunks only (`rlhf.parallel.stages`; a tied LM head on
-    the last stage is its own copy, loaded from the embedding).
+    the last stage is its own copy, loaded from the embedding). `lora` (when enabled): adapters
+    on the targeted layers, initialised from `value_head_seed`, and the base frozen
+    (`rlhf.models.lora`).
     """
     if (mesh.tp_size, mesh.pp_size) != (parallel.tp, parallel.pp):
         raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} but the plan says "
@@ -68,6 +72,8 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
         model = model_cls(args, **stage)
     model.to(dtype=dtype)  # still on meta: nothing allocated
     tp = apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
+    if lora is not None and lora.enabled:
+        apply_lora(model, lora)
     model.to_empty(device=device)
     # to_empty makes new Parameter objects: the tie has to be redone.
     if isinstance(model, CausalLM):
@@ -75,6 +81,8 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     model.model.rotary_emb.inv_freq = rope_inv_freq(args)
     table = param_table(model, tp=tp)
     load_hf_weights(model, path, shard_fn=_shard_fn(table, mesh), value_head_seed=value_head_seed)
+    if lora is not None and lora.enabled:
+        init_lora_(model, seed=value_head_seed)
     return BuiltModel(model, table, tp, chunks)
 
 

@@ -126,8 +126,8 @@ def _export_items(model: nn.Module, table: ParamTable, *, grads: bool) -> list[E
                          "pass the table built with this model")
     items = []
     for entry, param in zip(table, params):
-        if entry.tied_copy:
-            continue  # stored once, under the name it shares (the tied embedding)
+        if entry.tied_copy or (grads and not entry.trainable):
+            continue  # stored once, under the name it shares; a frozen weight has no grad
         tensor = param.grad if grads else param
         if tensor is None:
             raise ValueError(f"{entry.name} has no grad; run backward first")

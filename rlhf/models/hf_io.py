@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from rlhf.errors import RLHFError
+from rlhf.models.lora import is_lora_param
 from rlhf.models.transformer import CausalLM, ValueModel
 
 # A fresh value head is drawn from normal(0, VALUE_HEAD_INIT_STD), the usual HF initializer_range,
@@ -111,6 +112,8 @@ def _reads(model: Model, files: dict[str, Path], folder: Path):
     missing, fresh = [], []
     has_score = any(n.startswith("score.") for n in files)
     for name, _ in model.named_parameters():
+        if is_lora_param(name):
+            continue  # adapters are not in a base folder: `rlhf.models.lora` initialises them
         source = name
         if name == "lm_head.weight" and model.args.tie_word_embeddings:
             source = "model.embed_tokens.weight"  # a last stage holding its own copy of the tie

@@ -8,7 +8,7 @@ data: no tensors, no communication.
 A grad is partial over TP for replicated parameters that each rank feeds only part of the
 work: the norms and row-parallel biases under sequence parallelism (each rank sees T/tp
 tokens), the value head under sequence parallelism, and Qwen3's q/k norms always (each rank
-sees its heads).
+sees its heads); and a LoRA factor replicated beside a split one (`rlhf.models.lora`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from rlhf.models.lora import LoraLayer
 from rlhf.models.tp_sharding import SequenceGatheredLinear, TPState
 from rlhf.models.transformer import Attention, RMSNorm
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
@@ -49,6 +50,8 @@ class ParamInfo:
     tied_copy: bool
     """The second copy of a shared parameter (the last stage's LM head): its grad is summed
     with the original's, it counts once in the grad norm, and the export leaves it out."""
+    trainable: bool = True
+    """False for a frozen parameter (the base weights under LoRA): no grad, no optimizer state."""
     zero_owners: tuple[int, ...] = ()
     """With ZeRO-1: the DP ranks that own part of its optimizer state."""
     flat_range: tuple[int, int] | None = None
@@ -75,15 +78,22 @@ class ParamTable:
             raise KeyError(f"{name} is not a parameter of this model")
         return self._index[name]
 
+    def trainable(self) -> ParamTable:
+        """The entries of the trainable parameters only (all of them unless a base is frozen)."""
+        return ParamTable(tuple(e for e in self.entries if e.trainable))
+
     def with_partition(self, part) -> ParamTable:
-        """The table with each parameter's flat range and ZeRO-1 owners from `part`
-        (an `rlhf.engine.zero.Partition` over the entries in order)."""
-        if len(part.numels) != len(self.entries):
+        """The table with each trainable parameter's flat range and ZeRO-1 owners from `part`
+        (an `rlhf.engine.zero.Partition` over the trainable entries in order)."""
+        trainable = [i for i, e in enumerate(self.entries) if e.trainable]
+        if len(part.numels) != len(trainable):
             raise ValueError(f"the partition has {len(part.numels)} parameters, the table "
-                             f"{len(self.entries)}; partition the table's parameters")
+                             f"{len(trainable)} trainable ones; partition those")
+        slot = {i: k for k, i in enumerate(trainable)}
         return ParamTable(tuple(
-            replace(e, flat_range=(part.offsets[i], part.offsets[i] + part.numels[i]),
-                    zero_owners=part.owners(i) if part.shards > 1 else ())
+            e if i not in slot else
+            replace(e, flat_range=(part.offsets[slot[i]], part.offsets[slot[i]] + part.numels[slot[i]]),
+                    zero_owners=part.owners(slot[i]) if part.shards > 1 else ())
             for i, e in enumerate(self.entries)))
 
 
@@ -93,13 +103,13 @@ def param_table(model: nn.Module, *, tp: TPState) -> ParamTable:
     ties = model.shared_parameters()  # {copy name: original name}
     present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     entries = []
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         partner = ties.get(name) or next((c for c, o in ties.items() if o == name), None)
         shared = partner is not None and partner not in present
         entries.append(ParamInfo(
             name=name, hf_name=ties.get(name, name) if shared else name,
             shard=layout.get(name), tp_partial_grad=name in partial, shared=shared,
-            tied_copy=shared and name in ties))
+            tied_copy=shared and name in ties, trainable=param.requires_grad))
     return ParamTable(tuple(entries))
 
 
@@ -119,6 +129,8 @@ def _tp_partial_names(model: nn.Module, tp: TPState) -> set[str]:
         elif (isinstance(module, RowParallelLinear) and module.bias is not None
               and tp.sequence_parallel):
             names.add(f"{dot}bias")
+        if isinstance(module, LoraLayer):
+            names.update(f"{dot}{n}" for n in module.adapter_partial_grads())
     return names
 
 
@@ -137,4 +149,7 @@ def _tp_layout(model: nn.Module) -> dict[str, ShardLayout]:
             layout[f"{dot}weight"] = ShardLayout(1, module.in_features)
         elif isinstance(module, VocabParallelEmbedding):
             layout[f"{dot}weight"] = ShardLayout(0, module.num_embeddings)
+        if isinstance(module, LoraLayer):
+            layout.update({f"{dot}{n}": ShardLayout(dim, size)
+                           for n, (dim, size) in module.adapter_splits().items()})
     return layout

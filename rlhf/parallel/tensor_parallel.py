@@ -89,8 +89,12 @@ class ColumnParallelLinear(nn.Module):
             x_TH = gather_from_sequence(x_TH, group=self.group)  # (T/tp, H) -> (T, H)
         else:
             x_TH = copy_to_tp(x_TH, group=self.group)
-        out_TO = F.linear(x_TH, self.weight, self.bias)  # (T, O/tp)
+        out_TO = self.local_linear(x_TH)  # (T, O/tp)
         return gather_from_tp(out_TO, group=self.group) if self.gather_output else out_TO
+
+    def local_linear(self, x_TH: Tensor) -> Tensor:
+        """This rank's output columns from the full (gathered) input; an adapter adds to it."""
+        return F.linear(x_TH, self.weight, self.bias)
 
     @torch.no_grad()
     def load_full_weight(self, weight: Tensor, bias: Tensor | None = None) -> None:
@@ -146,12 +150,17 @@ class RowParallelLinear(nn.Module):
     def forward(self, x_TI: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x_TI = scatter_to_tp(x_TI, group=self.group)  # (T, I) -> (T, I/tp)
-        partial_TO = F.linear(x_TI, self.weight)
+        partial_TO = self.local_linear(x_TI)
         if self.sequence_parallel:
             out_TO = reduce_scatter_to_sequence(partial_TO, group=self.group)  # (T/tp, O)
         else:
             out_TO = reduce_from_tp(partial_TO, group=self.group)  # (T, O)
         return out_TO if self.bias is None else out_TO + self.bias
+
+    def local_linear(self, x_TI: Tensor) -> Tensor:
+        """This rank's partial output (before the TP reduction, without the bias) from its input
+        features; an adapter adds its own partial to it, so one reduction sums both."""
+        return F.linear(x_TI, self.weight)
 
     @torch.no_grad()
     def load_full_weight(self, weight: Tensor, bias: Tensor | None = None) -> None:
