@@ -45,6 +45,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
         self.config = config
+        self.lora = config.actor.lora
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
         self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)

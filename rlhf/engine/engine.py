@@ -263,7 +263,7 @@ class TrainEngine:
         """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step."""
         return {
             "format_version": ckpt.FORMAT_VERSION, "layout": ckpt.layout(self.mesh),
-            "model": self.model.state_dict(),
+            "model": ckpt.model_state(self.model),  # with LoRA: the adapters only
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "step": self.step_count,
         }
@@ -271,7 +271,7 @@ class TrainEngine:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned, on an engine built with the same layout."""
         ckpt.check_layout(state, self.mesh, "the state dict")
-        self.model.load_state_dict(state["model"])
+        ckpt.load_model_state(self.model, state["model"], "the state dict")
         self.step_count = int(state["step"])
         if self.optimizer is None:
             return
