@@ -2,10 +2,13 @@
 engine's log-probs) or as merged Hugging Face weights, and its checkpoint holds the adapters,
 their optimizer state and a fingerprint of the frozen base only."""
 
+import shutil
+
+import pytest
 import torch
 import torch.nn.functional as F
-import pytest
 from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from rlhf.config.schema import LoraConfig
@@ -16,7 +19,7 @@ from rlhf.models.lora import is_lora_param
 from rlhf.models.peft_folder import (lora_from_peft, merged_stream, read_adapter_folder,
                                      write_adapter_folder)
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from tests.unit.engine.reference import (OPTIM, actor_loss_fn, make_batch, tiny_folder)
+from tests.unit.engine.reference import OPTIM, actor_loss_fn, make_batch
 
 # alpha / r = 2 and q/v/down only: a non-unit scaling and a partial target list must both
 # reach peft through adapter_config.json.
@@ -125,6 +128,9 @@ def test_checkpoint_holds_adapters_only_and_resumes_exactly(folder, world, tmp_p
     for (name, a), (_, b) in zip(engine.model.named_parameters(), resumed.model.named_parameters()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
-    other = _engine(tiny_folder(tmp_path / "other", tied=True))  # another base
+    other = shutil.copytree(folder, tmp_path / "other")  # another base: one weight changed
+    weights = load_file(other / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.01
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(RLHFError, match="another base"):
-        other.load_checkpoint(tmp_path / "ckpt")
+        _engine(other).load_checkpoint(tmp_path / "ckpt")
