@@ -22,17 +22,19 @@ from torch import Tensor
 
 from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss,
                              truncated_is_weights)
-from rlhf.config import JobConfig
+from rlhf.config import JobConfig, ref_from_actor
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
-from rlhf.models.lora import is_lora_param
+from rlhf.errors import ConfigError
+from rlhf.models.lora import disable_adapters, is_lora_param
 from rlhf.rollout import RolloutReplica, sampling_temperature
 from workers.base import MemoryReportMixin, Worker, build_engine
 from workers.checkpoint import CheckpointMixin
 from workers.micro_batches import forward_micro_batches, response_fields
+from workers.reference import ref_log_probs
 from workers.rollout import WeightSenderMixin, rollout_spec, sample_rollouts
 from workers.updates import ppo_updates, token_share
 
@@ -112,6 +114,17 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
                                       temperature=sampling_temperature(self.config.rollout))
         return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
+
+    @register(dispatch=Dispatch.DP_COMPUTE)
+    @in_phase("forward")
+    def compute_ref_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
+        """`ref_log_probs` from this model's frozen base, adapters disabled: the reference policy
+        when actor.lora is on (`rlhf.config.ref_from_actor`; no reference role is built)."""
+        if not ref_from_actor(self.config):
+            raise ConfigError("actor.compute_ref_log_prob needs actor.lora on (its base is then "
+                              "the reference) and a KL term; otherwise the ref role computes them")
+        with disable_adapters(self.engine.model):
+            return ref_log_probs(self.engine, batch, split, self.config, key="actor")
 
     @register(dispatch=Dispatch.DP_COMPUTE_METRICS)
     @in_phase("update")

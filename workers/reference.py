@@ -1,4 +1,7 @@
-"""ReferenceWorker: the frozen initial policy (model.path), forward only, no optimizer state."""
+"""ReferenceWorker: the frozen initial policy (model.path), forward only, no optimizer state.
+
+With actor.lora on, no ReferenceWorker is built: the actor runs `ref_log_probs` on its own
+model with the adapters disabled (`rlhf.config.ref_from_actor`)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import TOKENS, require_fields
+from rlhf.engine import TrainEngine
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from rlhf.rollout import sampling_temperature
@@ -32,8 +36,15 @@ class ReferenceWorker(MemoryReportMixin, Worker):
     @in_phase("forward")
     def compute_ref_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
         """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
-        require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
-        mbs = forward_micro_batches(batch, self.config.ref, split, key="ref")
-        outputs = self.engine.forward(mbs, outputs=("log_probs",),
-                                      temperature=sampling_temperature(self.config.rollout))
-        return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})
+        return ref_log_probs(self.engine, batch, split, self.config, key="ref")
+
+
+def ref_log_probs(engine: TrainEngine, batch: Batch, split: GroupBatches | None,
+                  config: JobConfig, *, key: str) -> Batch:
+    """`ref_log_probs` from `engine`, micro-batched by config.<key>: the reference role's model,
+    or the actor's with its adapters disabled (`rlhf.config.ref_from_actor`)."""
+    require_fields(batch, TOKENS, f"{key}.compute_ref_log_prob")
+    mbs = forward_micro_batches(batch, getattr(config, key), split, key=key)
+    outputs = engine.forward(mbs, outputs=("log_probs",),
+                             temperature=sampling_temperature(config.rollout))
+    return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

@@ -8,16 +8,17 @@ from rlhf.config.checks import check_config
 from rlhf.config.loader import config_from_dict, config_to_dict, format_config, load_config
 from rlhf.config.reference import reference_markdown
 from rlhf.config.schema import (TRAINED_ROLES, AlgorithmConfig, CriticConfig, DataConfig,
-                                ForwardRoleConfig, JobConfig, ModelConfig, OffloadConfig,
+                                ForwardRoleConfig, JobConfig, LoraConfig, ModelConfig,
+                                OffloadConfig,
                                 OptimizerConfig, ParallelConfig, RayConfig, ReferenceConfig,
                                 RewardConfig, RewardFunctionConfig, RolloutConfig, SFTConfig,
                                 TinyModelConfig, TrainerConfig, TrainRoleConfig, job_roles,
-                                sft_output_path)
+                                ref_from_actor, sft_output_path)
 from rlhf.errors import ConfigError
 
 __all__ = [
     "TRAINED_ROLES", "AlgorithmConfig", "ConfigError", "CriticConfig", "DataConfig",
-    "ForwardRoleConfig",
+    "ForwardRoleConfig", "LoraConfig", "ref_from_actor",
     "JobConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig", "ParallelConfig", "RayConfig",
     "ReferenceConfig", "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "SFTConfig", "TinyModelConfig", "TrainerConfig",
     "TrainRoleConfig", "check_config", "config_from_dict", "config_to_dict", "format_config",

@@ -512,14 +512,21 @@ def sft_output_path(cfg: "JobConfig") -> Path:
     return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
 
 
+def ref_from_actor(cfg: "JobConfig") -> bool:
+    """Whether the actor computes the reference log-probs itself: with actor.lora on, its frozen
+    base (adapters disabled) is the reference policy (model.path), so no reference role is built."""
+    return cfg.algorithm.use_ref and cfg.actor.lora.enabled
+
+
 def job_roles(cfg: "JobConfig") -> dict[str, "ForwardRoleConfig | RolloutConfig"]:
     """The roles a PPO job creates, in build order, each with its config section: the actor;
-    the critic when algorithm.use_critic; the reference when algorithm.use_ref; the reward
-    model when reward.model_path is set; the rollout pool when rollout.placement is separate."""
+    the critic when algorithm.use_critic; the reference when algorithm.use_ref (unless
+    `ref_from_actor`); the reward model when reward.model_path is set; the rollout pool when
+    rollout.placement is separate."""
     roles: dict[str, ForwardRoleConfig | RolloutConfig] = {"actor": cfg.actor}
     if cfg.algorithm.use_critic:
         roles["critic"] = cfg.critic
-    if cfg.algorithm.use_ref:
+    if cfg.algorithm.use_ref and not ref_from_actor(cfg):
         roles["ref"] = cfg.ref
     if cfg.reward.model_path is not None:
         roles["reward"] = cfg.reward

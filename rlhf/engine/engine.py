@@ -92,8 +92,7 @@ class TrainEngine:
                              "train in bfloat16 or float32")
         # Only trainable parameters get grads and optimizer state: under LoRA the frozen base
         # is outside the grad buffer, the ZeRO-1 partition and the grad sync.
-        trainable = {e.name for e in self.table if e.trainable}
-        params = [p for name, p in model.named_parameters() if name in trainable]
+        params = [p for e, p in zip(self.table, model.parameters()) if e.trainable]
         if not params:
             raise ValueError("the model has no trainable parameters; build a forward-only "
                              "engine (optim=None) or unfreeze some")

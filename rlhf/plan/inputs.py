@@ -1,8 +1,9 @@
 """What the memory planner needs to know of a job: one `RoleSpec` per role the job creates.
 
 Every fact is read from the `JobConfig` here and nowhere else in the planner: which roles run,
-their model architecture, layout, dtype, recompute, token budget, ZeRO-1 and offload switches,
-the device type and the memory of one device.
+their model architecture, layout, dtype, recompute, token budget, ZeRO-1, offload and LoRA
+switches, the device type and the memory of one device. With actor.lora on the reference
+policy is the actor's base (`ref_from_actor`): no reference role, so none is planned.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 import torch
 
 from rlhf.config import JobConfig
-from rlhf.config.schema import TRAINED_ROLES, OffloadConfig, ParallelConfig, job_roles
+from rlhf.config.schema import (TRAINED_ROLES, LoraConfig, OffloadConfig, ParallelConfig,
+                               job_roles)
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.zero import num_shards
 from rlhf.errors import ConfigError
@@ -45,6 +47,7 @@ class RoleSpec:
     tokens: int  # max_tokens_per_micro_batch
     shards: int  # ZeRO-1: ways the masters and moments are split (rlhf.engine.zero.num_shards)
     offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
+    lora: LoraConfig | None = None  # `<role>.lora` when on: a frozen base, adapters train
 
     @property
     def layout(self) -> Layout:
@@ -119,14 +122,15 @@ def role_specs(cfg: JobConfig, hw: Hardware, *,
 def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     world = cfg.role_world_size(role)
     dp = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp).dp
-    optim = getattr(role, "optim", None)
+    optim, lora = getattr(role, "optim", None), getattr(role, "lora", None)
     return RoleSpec(
         name=name, head=head, args=args, parallel=role.parallel, world_size=world,
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
         shards=num_shards(dp, getattr(optim, "distributed", None)) if trains else 1,
-        offload=getattr(role, "offload", None) or OffloadConfig())
+        offload=getattr(role, "offload", None) or OffloadConfig(),
+        lora=lora if trains and lora is not None and lora.enabled else None)
 
 
 def model_args(path: str, *, cfg: JobConfig | None, key: str,

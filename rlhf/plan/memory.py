@@ -2,7 +2,8 @@
 
 State tensors are exact: the shapes come from the project's own build path on the meta device
 (`shapes.stage_shapes`) and the bytes of weights, grads, fp32 masters and AdamW moments from
-`rlhf.engine.zero.state_bytes`, the function the engine allocates by (ZeRO-1 or not).
+`rlhf.engine.zero.state_bytes`, the function the engine allocates by (ZeRO-1 or not). Under
+LoRA only the adapters are trainable: grads, masters and moments count the adapters alone.
 
 The LM head's log-prob/entropy workspace is counted op by op from the code that allocates it
 (`rlhf.parallel.vocab_parallel.head_workspace`: the logits, their grad, two float32 token
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
-from rlhf.config import JobConfig
+from rlhf.config import JobConfig, ref_from_actor
 from rlhf.engine.offload import offloaded_kinds, placement
 from rlhf.engine.zero import state_bytes
 from rlhf.parallel.stages import rank_chunks
@@ -132,6 +133,7 @@ class MemoryPlan:
     host: list[NodeHost] = field(default_factory=list)  # nodes holding pinned copies
     host_bytes: int = 0  # one node's RAM
     host_source: str = ""  # where host_bytes comes from, for the report
+    ref_from_actor: bool = False  # LoRA: the actor's base gives the ref log-probs, no ref role
 
     @property
     def peak(self) -> int:
@@ -205,14 +207,15 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     parallel, tokens = spec.parallel, spec.tokens
     out = []
     for pp_rank, shapes in enumerate(stage_shapes(spec.args, parallel, head=spec.head,
-                                                  dtype=spec.dtype)):
+                                                  dtype=spec.dtype, lora=spec.lora)):
         numels = [p.numel for p in shapes if p.trainable]
         no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
                     "optimizer": 0}
         state = replicated = no_state
-        if spec.trains:
-            state = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=spec.shards)
-            replicated = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=1)
+        if spec.trains:  # weights: every parameter; the rest: the trainable ones (LoRA)
+            state, replicated = (
+                {**state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=shards),
+                 "weights": no_state["weights"]} for shards in (spec.shards, 1))
         chunks = rank_chunks(spec.args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=pp_rank,
                              layers_per_stage=parallel.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
@@ -286,7 +289,8 @@ def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
     gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb) and the sync's buffers."""
     full = sum(s.state["weights"] for s in stages) * actor.parallel.tp  # whole model, dtype
     largest = max(p.nbytes for shapes in stage_shapes(actor.args, actor.parallel, head=actor.head,
-                                                      dtype=actor.dtype) for p in shapes)
+                                                      dtype=actor.dtype, lora=actor.lora)
+                  for p in shapes)
     # A bucket holds whole full tensors up to sync_bucket_mb (one bigger tensor alone), never
     # more than the model; counted twice: the TP/PP-gathered bucket and its staging copy.
     bucket = min(full, max(int(cfg.rollout.sync_bucket_mb * 2**20), largest * actor.parallel.tp))
@@ -377,7 +381,8 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
                  for r in range(cfg.rollout.world_size)}
         devices += _group_devices("rollout", ranks, hw)
     return _with_overheads(cfg, hw, MemoryPlan(hardware=hw, roles=by_name, stages=stages,
-                                               vllm=vllm, devices=devices), pools)
+                                               vllm=vllm, devices=devices,
+                                               ref_from_actor=ref_from_actor(cfg)), pools)
 
 
 def _group_devices(pool: str, ranks: dict[int, dict], hw: Hardware, *,

@@ -92,6 +92,8 @@ def _layout(spec) -> str:
     text += f" {str(spec.dtype).removeprefix('torch.')}"
     if spec.trains:
         text += f" zero1={'on' if spec.zero1 else 'off'} recompute={spec.recompute}"
+    if spec.lora is not None:
+        text += f" lora r={spec.lora.r} (base frozen: grads+optimizer for the adapters only)"
     off = [k for k in ("params", "grads", "optimizer") if getattr(spec.offload, k)]
     return text + (f" offload={'+'.join(off)}" if off else "")
 
@@ -120,6 +122,9 @@ def _role_lines(plan) -> list[str]:
                   f(sum(s.head.values())), f(s.forward)] for s in stages]
     lines = [f"per rank of each role, {unit} (state and head exact; activations, forward "
              "estimated):", *_table(rows)]
+    if plan.ref_from_actor:
+        lines.append("  ref: none built; the actor's frozen base (adapters disabled, actor.lora) "
+                     "gives the reference log-probs")
     for name, spec in plan.roles.items():
         lines.append(f"  {name}: {_layout(spec)}, {spec.tokens} tokens per micro-batch")
         first = plan.stages[name][0]
@@ -244,6 +249,7 @@ def to_json(plan, advice) -> dict:
                                      "replicated_state": s.replicated_state}
                                     for s in plan.stages[name]]}
                   for name, spec in plan.roles.items()},
+        "ref_from_actor": plan.ref_from_actor,
         "vllm": plan.vllm,
         "devices": [{"pool": d.pool, "ranks": list(d.ranks), "peak_bytes": d.peak,
                      "peak_phase": d.peak_phase, "phases": d.phases,

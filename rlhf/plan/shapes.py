@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rlhf.config.schema import ParallelConfig
+from rlhf.config.schema import LoraConfig, ParallelConfig
 from rlhf.models.config import ModelArgs
+from rlhf.models.lora import apply_lora
 from rlhf.models.tp_sharding import apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.layout import Layout
@@ -53,8 +54,10 @@ class ParamShape:
 
 @functools.lru_cache(maxsize=256)  # pure in its (frozen) arguments; advice re-plans often
 def stage_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str,
-                 dtype: torch.dtype) -> tuple[tuple[ParamShape, ...], ...]:
-    """Per pipeline rank (index = pp_rank), the parameters one of its TP ranks holds.
+                 dtype: torch.dtype, lora: LoraConfig | None = None
+                 ) -> tuple[tuple[ParamShape, ...], ...]:
+    """Per pipeline rank (index = pp_rank), the parameters one of its TP ranks holds; with
+    `lora` (enabled) the adapters too, and only they are trainable.
 
     TP ranks of one stage hold the same shapes (the vocabulary is padded to a tp multiple),
     and every DP replica is the same, so pp lists describe the whole role.
@@ -62,18 +65,19 @@ def stage_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str,
     if dist.is_initialized():
         ctx = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
-            return pool.submit(_stage_shapes, args, parallel, head, dtype).result()
-    return _stage_shapes(args, parallel, head, dtype)
+            return pool.submit(_stage_shapes, args, parallel, head, dtype, lora).result()
+    return _stage_shapes(args, parallel, head, dtype, lora)
 
 
-def _stage_shapes(args: ModelArgs, parallel: ParallelConfig, head: str,
-                  dtype: torch.dtype) -> tuple[tuple[ParamShape, ...], ...]:
-    return tuple(_rank_shapes(args, parallel, head=head, dtype=dtype, pp_rank=pp_rank)
+def _stage_shapes(args: ModelArgs, parallel: ParallelConfig, head: str, dtype: torch.dtype,
+                  lora: LoraConfig | None) -> tuple[tuple[ParamShape, ...], ...]:
+    return tuple(_rank_shapes(args, parallel, head=head, dtype=dtype, pp_rank=pp_rank,
+                              lora=lora)
                  for pp_rank in range(parallel.pp))
 
 
 def _rank_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str, dtype: torch.dtype,
-                 pp_rank: int) -> tuple[ParamShape, ...]:
+                 pp_rank: int, lora: LoraConfig | None) -> tuple[ParamShape, ...]:
     model_cls = {"lm": CausalLM, "value": ValueModel}[head]
     stage = {}
     if parallel.pp > 1:  # the same cut as build_model
@@ -89,6 +93,8 @@ def _rank_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str, dtype:
             model = model_cls(args, **stage)
         model.to(dtype=dtype)
         apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
+        if lora is not None and lora.enabled:  # the same adapters as build_model
+            apply_lora(model, lora)
         return tuple(ParamShape(name, tuple(p.shape), p.dtype, p.requires_grad)
                      for name, p in model.named_parameters())  # named_parameters: tied once
 

@@ -32,7 +32,7 @@ from rlhf.algorithms.group_filters import get_group_filter
 from rlhf.algorithms.overlong import overlong_penalty, truncated
 from rlhf.algorithms.rollout_correction import (reject_outside_band, rollout_correction_metrics,
                                                 seq_tis_weights)
-from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles
+from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles, ref_from_actor
 from rlhf.controller import RoleView
 from rlhf.controller.nodes import check_user_files, user_files
 from rlhf.data.batch import Batch
@@ -359,8 +359,9 @@ class PPOTrainer:
                         batch, split=splits.forward("actor")))
             if cfg.algorithm.use_ref:
                 with timer("ref"):
-                    batch = batch.union(views["ref"].compute_ref_log_prob(
-                        batch, split=splits.forward("ref")))
+                    ref = "actor" if ref_from_actor(cfg) else "ref"  # LoRA: the base is the ref
+                    batch = batch.union(views[ref].compute_ref_log_prob(
+                        batch, split=splits.forward(ref)))
             if cfg.algorithm.use_critic:
                 with timer("values"):
                     batch = batch.union(views["critic"].compute_values(
