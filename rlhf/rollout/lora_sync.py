@@ -11,7 +11,8 @@ vLLM's own warm-up adapters do.
 
 Each sync is a new version with a new id; `AdapterVersions` keeps the newest
 `ADAPTER_VERSIONS` registered (a batch still sampling with the previous version keeps it) and
-unloads older ones. `add_adapter` refuses an adapter that leaves any adapted vLLM module without
+unloads older ones. `check_lora_internals` checks the internals this uses when the engine is
+built, as rlhf.rollout.compat does for the full sync. `add_adapter` refuses an adapter that leaves any adapted vLLM module without
 both factors or names a module vLLM does not have: vLLM would quietly serve the base there.
 """
 
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from rlhf.config.schema import LoraConfig
 from rlhf.errors import ConfigError
+from rlhf.rollout.compat import TESTED_VLLM, VLLMVersionError, installed_vllm_version
 from rlhf.rollout.weights import IncompleteSyncError
 
 ADAPTER_VERSIONS = 2  # adapters registered at once: the newest and the one before it
@@ -45,6 +47,30 @@ def lora_engine_args(lora: LoraConfig) -> dict:
     """vLLM `LLM` keyword arguments of an engine that serves the adapter versions."""
     return dict(enable_lora=True, max_lora_rank=max_lora_rank(lora.r),
                 max_loras=ADAPTER_VERSIONS, max_cpu_loras=ADAPTER_VERSIONS)
+
+
+def check_lora_internals(llm) -> None:
+    """VLLMVersionError naming what `add_adapter` needs and the installed vLLM lacks: its
+    adapter loader, and on every worker the adapter cache it registers into."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    problems = [name for name, owner, attr in (
+        ("LoRAModel.from_lora_tensors", LoRAModel, "from_lora_tensors"),
+        ("PEFTHelper.from_dict", PEFTHelper, "from_dict")) if not hasattr(owner, attr)]
+    if not all(llm.collective_rpc(_has_adapter_cache)):
+        problems.append("worker.model_runner.lora_manager._adapter_manager")
+    if problems:
+        raise VLLMVersionError(
+            f"vLLM {installed_vllm_version()} lacks {', '.join(problems)}, which the adapter "
+            f"sync (actor.lora) calls; install a vLLM in the tested range {TESTED_VLLM}")
+
+
+def _has_adapter_cache(worker) -> bool:
+    # Runs inside each vLLM worker: the attribute chain `add_adapter` uses.
+    manager = getattr(getattr(worker, "model_runner", None), "lora_manager", None)
+    cache = getattr(manager, "_adapter_manager", None)
+    return all(hasattr(cache, a) for a in ("add_adapter", "modules", "packed_modules_mapping"))
 
 
 def add_adapter(worker, tensors: dict[str, Tensor], config: dict, lora_id: int) -> int:

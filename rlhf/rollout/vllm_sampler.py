@@ -32,7 +32,7 @@ from rlhf.config.schema import LoraConfig
 from rlhf.engine.offload import release_cached_memory
 from rlhf.errors import ConfigError
 from rlhf.rollout.compat import check_vllm_internals
-from rlhf.rollout.lora_sync import AdapterVersions, lora_engine_args
+from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import replica_sleeps
 from rlhf.rollout.weights import reload_weights
 
@@ -68,6 +68,8 @@ class VllmSampler:
                                                      dtype=dtype, max_model_len=max_model_len,
                                                      lora=lora))
         check_vllm_internals(self.llm)
+        if self.adapters is not None:
+            check_lora_internals(self.llm)
 
     @property
     def awake(self) -> bool:
