@@ -53,7 +53,6 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)
         self.rollout = (RolloutReplica(rollout_spec(ctx, config))
                         if config.rollout.placement == "colocated" else None)
-        self._full_sync_bytes: float | None = None
 
     @register(dispatch=Dispatch.RANK_SPLIT)
     @in_phase("generate")
@@ -84,8 +83,10 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         """What a sync sends, as full tensors in rollout.sync_bucket_mb buckets (collective):
         the policy's HF tensors, or with actor.lora only the adapter's factors."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time
-        select = is_lora_param if self.config.actor.lora.enabled else None
+        select = is_lora_param if self.lora is not None and self.lora.enabled else None
         return self.engine.export_hf_weights(bucket_bytes=bucket_bytes, select=select)
+
+    _full_sync_bytes: float | None = None  # the policy's size never changes: counted once
 
     def full_sync_bytes(self) -> float:
         """Bytes of a full-weight sync of this policy (with LoRA: the base weights, which an

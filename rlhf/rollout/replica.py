@@ -197,7 +197,7 @@ class RolloutReplica:
         start = time.perf_counter()
         moved = [0]
         buckets = export()
-        if sampler.adapters is not None:
+        if self.spec.lora is not None and self.spec.lora.enabled:
             sampler.load_adapter(_stream(buckets, moved))
         else:
             sampler.load_weights(_stream(buckets, moved))

@@ -30,6 +30,7 @@ from torch import Tensor
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
 from rlhf.engine.offload import release_cached_memory
+from rlhf.models.lora import peft_config
 from rlhf.errors import ConfigError
 from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
@@ -54,8 +55,6 @@ class VllmSampler:
     def __init__(self, model_path: str, *, config: RolloutConfig, device_type: str,
                  dtype: torch.dtype, max_model_len: int, lora: LoraConfig | None = None):
         from vllm import LLM
-
-        from rlhf.models.lora import peft_config
 
         self.device_type = device_type
         self.sleeps = replica_sleeps(device_type=device_type, placement=config.placement)
@@ -85,7 +84,8 @@ class VllmSampler:
         self._wake("kv_cache")
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         adapter = self.adapters.current if self.adapters is not None else None
-        outs = self.llm.generate(requests, list(params), use_tqdm=False, lora_request=adapter)
+        extra = {"lora_request": adapter} if adapter is not None else {}  # the newest version
+        outs = self.llm.generate(requests, list(params), use_tqdm=False, **extra)
         return [_completion(out.outputs[0]) for out in outs]
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
