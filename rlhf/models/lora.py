@@ -18,7 +18,8 @@ Under tensor parallelism the factors follow their base layer, and both read the 
                            reduce-scatter under SP); B's grad is partial per rank.
 
 Pipeline stages hold their own layers' adapters and recompute wraps layers with their adapters
-inside. The embedding, the LM head (tied or not) and the value head are never adapted.
+inside. The embedding, the LM head (tied or not) and the value head are never adapted; a value
+model's head (`score`, fresh for a critic) stays trainable, as peft's `modules_to_save` does.
 """
 
 from __future__ import annotations
@@ -159,13 +160,16 @@ def target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
 
 def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int = 0) -> list[str]:
     """Add adapters to `model` in place (after `apply_tp`, before recompute) and freeze every
-    other parameter; returns the adapted module names. Factors on the meta device stay
+    other parameter but a value head; returns the adapted module names. Factors on the meta device stay
     uninitialised (call `init_lora_` once materialised); others are initialised from `seed`."""
     if not lora.enabled:
         raise ValueError("LoRA is off (r = 0); check lora.enabled before applying it")
     names = target_names(model, lora)
     for param in model.parameters():
         param.requires_grad_(False)
+    score = getattr(model, "score", None)
+    if score is not None:  # a value model's head is new: it trains (peft's modules_to_save)
+        score.requires_grad_(True)
     modules = dict(model.named_modules())
     for name in names:
         module = modules[name]
