@@ -23,9 +23,14 @@ def _add_job_commands(commands: argparse._SubParsersAction) -> None:
         parser.add_argument("--no-progress", action="store_true", help="no progress bar")
         parser.set_defaults(run=run)
     export = commands.add_parser(
-        "export-hf", help="write a Hugging Face folder of the policy in a training checkpoint")
+        "export-hf", help="write a Hugging Face folder of the policy in a training checkpoint "
+                          "(a peft adapter folder for a LoRA run)")
     export.add_argument("checkpoint", help="a checkpoint folder, OUTPUT_DIR/checkpoints/step_N")
     export.add_argument("out", help="folder to create")
+    export.add_argument("--merge", action="store_true",
+                        help="a LoRA run (actor.lora.r > 0): write the base with the adapters "
+                             "merged in, a plain Hugging Face folder, instead of the peft "
+                             "adapter folder written by default")
     export.set_defaults(run=_export_hf)
 
 
@@ -115,8 +120,10 @@ def _export_hf(args) -> int:
     cfg, folder = checkpoint_config(Path(args.checkpoint))
 
     init_ray(cfg, env_address=env_address())
-    export_checkpoint(cfg, folder, Path(args.out))
-    print(f"wrote the policy of {folder} to {args.out}")
+    export_checkpoint(cfg, folder, Path(args.out), merge=args.merge)
+    form = ("a Hugging Face folder" if not cfg.actor.lora.enabled else
+            "the base with the adapters merged" if args.merge else "a peft adapter folder")
+    print(f"wrote the policy of {folder} to {args.out} ({form})")
     return 0
 
 

@@ -29,7 +29,7 @@ from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
-from rlhf.models.lora import disable_adapters
+from rlhf.models.lora import disable_adapters, is_lora_param
 from rlhf.rollout import RolloutReplica, sampling_temperature
 from workers.base import MemoryReportMixin, Worker, build_engine
 from workers.checkpoint import CheckpointMixin
@@ -47,6 +47,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
         self.config = config
+        self.lora = config.actor.lora
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
         self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)
@@ -71,14 +72,29 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
     @in_phase("sync")
     def sync_weights(self) -> dict[str, float]:
         """Push the policy into this rank's vLLM replica if it changed since the last sync;
-        sync/bytes (per replica), sync/seconds (split into sync/gather_s, sync/broadcast_s,
-        sync/reload_s), sync/gb_per_s, sync/skipped."""
-        return self._replica().sync(self.export_weights)
+        sync/bytes (per replica; with LoRA the adapter's), sync/full_bytes (what a full-weight
+        sync sends), sync/seconds (split into sync/gather_s, sync/broadcast_s, sync/reload_s),
+        sync/gb_per_s, sync/skipped."""
+        metrics = self._replica().sync(self.export_weights)
+        metrics["sync/full_bytes"] = 0.0 if metrics["sync/skipped"] else self.full_sync_bytes()
+        return metrics
 
     def export_weights(self):
-        """The policy's full HF tensors in rollout.sync_bucket_mb buckets (collective)."""
+        """What a sync sends, as full tensors in rollout.sync_bucket_mb buckets (collective):
+        the policy's HF tensors, or with actor.lora only the adapter's factors."""
         bucket_bytes = int(self.config.rollout.sync_bucket_mb * 2**20)  # one bucket alive at a time
-        return self.engine.export_hf_weights(bucket_bytes=bucket_bytes)
+        select = is_lora_param if self.lora is not None and self.lora.enabled else None
+        return self.engine.export_hf_weights(bucket_bytes=bucket_bytes, select=select)
+
+    _full_sync_bytes: float | None = None  # the policy's size never changes: counted once
+
+    def full_sync_bytes(self) -> float:
+        """Bytes of a full-weight sync of this policy (with LoRA: the base weights, which an
+        adapter sync leaves out); collective over pp the first time."""
+        if self._full_sync_bytes is None:
+            self._full_sync_bytes = float(self.engine.export_nbytes(
+                select=lambda name: not is_lora_param(name)))
+        return self._full_sync_bytes
 
     def _replica(self) -> RolloutReplica:
         if self.rollout is None:

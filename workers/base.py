@@ -51,7 +51,7 @@ def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head
         optim=role.optim if train else None, total_steps=config.trainer.total_steps,
         dtype=role.dtype, device=worker.ctx.device,
         recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed,
-        lora=getattr(role, "lora", None) if train else None)
+        lora=getattr(role, "lora", None))  # forward-only too: an export loads its adapters
 
 
 def check_layout(world_size: int, config: JobConfig, key: str) -> None:

@@ -11,7 +11,10 @@ from rlhf.controller import Dispatch, register
 from rlhf.controller.nodes import node_label
 from rlhf.engine.offload import in_phase
 from rlhf.files import read_marker
+from rlhf.config.schema import LoraConfig
 from rlhf.models.hf_io import hf_config, write_hf_folder
+from rlhf.models.lora import is_lora_param
+from rlhf.models.peft_folder import merged_stream, write_adapter_folder
 
 EXPORT_BUCKET_BYTES = 256 * 2**20  # also the size of each safetensors file written
 
@@ -19,7 +22,10 @@ EXPORT_BUCKET_BYTES = 256 * 2**20  # also the size of each safetensors file writ
 class CheckpointMixin:
     """`save_checkpoint` / `load_checkpoint` of `self.engine` under one folder per role, and
     `export_hf` of its weights as a Hugging Face folder (any tp/pp layout). Needs
-    `self.offload` (rlhf.engine.offload.Offloader), which brings the state they read back."""
+    `self.offload` (rlhf.engine.offload.Offloader), which brings the state they read back,
+    and `self.lora`, the role's LoRA settings (None or r = 0: no adapters)."""
+
+    lora: LoraConfig | None = None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     @in_phase("checkpoint")
@@ -44,14 +50,27 @@ class CheckpointMixin:
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     @in_phase("sync")
-    def export_hf(self, folder: str, config_source: str) -> str:
+    def export_hf(self, folder: str, config_source: str, adapter: bool = False) -> str:
         """Write the full weights as a Hugging Face folder (by the mesh's first rank; every rank
-        takes part in the gathers), with config.json and tokenizer files of `config_source`."""
+        takes part in the gathers), with config.json and tokenizer files of `config_source`.
+        A LoRA policy (`self.lora`) is written with its adapters merged into the base, or with
+        `adapter` as a peft adapter folder of the base `config_source`."""
         engine, mesh = self.engine, self.engine.mesh
-        buckets = engine.export_hf_weights(bucket_bytes=EXPORT_BUCKET_BYTES)
+        lora = self.lora if self.lora is not None and self.lora.enabled else None
+        if adapter and lora is None:
+            raise ValueError("this policy has no LoRA adapters (actor.lora.r = 0): export the "
+                             "full weights instead of an adapter folder")
+        select = is_lora_param if adapter else None
+        buckets = engine.export_hf_weights(bucket_bytes=EXPORT_BUCKET_BYTES, select=select)
         if mesh.rank == mesh.ranks[0]:
-            write_hf_folder(folder, buckets, config_source=config_source,
-                            config=hf_config(engine.model, config_source))
+            if adapter:
+                write_adapter_folder(folder, (t for bucket in buckets for t in bucket),
+                                     lora=lora, base_model=config_source)
+            else:
+                if lora is not None:
+                    buckets = merged_stream(buckets, lora=lora)
+                write_hf_folder(folder, buckets, config_source=config_source,
+                                config=hf_config(engine.model, config_source))
         else:
             for _ in buckets:  # the TP gathers and PP broadcasts are collective
                 pass

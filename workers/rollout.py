@@ -72,7 +72,7 @@ class RolloutWorker(Worker):
 
 class WeightSenderMixin:
     """The actor's side of the transfer: every rank exports, rank 0 broadcasts (needs `ctx`,
-    `export_weights()` and the `offload` phases of ActorWorker)."""
+    `export_weights()`, `full_sync_bytes()` and the `offload` phases of ActorWorker)."""
 
     _transfer: TransferGroup | None = None
     _transfer_store = None
@@ -97,10 +97,12 @@ class WeightSenderMixin:
     @register(dispatch=Dispatch.COLLECTIVE)
     @in_phase("sync")
     def send_weights(self) -> dict[str, float]:
-        """Export the policy on every rank; rank 0 broadcasts it to the rollout ranks.
-        Returns rank 0's transfer/bytes and transfer/seconds (export included)."""
+        """Export the policy (with LoRA, its adapter) on every rank; rank 0 broadcasts it to the
+        rollout ranks. Returns rank 0's transfer/bytes, transfer/seconds (export included)
+        and sync/full_bytes (what a full-weight sync sends)."""
         start = time.perf_counter()
         buckets = self.export_weights()
+        full_bytes = self.full_sync_bytes()  # collective over pp the first time
         if self.ctx.rank != 0:
             for _ in buckets:  # the export is collective over the actor's TP/PP groups
                 pass
@@ -108,7 +110,8 @@ class WeightSenderMixin:
         if self._transfer is None:
             raise RuntimeError("send_weights before join_weight_transfer")
         sent = self._transfer.send(buckets)
-        return {"transfer/bytes": sent["bytes"], "transfer/seconds": time.perf_counter() - start}
+        return {"transfer/bytes": sent["bytes"], "transfer/seconds": time.perf_counter() - start,
+                "sync/full_bytes": full_bytes}
 
 
 def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str, env: bool) -> Batch:
@@ -141,4 +144,4 @@ def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:
         dtype=resolve_dtype(config.actor.dtype, ctx.device),
         max_model_len=config.data.max_prompt_length + config.rollout.max_response_tokens,
         world_group=ctx.group_cache.get(range(world)), replica_group=replica_group,
-        rank=ctx.rank)
+        rank=ctx.rank, lora=config.actor.lora if config.actor.lora.enabled else None)

@@ -35,6 +35,7 @@ class SFTWorker(CheckpointMixin, Worker):
         steps = max(config.sft.total_steps, 1)
         self.config = dataclasses.replace(
             config, trainer=dataclasses.replace(config.trainer, total_steps=steps))
+        self.lora = getattr(getattr(config, plan_key), "lora", None)
         self.engine = build_engine(self, self.config, plan_key, path=init_path, head="lm",
                                    train=train)
         self.offload = Offloader(self.engine.state_tensors, config=OffloadConfig())  # no rollouts

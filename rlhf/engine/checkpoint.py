@@ -6,7 +6,9 @@ file; with ZeRO-1 each dp rank writes its own shard to `optim_pp.._tp.._dp...pt`
 file records how many shards there are. Loading at the same split reads one shard; at
 another dp size (or with ZeRO-1 switched) every shard of the coordinate is read and
 resharded. Each file is written to a temporary name, flushed to disk, then renamed into
-place, so a crash never leaves a truncated checkpoint under the final name.
+place, so a crash never leaves a truncated checkpoint under the final name. With LoRA adapters
+the model part holds the adapters only (the optimizer state is theirs already) and a
+fingerprint of the frozen base, checked against model.path on resume (`model_state`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.distributed as dist
 
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_write
+from rlhf.models.lora import has_lora, is_lora_param
 from rlhf.parallel.mesh import ParallelMesh
 
 FORMAT_VERSION = 2  # 2: flat (ZeRO-1 capable) optimizer state
@@ -106,3 +109,55 @@ def check_layout(state: dict[str, Any], mesh: ParallelMesh, where: str) -> None:
         raise RLHFError(f"{where} was written for {got} but this rank is {want}; engine "
                         "checkpoints reshard over data parallelism only, not over tp or pp: "
                         "resume with the same tp and pp, or start from an exported HF folder")
+
+
+# ---- what a checkpoint keeps of the model ------------------------------------------------------
+
+BASE_FINGERPRINT = "lora_base_fingerprint"  # key beside the adapters in a LoRA model state
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's model state for a checkpoint: every tensor, or with LoRA adapters only the
+    factors and a fingerprint of the frozen base, which a resume loads from model.path again."""
+    state = model.state_dict()
+    if not has_lora(model):
+        return state
+    out = {name: t for name, t in state.items() if is_lora_param(name)}
+    out[BASE_FINGERPRINT] = _fingerprint(state)
+    return out
+
+
+def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    """Load what `model_state` saved into `model` (built with the same layout and adapters);
+    refuse a LoRA checkpoint whose frozen base differs from the one `model` holds."""
+    if BASE_FINGERPRINT not in state:
+        if has_lora(model):
+            raise RLHFError(f"{where} holds full weights but this model trains LoRA adapters; "
+                            "resume with the run's own actor.lora (r = 0), or start a LoRA run "
+                            "from an exported HF folder")
+        model.load_state_dict(state)
+        return
+    if not has_lora(model):
+        raise RLHFError(f"{where} holds LoRA adapters only, but this model has none; resume "
+                        "with the run's actor.lora settings")
+    adapters = {name: t for name, t in state.items() if name != BASE_FINGERPRINT}
+    current = model.state_dict()
+    want = {name for name in current if is_lora_param(name)}
+    if set(adapters) != want:
+        raise RLHFError(f"{where} has adapters for other modules than this model "
+                        f"({len(adapters)} factors saved, {len(want)} here); resume with the "
+                        "run's actor.lora.target_modules and r")
+    saved, mine = state[BASE_FINGERPRINT], _fingerprint(current)
+    if saved.shape != mine.shape or not torch.allclose(saved, mine, rtol=1e-6, atol=1e-8):
+        raise RLHFError(f"{where} trained its adapters on another base than model.path holds "
+                        "now (the frozen weights differ); resume with the model.path of the "
+                        "run that wrote it")
+    model.load_state_dict(adapters, strict=False)
+
+
+def _fingerprint(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """(sum, sum of squares) of every frozen tensor, in float64 on the host: cheap to keep,
+    and a different base (another model.path) moves it far beyond rounding."""
+    rows = [torch.stack([t.double().sum(), t.double().square().sum()]).cpu()
+            for name, t in state.items() if not is_lora_param(name)]
+    return torch.stack(rows)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -45,7 +45,7 @@ from rlhf.engine.recompute import Recompute, apply_recompute
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
-from rlhf.models.export import export_full_hf_weights, gather_full_grads
+from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_full_grads
 from rlhf.models.transformer import ValueModel
 from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import ParallelMesh
@@ -247,16 +247,22 @@ class TrainEngine:
 
     # ---- weights -----------------------------------------------------------------------------
 
-    def export_hf_weights(self, *, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-        """Full HF-named tensors in size-bounded buckets (collective over the model group)."""
+    def export_hf_weights(self, *, bucket_bytes: int, select: Callable[[str], bool] | None = None
+                          ) -> Iterator[list[tuple[str, Tensor]]]:
+        """Full HF-named tensors in size-bounded buckets (collective over the model group);
+        only those `select(name)` accepts when given."""
         return export_full_hf_weights(self.model, self.table, self.mesh,
-                                      bucket_bytes=bucket_bytes)
+                                      bucket_bytes=bucket_bytes, select=select)
+
+    def export_nbytes(self, *, select: Callable[[str], bool] | None = None) -> int:
+        """Bytes `export_hf_weights` sends with the same `select` (collective over pp)."""
+        return export_nbytes(self.model, self.table, self.mesh, select=select)
 
     def state_dict(self) -> dict:
         """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step."""
         return {
             "format_version": ckpt.FORMAT_VERSION, "layout": ckpt.layout(self.mesh),
-            "model": self.model.state_dict(),
+            "model": ckpt.model_state(self.model),  # with LoRA: the adapters only
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "step": self.step_count,
         }
@@ -264,7 +270,7 @@ class TrainEngine:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned, on an engine built with the same layout."""
         ckpt.check_layout(state, self.mesh, "the state dict")
-        self.model.load_state_dict(state["model"])
+        ckpt.load_model_state(self.model, state["model"], "the state dict")
         self.step_count = int(state["step"])
         if self.optimizer is None:
             return

@@ -79,7 +79,8 @@ class ExportStream(Iterator[Bucket]):
 
 
 def export_full_hf_weights(model: nn.Module, table: ParamTable, mesh: ParallelMesh, *,
-                           bucket_bytes: int) -> ExportStream:
+                           bucket_bytes: int,
+                           select: Callable[[str], bool] | None = None) -> ExportStream:
     """HF-named tensors of FULL shape in buckets of at most `bucket_bytes` (a bigger one alone).
 
     Collective over the model group (tp x pp): every rank must run the iterator to the end, in
@@ -87,9 +88,26 @@ def export_full_hf_weights(model: nn.Module, table: ParamTable, mesh: ParallelMe
     with pp > 1 the owning stage broadcasts each bucket). Replicated tensors of this stage are
     detached views of the parameters; the rest are fresh copies. A tied LM head is left out
     (HF and vLLM take it from the embedding). The stream's `times` split the seconds spent.
+    `select(name)`: export only the tensors it accepts (a LoRA sync: the adapter's factors).
     """
-    return export_buckets(_export_items(model, table, grads=False), mesh,
-                          bucket_bytes=bucket_bytes)
+    items = _export_items(model, table, grads=False)
+    if select is not None:
+        items = [it for it in items if select(it.name)]
+    return export_buckets(items, mesh, bucket_bytes=bucket_bytes)
+
+
+def export_nbytes(model: nn.Module, table: ParamTable, mesh: ParallelMesh, *,
+                  select: Callable[[str], bool] | None = None) -> int:
+    """Bytes of the full tensors `export_full_hf_weights` sends with the same `select`, every
+    pipeline stage's (collective over the pp group when pp > 1)."""
+    local = sum(_nbytes(it.shape, it.local.dtype)
+                for it in _export_items(model, table, grads=False)
+                if select is None or select(it.name))
+    if mesh.pp_size == 1:
+        return local
+    total = torch.tensor([local], dtype=torch.int64, device=next(model.parameters()).device)
+    dist.all_reduce(total, group=mesh.pp_group)
+    return int(total)
 
 
 def gather_full_grads(model: nn.Module, table: ParamTable, mesh: ParallelMesh) -> dict[str, Tensor]:

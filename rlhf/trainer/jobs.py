@@ -207,12 +207,17 @@ def checkpoint_config(folder: Path):
     return config_from_dict(state["config"]), folder
 
 
-def export_checkpoint(cfg, folder: Path, out: Path) -> Path:
-    """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder."""
+def export_checkpoint(cfg, folder: Path, out: Path, *, merge: bool = False) -> Path:
+    """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder,
+    or for a LoRA run a peft adapter folder of model.path (`merge`: the merged HF folder)."""
     from workers.sft import SFTWorker
 
     if out.exists() and any(out.iterdir()):
         raise RLHFError(f"{out} exists and is not empty; give a new folder")
+    lora = cfg.actor.lora.enabled
+    if merge and not lora:
+        raise RLHFError(f"{folder} holds a full-weight policy (actor.lora.r = 0): there are no "
+                        "adapters to merge; export without --merge")
     spec = (SFTWorker, {"config": cfg, "init_path": cfg.model.path, "plan_key": "actor",
                         "train": False})
     groups = RoleGroups(cfg, {"export": spec}, job_name=f"{cfg.trainer.experiment_name}-export",
@@ -221,7 +226,7 @@ def export_checkpoint(cfg, folder: Path, out: Path) -> Path:
         view = groups.views["export"]
         view.load_checkpoint(str(folder / "actor"))
         with atomic_folder(out) as tmp:
-            view.export_hf(str(tmp), cfg.model.path)
+            view.export_hf(str(tmp), cfg.model.path, adapter=lora and not merge)
         return out
     finally:
         groups.shutdown()

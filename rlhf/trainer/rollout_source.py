@@ -35,7 +35,8 @@ from rlhf.data.batch import Batch
 from rlhf.trainer.metrics import SectionTimer
 
 VERSION = "policy_version"  # per-sample field: the policy version that sampled it
-SKIPPED_SYNC = {"sync/bytes": 0.0, "sync/seconds": 0.0, "sync/skipped": 1.0}
+SKIPPED_SYNC = {"sync/bytes": 0.0, "sync/full_bytes": 0.0, "sync/seconds": 0.0,
+                "sync/skipped": 1.0}
 
 
 def connect_weight_transfer(actor: RoleView, rollout: RoleView) -> None:

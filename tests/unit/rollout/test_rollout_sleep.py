@@ -32,8 +32,9 @@ class FakeLLM:
             return [None for _ in self.workers]
         return [fn(worker, *args) for worker in self.workers]
 
-    def generate(self, requests, params, use_tqdm):
-        self.calls.append(("generate", len(requests)))
+    def generate(self, requests, params, use_tqdm, lora_request=None):
+        self.calls.append(("generate", len(requests)) if lora_request is None else
+                          ("generate", len(requests), lora_request.lora_int_id))
         token = SimpleNamespace(logprob=-0.5)
         sample = SimpleNamespace(token_ids=[7], logprobs=[{7: token}], finish_reason="length")
         return [SimpleNamespace(outputs=[sample]) for _ in requests]
