@@ -7,8 +7,9 @@ data: no tensors, no communication.
 
 A grad is partial over TP for replicated parameters that each rank feeds only part of the
 work: the norms and row-parallel biases under sequence parallelism (each rank sees T/tp
-tokens), the value head under sequence parallelism, and Qwen3's q/k norms always (each rank
-sees its heads); and a LoRA factor replicated beside a split one (`rlhf.models.lora`).
+tokens), the value head under sequence parallelism, Qwen3's q/k norms always (each rank
+sees its heads), an MoE router always (its grad flows through each rank's expert shards),
+and a LoRA factor replicated beside a split one (`rlhf.models.lora`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from rlhf.models.lora import LoraLayer
+from rlhf.models.moe import SparseMoeBlock
 from rlhf.models.tp_sharding import SequenceGatheredLinear, TPState
 from rlhf.models.transformer import Attention, RMSNorm
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
@@ -126,6 +128,8 @@ def _tp_partial_names(model: nn.Module, tp: TPState) -> set[str]:
             names.update(f"{dot}{n}" for n, _ in module.named_parameters())
         elif isinstance(module, SequenceGatheredLinear):
             names.update(f"{dot}{n}" for n, _ in module.named_parameters())
+        elif isinstance(module, SparseMoeBlock):
+            names.add(f"{dot}gate.weight")
         elif (isinstance(module, RowParallelLinear) and module.bias is not None
               and tp.sequence_parallel):
             names.add(f"{dot}bias")
