@@ -30,6 +30,29 @@ from rlhf.parallel.collectives import group_rank, group_size
 
 
 @dataclass(frozen=True)
+class ExpertPlacement:
+    """Which of a MoE layer's `num_experts` experts this rank holds: the `ep_rank`-th run of
+    num_experts / ep consecutive ones."""
+
+    num_experts: int
+    ep: int = 1
+    ep_rank: int = 0
+
+    def __post_init__(self):
+        if self.num_experts % self.ep:
+            raise ValueError(f"{self.num_experts} experts do not split over ep={self.ep} ranks; "
+                             "choose an ep that divides the number of experts")
+        if not 0 <= self.ep_rank < self.ep:
+            raise ValueError(f"ep_rank {self.ep_rank} is outside 0..{self.ep - 1}")
+
+    @property
+    def local(self) -> range:
+        """Global indices of the experts held here."""
+        per = self.num_experts // self.ep
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+
+@dataclass(frozen=True)
 class DispatchPlan:
     """How one layer's copies moved, to send the expert outputs back the same way."""
 
@@ -46,13 +69,8 @@ class DispatchPlan:
 
 
 def local_experts(num_experts: int, group: ProcessGroup | None) -> range:
-    """The global indices of the experts this rank holds: its contiguous E / ep of them."""
-    ep = group_size(group)
-    if num_experts % ep:
-        raise ValueError(f"{num_experts} experts do not split over ep={ep} ranks; choose an ep "
-                         "that divides the number of experts")
-    per = num_experts // ep
-    return range(group_rank(group) * per, (group_rank(group) + 1) * per)
+    """The global indices of the experts this rank of the ep `group` holds."""
+    return ExpertPlacement(num_experts, group_size(group), group_rank(group)).local
 
 
 def dispatch(x_TH: Tensor, experts_TK: Tensor, *, num_experts: int,
