@@ -139,7 +139,7 @@ class TrainEngine:
                         dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                         recompute: Recompute = "none", seed: int = 0) -> TrainEngine:
         """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head."""
-        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size)
+        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size)
         if (parallel.tp, parallel.pp) != (mesh.tp_size, mesh.pp_size):
             raise ValueError(f"the parallel config has tp={parallel.tp} pp={parallel.pp} but the mesh has "
                              f"tp={mesh.tp_size} pp={mesh.pp_size}; build them from one config")

@@ -19,6 +19,7 @@ micro-batch, T = 0, still takes part); the micro-batch planner keeps the counts 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,19 @@ def combine(y_NH: Tensor, plan: DispatchPlan, *, top_k: int,
         y_NH = _AllToAll.apply(back_NH, plan.send_splits, plan.recv_splits, group)
     out = torch.empty_like(y_NH).index_copy(0, plan.order, y_NH)
     return out.view(-1, top_k, y_NH.shape[-1])
+
+
+def experts_forward(x_TH: Tensor, experts_TK: Tensor, weights_TK: Tensor, *,
+                    experts: Mapping[str, Callable[[Tensor], Tensor]],
+                    placement: ExpertPlacement, group: ProcessGroup | None) -> Tensor:
+    """sum_k weights_TK[t, k] * expert[experts_TK[t, k]](x_TH[t]) with the experts spread over
+    the ep `group`: `experts` holds this rank's (`placement.local`, keyed by global index as
+    strings). Collective over `group`; every rank of it calls this once per layer forward."""
+    recv_NH, plan = dispatch(x_TH, experts_TK, num_experts=placement.num_experts, group=group)
+    outs = [experts[str(e)](rows)
+            for e, rows in zip(placement.local, recv_NH.split(plan.tokens_per_expert))]
+    y_TKH = combine(torch.cat(outs), plan, top_k=experts_TK.shape[1], group=group)
+    return (weights_TK.unsqueeze(-1) * y_TKH).sum(1)
 
 
 def _group_by_expert(received_SE: Tensor) -> Tensor:
