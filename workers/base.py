@@ -50,7 +50,8 @@ def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head
         path, mesh=mesh, parallel=role.parallel, head=head,
         optim=role.optim if train else None, total_steps=config.trainer.total_steps,
         dtype=role.dtype, device=worker.ctx.device,
-        recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed)
+        recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed,
+        router_aux_loss_coef=getattr(role, "router_aux_loss_coef", None))
 
 
 def check_layout(world_size: int, config: JobConfig, key: str) -> None:

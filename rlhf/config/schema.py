@@ -375,10 +375,16 @@ class TrainRoleConfig(ForwardRoleConfig):
     """Optional cap on samples per micro-batch, on top of the token budget; null = tokens only."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What this role moves to host memory around rollouts (see rlhf/engine/offload.py)."""
+    router_aux_loss_coef: float | None = None
+    """MoE models: weight of the router load-balancing loss added to the training loss; null =
+    the checkpoint's router_aux_loss_coef; must be 0 with parallel.pp > 1. Dense models ignore it."""
 
     def __post_init__(self):
         super().__post_init__()
         require_min(self, 1, "ppo_mini_batch_size")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef must be >= 0 (or null for the model's), got "
+                              f"{self.router_aux_loss_coef}")
         if self.micro_batch_size is not None:
             require_min(self, 1, "micro_batch_size")
 

@@ -42,6 +42,7 @@ from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
 from rlhf.engine.recompute import Recompute, apply_recompute
+from rlhf.engine.router_aux import router_aux_coef, with_router_aux
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
@@ -73,12 +74,14 @@ class TrainEngine:
     `bucket_numel`: elements per grad / ZeRO-1 bucket (`rlhf.engine.zero`).
     `scatter_grads`: ZeRO-1 reduce-scatters DP grads rather than all-reducing them (None:
     `grads.scatters_grads` decides from the backend).
+    `router_aux_loss_coef`: an MoE model's load-balancing loss weight in `forward_backward`
+    (None: the checkpoint's; `rlhf.engine.router_aux`).
     """
 
     def __init__(self, built: BuiltModel, mesh: ParallelMesh, *,
                  optim: OptimizerConfig | None, total_steps: int = 1, head: Head | None = None,
                  recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL,
-                 scatter_grads: bool | None = None):
+                 scatter_grads: bool | None = None, router_aux_loss_coef: float | None = None):
         model = built.model
         if [e.name for e in built.table] != [name for name, _ in model.named_parameters()]:
             raise ValueError("the parameter table does not describe this model; pass the "
@@ -89,6 +92,8 @@ class TrainEngine:
         self.device = next(model.parameters()).device
         self.total_steps, self.step_count = total_steps, 0
         self.schedule = make_schedule(built, mesh, device=self.device)
+        self.router_aux_loss_coef = router_aux_coef(model.args, router_aux_loss_coef,
+                                                    pp=mesh.pp_size)
         apply_recompute(model, recompute)
         self.optimizer: ShardedAdamW | None = None
         self.grads: GradBuffer | None = None
@@ -137,7 +142,8 @@ class TrainEngine:
                         parallel: ParallelConfig | None = None, head: Head = "lm",
                         optim: OptimizerConfig | None = None, total_steps: int = 1,
                         dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                        recompute: Recompute = "none", seed: int = 0) -> TrainEngine:
+                        recompute: Recompute = "none", seed: int = 0,
+                        router_aux_loss_coef: float | None = None) -> TrainEngine:
         """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head."""
         parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size)
         if (parallel.tp, parallel.pp) != (mesh.tp_size, mesh.pp_size):
@@ -148,7 +154,7 @@ class TrainEngine:
                             dtype=resolve_dtype(dtype, device), device=device,
                             value_head_seed=seed)
         return cls(built, mesh, optim=optim, total_steps=total_steps, head=head,
-                   recompute=recompute)
+                   recompute=recompute, router_aux_loss_coef=router_aux_loss_coef)
 
     # ---- compute -----------------------------------------------------------------------------
 
@@ -170,13 +176,17 @@ class TrainEngine:
 
         Returns "loss": the sum over micro-batches and DP ranks (the mini-batch loss when
         loss_fn normalises by global counts), every metric of loss_fn averaged over all
-        micro-batches of all DP ranks, and "num_micro_batches" (over all DP ranks).
+        micro-batches of all DP ranks, and "num_micro_batches" (over all DP ranks). An MoE
+        model adds its router load-balancing loss to `loss_fn`'s and reports "router_aux_loss".
         """
         self._require_optimizer("forward_backward")
         if self._grads_synced:
             raise RuntimeError("forward_backward was called twice without step() or zero_grad() "
                                "in between; pass all micro-batches of a mini-batch in one call")
         self.model.train()
+        if self.model.args.is_moe:
+            loss_fn = with_router_aux(loss_fn, coef=self.router_aux_loss_coef,
+                                      total_tokens=self._global_tokens(micro_batches))
         results = self.schedule.forward_backward(micro_batches, loss_fn,
                                                  outputs=self._outputs(outputs),
                                                  temperature=temperature)
@@ -322,6 +332,13 @@ class TrainEngine:
         self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards))
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _global_tokens(self, micro_batches: Sequence[MicroBatch]) -> int:
+        """Stream tokens of these micro-batches summed over the DP ranks. Collective over DP."""
+        total = torch.tensor([sum(mb.num_tokens for mb in micro_batches)], device=self.device)
+        if group_size(self.mesh.dp_group) > 1:
+            dist.all_reduce(total, group=self.mesh.dp_group)
+        return max(int(total.item()), 1)
 
     def _outputs(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
         return tuple(outputs) if outputs is not None else DEFAULT_OUTPUTS[self.head]

@@ -7,8 +7,8 @@ data: no tensors, no communication.
 
 A grad is partial over TP for replicated parameters that each rank feeds only part of the
 work: the norms and row-parallel biases under sequence parallelism (each rank sees T/tp
-tokens), the value head under sequence parallelism, and Qwen3's q/k norms always (each rank
-sees its heads).
+tokens), the value head under sequence parallelism, Qwen3's q/k norms always (each rank
+sees its heads), and an MoE router always (its grad flows through each rank's expert shards).
 
 A routed expert's parameters carry an `ExpertShard`: with expert parallelism each rank holds
 E / ep of a layer's experts, so their grads are summed over the expert-data-parallel group
@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from rlhf.models.moe import SparseMoeBlock
 from rlhf.models.tp_sharding import SequenceGatheredLinear, TPState
 from rlhf.models.transformer import Attention, RMSNorm
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
@@ -165,6 +166,8 @@ def _tp_partial_names(model: nn.Module, tp: TPState) -> set[str]:
             names.update(f"{dot}{n}" for n, _ in module.named_parameters())
         elif isinstance(module, SequenceGatheredLinear):
             names.update(f"{dot}{n}" for n, _ in module.named_parameters())
+        elif isinstance(module, SparseMoeBlock):
+            names.add(f"{dot}gate.weight")
         elif (isinstance(module, RowParallelLinear) and module.bias is not None
               and tp.sequence_parallel):
             names.add(f"{dot}bias")
