@@ -188,7 +188,22 @@ def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
     norms = 2 * (4 + d) * h / chunk
     attention = (3 if sp else 1) * d * h + d * (2 * q + 2 * kv) / tp
     mlp = (2 if sp else 1) * d * h + 4 * d * inter / tp
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+    if moe_layers:  # per layer on average over the dense and the MoE layers
+        mlp = (moe_layers * _moe_block_bytes(spec)
+               + (args.num_layers - moe_layers) * mlp) / args.num_layers
     return norms, attention, mlp, d * h / chunk
+
+
+def _moe_block_bytes(spec: RoleSpec) -> float:
+    """Per token, what a sparse MoE block saves: its (gathered) input, the fp32 router
+    probabilities, and per routed (token, expert) pair, top_k of them: the expert's input
+    copy, gate, silu(gate), up, their product, its output before and after weighting, the
+    routing weight and the int64 indices that sort the pairs by expert."""
+    args, tp, d = spec.args, spec.parallel.tp, spec.dtype.itemsize
+    h, inter, k = args.hidden_size, args.moe_intermediate_size, args.num_experts_per_tok
+    router = 4 * args.num_experts + 4 * (k + 1) + 8 * k  # probs, weights and sum, top-k
+    return d * h + router + k * (3 * d * h + 4 * d * inter / tp + d + 2 * 8)
 
 
 def in_flight_chunks(pp: int, vpp: int, pp_rank: int) -> int:
