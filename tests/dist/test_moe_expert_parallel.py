@@ -51,9 +51,15 @@ def _run(rank, world, folder, seqs):
         outs = engine.forward(mbs, outputs=("log_probs", ROUTES_KEY))
         dp = mesh.dp_size
 
+        total = sum(len(s) for s in seqs)
+        # where each micro-batch's tokens start in the whole batch (its token counts differ)
+        head = sum(len(s) for s in seqs[:3])
+        start = {total: 0, head: 0, total - head: head}
+
         def loss_fn(out, mb):
             logp_T = out["log_probs"]
-            return (_weights(len(logp_T)) * logp_T).sum() / dp, {}
+            w_T = _weights(total)[start[len(logp_T)]:][:len(logp_T)]
+            return (w_T * logp_T).sum() / dp, {}
 
         metrics = engine.forward_backward(mbs, loss_fn)
         out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
