@@ -24,6 +24,7 @@ from torch import nn
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
+from rlhf.engine.recompute import Recomputed
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
 from rlhf.models.expert_sharding import idle_expert_exchange
@@ -73,7 +74,9 @@ class NoPipeline:
     def _padding_outputs(self, outputs: tuple[str, ...]) -> Outputs:
         """An empty micro-batch (expert parallelism pads the plan with them so every rank of an
         ep group runs as many): it joins the expert exchanges; its outputs have no tokens."""
-        exchange = idle_expert_exchange(self.model)
+        # recompute "full" wraps whole decoder layers: their exchanges run again in backward
+        full = any(isinstance(layer, Recomputed) for layer in self.model.model.layers.values())
+        exchange = idle_expert_exchange(self.model, recompute=full)
         if exchange is None:
             raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
         args = self.model.args
