@@ -266,9 +266,12 @@ class ParallelConfig:
     """Shard activations outside attention/MLP along the token axis (needs tp > 1)."""
     layers_per_stage: tuple[int, ...] | None = None
     """Uneven layer split, one entry per virtual stage (pp * vpp entries); null = even split."""
+    ep: int = 1
+    """Expert-parallel size of MoE layers, carved out of data parallelism: divides dp and the
+    model's number of experts; each rank holds num_experts / ep experts."""
 
     def __post_init__(self):
-        require_min(self, 1, "tp", "pp", "vpp")
+        require_min(self, 1, "tp", "pp", "vpp", "ep")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"vpp={self.vpp} needs pp > 1 (interleaving splits pipeline stages); "
                               "set vpp to 1 or raise pp")

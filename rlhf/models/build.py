@@ -16,6 +16,7 @@ import torch
 
 from rlhf.config.schema import LoraConfig, ParallelConfig
 from rlhf.models.config import ModelArgs
+from rlhf.models.expert_sharding import apply_ep
 from rlhf.models.hf_io import SliceSpec, load_hf_weights
 from rlhf.models.lora import apply_lora, init_lora_
 from rlhf.models.param_table import ParamTable, param_table
@@ -55,9 +56,10 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     on the targeted layers, initialised from `value_head_seed`, and the base frozen
     (`rlhf.models.lora`).
     """
-    if (mesh.tp_size, mesh.pp_size) != (parallel.tp, parallel.pp):
-        raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} but the plan says "
-                         f"tp={parallel.tp} pp={parallel.pp}; build the mesh from the same plan")
+    if (mesh.tp_size, mesh.pp_size, mesh.ep_size) != (parallel.tp, parallel.pp, parallel.ep):
+        raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} ep={mesh.ep_size} "
+                         f"but the plan says tp={parallel.tp} pp={parallel.pp} ep={parallel.ep}; "
+                         "build the mesh from the same plan")
     model_cls = {"lm": CausalLM, "value": ValueModel}.get(head)
     if model_cls is None:
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
@@ -74,6 +76,7 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     tp = apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
     if lora is not None and lora.enabled:
         apply_lora(model, lora)
+    apply_ep(model, mesh)
     model.to_empty(device=device)
     # to_empty makes new Parameter objects: the tie has to be redone.
     if isinstance(model, CausalLM):

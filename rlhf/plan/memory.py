@@ -223,14 +223,12 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     out = []
     for pp_rank, shapes in enumerate(stage_shapes(spec.args, parallel, head=spec.head,
                                                   dtype=spec.dtype, lora=spec.lora)):
-        numels = [p.numel for p in shapes if p.trainable]
         no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
                     "optimizer": 0}
         state = replicated = no_state
         if spec.trains:  # weights: every parameter; the rest: the trainable ones (LoRA)
-            state, replicated = (
-                {**state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=shards),
-                 "weights": no_state["weights"]} for shards in (spec.shards, 1))
+            state, replicated = ({**_train_state(spec, shapes, shards=shards),
+                                  "weights": no_state["weights"]} for shards in (None, 1))
         chunks = rank_chunks(spec.args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=pp_rank,
                              layers_per_stage=parallel.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
@@ -248,6 +246,22 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
             activations_by_recompute=by_mode, replicated_state=replicated, head=head,
             head_forward=head_forward))
     return out
+
+
+def _train_state(spec: RoleSpec, shapes, *, shards: int | None = None) -> dict[str, int]:
+    """A training rank's state bytes as the engine allocates them: at ep > 1 the routed experts
+    in their own buffers, ZeRO-1 split over the edp group (`spec.expert_shards`), the rest over
+    dp (`spec.shards`); `shards` forces both (1: the replicated state)."""
+    split = spec.parallel.ep > 1
+    dense = [p.numel for p in shapes if p.trainable and not (split and p.expert)]
+    experts = [p.numel for p in shapes if p.trainable and split and p.expert]
+    state = state_bytes(dense, param_bytes=spec.dtype.itemsize,
+                        shards=spec.shards if shards is None else shards)
+    if experts:
+        more = state_bytes(experts, param_bytes=spec.dtype.itemsize,
+                           shards=spec.expert_shards if shards is None else shards)
+        state = {kind: state[kind] + more[kind] for kind in state}
+    return state
 
 
 def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
