@@ -64,8 +64,9 @@ MIN_TINY_VOCAB = 320
 class TinyModelConfig:
     """A Llama-family model small enough to train on two CPU cores."""
 
-    arch: Literal["llama", "qwen2", "qwen3", "mistral"] = "llama"
-    """Model family: llama, qwen2 (qkv bias), qwen3 (q/k norm) or mistral."""
+    arch: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"] = "llama"
+    """Model family: llama, qwen2 (qkv bias), qwen3 (q/k norm), mistral or qwen3_moe (qwen3 with
+    mixture-of-experts MLPs)."""
     num_layers: int = 4
     """Number of transformer layers."""
     hidden_size: int = 128
@@ -84,14 +85,25 @@ class TinyModelConfig:
     """Longest sequence (prompt + response) the model accepts."""
     seed: int = 0
     """Seed of the random weights and of the tokenizer's training text."""
+    num_experts: int = 8
+    """qwen3_moe: routed experts per layer."""
+    num_experts_per_tok: int = 2
+    """qwen3_moe: experts each token is routed to (top-k; probabilities renormalised)."""
+    moe_intermediate_size: int = 64
+    """qwen3_moe: width of each expert's SwiGLU MLP."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
-                     "intermediate_size", "max_position_embeddings"):
+                     "intermediate_size", "max_position_embeddings", "num_experts",
+                     "num_experts_per_tok", "moe_intermediate_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.arch not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ConfigError(f"arch must be one of llama, qwen2, qwen3, mistral; got {self.arch!r}")
+        if self.arch not in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe"):
+            raise ConfigError(f"arch must be one of llama, qwen2, qwen3, mistral, qwen3_moe; got "
+                              f"{self.arch!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
+                              f"num_experts ({self.num_experts})")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads "
                              f"({self.num_heads})")

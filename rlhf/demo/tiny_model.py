@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
-                          PretrainedConfig, Qwen2Config, Qwen3Config)
+                          PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 from rlhf.config.schema import VLLM_CPU_HEAD_SIZES, TinyModelConfig
 from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
+from rlhf.models.moe import split_fused_experts
 
 INIT_STD = 0.02
 # Norm scales and biases get small random offsets instead of HF's ones/zeros, so a weight
@@ -45,6 +46,13 @@ def tiny_hf_config(spec: TinyModelConfig, *, bos_id: int, eos_id: int,
                            use_sliding_window=False, sliding_window=None)
     if spec.arch == "mistral":
         return MistralConfig(**common, head_dim=spec.head_dim, sliding_window=None)
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=spec.head_dim, attention_bias=False,
+                              use_sliding_window=False, sliding_window=None,
+                              num_experts=spec.num_experts,
+                              num_experts_per_tok=spec.num_experts_per_tok,
+                              moe_intermediate_size=spec.moe_intermediate_size,
+                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
     raise AssertionError(f"unhandled arch {spec.arch!r}")  # TinyModelConfig validates arch
 
 
@@ -71,7 +79,8 @@ def _write_model(spec: TinyModelConfig, folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _init_weights(model, spec.seed)
     # Written by hand rather than with model.save_pretrained, which draws a progress bar.
-    state_dict = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    state_dict = split_fused_experts({name: tensor.contiguous()
+                                      for name, tensor in model.state_dict().items()})
     if spec.tie_embeddings:
         del state_dict["lm_head.weight"]  # a tied checkpoint stores the embedding once
     save_file(state_dict, folder / "model.safetensors", metadata={"format": "pt"})

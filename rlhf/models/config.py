@@ -1,6 +1,7 @@
 """`ModelArgs`: the architecture of a Llama-family model, read from a Hugging Face config.json.
 
-Covers model_type llama, qwen2, qwen3 and mistral. Every field the decoder needs is resolved
+Covers model_type llama, qwen2, qwen3, mistral and qwen3_moe (Qwen3's decoder with sparse
+mixture-of-experts MLPs, `rlhf.models.moe`). Every field the decoder needs is resolved
 here, with the defaults transformers itself applies when a key is absent, so the model code
 never looks at the raw config. Anything we do not implement is refused with the key named.
 """
@@ -14,14 +15,19 @@ from typing import Any
 
 from rlhf.errors import RLHFError
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 # transformers' defaults when config.json omits the key (per model_type).
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072,
+                          "qwen3_moe": 32768}
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_SLIDING_WINDOW = 4096  # Mistral/Qwen config classes default to a 4096-token window
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2/Qwen3: layers from this index on use the window
 _QWEN3_DEFAULT_HEAD_DIM = 128
+# Qwen3MoeConfig's defaults for the mixture-of-experts keys.
+_QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                       "norm_topk_prob": False, "decoder_sparse_step": 1,
+                       "router_aux_loss_coef": 0.001}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +84,21 @@ class ModelArgs:
     """gate/up/down projections have biases (llama mlp_bias)."""
     score_bias: bool = False
     """The value head ("score") has a bias (HF *ForTokenClassification default)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model (every layer has the SwiGLU MLP)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's SwiGLU MLP."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1."""
+    decoder_sparse_step: int = 1
+    """Layer i is an MoE layer when (i + 1) % decoder_sparse_step == 0 (and not mlp-only)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep the dense MLP in an MoE model."""
+    router_aux_loss_coef: float = 0.0
+    """The checkpoint's weight of the router load-balancing loss (the default of the role's
+    `router_aux_loss_coef`)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -89,6 +110,23 @@ class ModelArgs:
                             f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise RLHFError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise RLHFError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                                f"got {self.num_experts_per_tok}")
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise RLHFError("moe_intermediate_size and decoder_sparse_step must be at least 1, "
+                                f"got {self.moe_intermediate_size} and {self.decoder_sparse_step}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer has a sparse mixture-of-experts MLP."""
+        return any(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Layer `layer` has a sparse MoE block rather than the dense MLP (transformers' rule)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> ModelArgs:
@@ -122,6 +160,7 @@ class ModelArgs:
         theta, scaling = _rope(config, max_pos)
         attention_bias = bool(config.get("attention_bias", False))
         architectures = config.get("architectures") or [""]
+        qwen3_like = ("qwen3", "qwen3_moe")
         return cls(
             model_type=model_type,
             vocab_size=config["vocab_size"],
@@ -137,13 +176,29 @@ class ModelArgs:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             # HF: Qwen2 always has q/k/v biases and never an o_proj bias; Mistral has none.
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-            o_bias=model_type in ("llama", "qwen3") and attention_bias,
-            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2" or (model_type in qwen3_like + ("llama",)
+                                               and attention_bias),
+            o_bias=model_type in qwen3_like + ("llama",) and attention_bias,
+            qk_norm=model_type in qwen3_like,
             mlp_bias=model_type == "llama" and bool(config.get("mlp_bias", False)),
             score_bias=(architectures[0].endswith("ForTokenClassification")
                         and bool(config.get("token_classification_bias", True))),
+            **(_moe_fields(config) if model_type == "qwen3_moe" else {}),
         )
+
+
+def _moe_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config (saved with num_local_experts)."""
+    get = {key: config.get(key, default) for key, default in _QWEN3_MOE_DEFAULTS.items()}
+    get["num_experts"] = config.get("num_experts", config.get("num_local_experts",
+                                                             get["num_experts"]))
+    return dict(num_experts=int(get["num_experts"]),
+                num_experts_per_tok=int(get["num_experts_per_tok"]),
+                moe_intermediate_size=int(get["moe_intermediate_size"]),
+                norm_topk_prob=bool(get["norm_topk_prob"]),
+                decoder_sparse_step=int(get["decoder_sparse_step"]),
+                mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+                router_aux_loss_coef=float(get["router_aux_loss_coef"]))
 
 
 def _head_dim(config: dict[str, Any], model_type: str, hidden: int, heads: int) -> int:
@@ -164,7 +219,7 @@ def _check_sliding_window(config: dict[str, Any], model_type: str, max_pos: int)
     if model_type == "mistral":
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
         layers_with_window = list(range(config["num_hidden_layers"]))
-    else:  # qwen2/qwen3 use the window only with use_sliding_window, on "sliding_attention" layers
+    else:  # qwen2/qwen3/qwen3_moe use the window only with use_sliding_window, on "sliding_attention" layers
         if not config.get("use_sliding_window", False):
             return
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)

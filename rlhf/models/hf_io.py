@@ -29,7 +29,8 @@ SINGLE_FILE = "model.safetensors"
 # Files copied next to the weights by write_hf_folder (tokenizer, chat template, generation).
 _SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
-_HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
+_HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
+              "qwen3_moe": "Qwen3Moe"}
 
 # (dim, start, stop): read tensor[start:stop] along dim instead of the whole tensor.
 SliceSpec = tuple[int, int, int]

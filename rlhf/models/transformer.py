@@ -1,11 +1,12 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral) over packed sequences (THD layout).
+"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE) over packed sequences (THD layout).
 
 Reads like a single-device model. Tensor parallelism is applied afterwards by `apply_tp`,
 which swaps the nn.Linear / nn.Embedding modules for parallel ones and divides each
 `Attention`'s `num_heads` / `num_kv_heads` by the TP size: the forward takes every local
 size from those attributes or from the tensors, never from the config. Module names are
 Hugging Face's (model.layers.N.self_attn.q_proj, ..., lm_head, score), so the checkpoint
-mapping in `hf_io` is the identity.
+mapping in `hf_io` is the identity. MoE layers hold a `moe.SparseMoeBlock` as their `mlp`; the
+optional `routing` argument of the forwards reaches those blocks only (`rlhf.models.moe`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
 from rlhf.models.config import ModelArgs
+from rlhf.models.moe import Routing, SparseMoeBlock
 from rlhf.models.varlen_layout import VarlenLayout
 
 
@@ -133,21 +135,24 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then MLP (or sparse MoE on an MoE layer)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = SparseMoeBlock(args, layer=layer) if args.is_moe_layer(layer) else MLP(args)
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, prefix: SharedPrefix | None = None,
-                layout: VarlenLayout | None = None) -> Tensor:
+                layout: VarlenLayout | None = None, routing: Routing | None = None) -> Tensor:
         hidden_TH = hidden_TH + self.self_attn(self.input_layernorm(hidden_TH), cos_TD, sin_TD,
                                                cu_seqlens, max_seqlen, prefix, layout)
-        return hidden_TH + self.mlp(self.post_attention_layernorm(hidden_TH))
+        normed_TH = self.post_attention_layernorm(hidden_TH)
+        if isinstance(self.mlp, SparseMoeBlock):
+            return hidden_TH + self.mlp(normed_TH, routing)
+        return hidden_TH + self.mlp(normed_TH)
 
 
 class Transformer(nn.Module):
@@ -176,34 +181,36 @@ class Transformer(nn.Module):
         self.layer_range = self.layer_ranges[0] if len(ranges) == 1 else None
         self.embed_tokens = (nn.Embedding(args.vocab_size, args.hidden_size) if has_embedding
                              else None)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(args) for i in sorted(ids)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in sorted(ids)})
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if has_norm else None
         self.rotary_emb = RotaryEmbedding(args)
 
     def forward(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, *, prefix: SharedPrefix | None = None,
-                layout: VarlenLayout | None = None) -> Tensor:
+                layout: VarlenLayout | None = None, routing: Routing | None = None) -> Tensor:
         """tokens_T (with the embedding) or hidden_TH (a later stage) -> hidden_TH.
 
         The output is after the final norm when this part has it. `prefix`: the packing's
         shared prompts (rlhf.data.packing.SharedPrefix), None when nothing is shared.
         `layout`: the stream's host lengths (`varlen_layout.VarlenLayout`), built once per
-        micro-batch; None: each layer's attention reads them back.
+        micro-batch; None: each layer's attention reads them back. `routing`: the MoE layers'
+        forced / recorded routes and router statistics (`rlhf.models.moe.Routing`).
         """
         return self.run(inputs, position_ids_T, cu_seqlens, max_seqlen, layers=self.layers.keys(),
                         embed=self.embed_tokens is not None, norm=self.norm is not None,
-                        prefix=prefix, layout=layout)
+                        prefix=prefix, layout=layout, routing=routing)
 
     def run(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor, max_seqlen: int,
             *, layers: Iterable[str], embed: bool, norm: bool,
-            prefix: SharedPrefix | None = None, layout: VarlenLayout | None = None) -> Tensor:
+            prefix: SharedPrefix | None = None, layout: VarlenLayout | None = None,
+            routing: Routing | None = None) -> Tensor:
         """The embedding (if `embed`), the named `layers` in order, the norm (if `norm`):
         one pipeline chunk of this part."""
         hidden_TH = self.embed_tokens(inputs) if embed else inputs
         cos_TD, sin_TD = self.rotary_emb(position_ids_T, hidden_TH.dtype)
         for name in layers:
             hidden_TH = self.layers[name](hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen,
-                                          prefix, layout)
+                                          prefix, layout, routing)
         return self.norm(hidden_TH) if norm else hidden_TH
 
 
@@ -259,9 +266,9 @@ class CausalLM(_WithBody):
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, *, prefix: SharedPrefix | None = None,
-                layout: VarlenLayout | None = None) -> Tensor:
+                layout: VarlenLayout | None = None, routing: Routing | None = None) -> Tensor:
         hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix,
-                               layout=layout)
+                               layout=layout, routing=routing)
         return self.head(hidden_TH) if self.lm_head is not None else hidden_TH
 
 
@@ -284,7 +291,7 @@ class ValueModel(_WithBody):
 
     def forward(self, tokens_T: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, *, prefix: SharedPrefix | None = None,
-                layout: VarlenLayout | None = None) -> Tensor:
+                layout: VarlenLayout | None = None, routing: Routing | None = None) -> Tensor:
         hidden_TH = self.model(tokens_T, position_ids_T, cu_seqlens, max_seqlen, prefix=prefix,
-                               layout=layout)
+                               layout=layout, routing=routing)
         return self.head(hidden_TH) if self.score is not None else hidden_TH

@@ -1,0 +1,232 @@
+"""Sparse mixture-of-experts MLP (Qwen3-MoE) over packed token streams, with routing replay.
+
+`SparseMoeBlock` stands in for the dense MLP on the layers `ModelArgs.is_moe_layer` names.
+Its parameter names are the checkpoint's (transformers fuses the experts in memory but writes
+them per expert), so `hf_io` maps them as the identity:
+
+    model.layers.N.mlp.gate.weight                        (E, H)  the router
+    model.layers.N.mlp.experts.<e>.{gate,up}_proj.weight  (I, H)
+    model.layers.N.mlp.experts.<e>.down_proj.weight       (H, I)
+
+It computes what transformers' Qwen3MoeSparseMoeBlock does: p = softmax(router logits) in
+fp32, the top-k experts of p, their weights p[top-k] (renormalised to sum 1 with
+norm_topk_prob) cast to the stream's dtype, and out = sum_k weight_k * expert_k(x).
+
+Routing interface. A forward may be given one `Routing` per micro-batch (the `routing=`
+argument of the model's forward and of `Transformer.run`; None: route freely, record nothing):
+  - `forced` (T, num_layers, top_k) int64, T = the micro-batch's stream positions (not shifted):
+    the experts each token must use in each layer (routing replay). A token whose row has a
+    negative entry routes freely in that layer; dense layers' rows are ignored. The router's
+    probabilities are still computed: the weights are p gathered at the forced experts
+    (renormalised as norm_topk_prob says), so the router still gets a gradient.
+  - after the forward, `routes[layer]` (T, top_k) holds the experts each token used (with
+    `record`), `routes_tensor()` all of them as (T, num_layers, top_k) (-1 where not run), and
+    `aux_loss()` transformers' load_balancing_loss_func over the layers run and the T tokens.
+The engine builds a `Routing` per micro-batch, taking `forced` from
+`MicroBatch.tensors[ROUTES_KEY]` when present (`routing_for`).
+
+Tensor parallelism (`tp_sharding.apply_tp`): each expert's gate/up are column-split and its
+down row-split over TP as in the dense MLP; the router is replicated. The block enters the TP
+region once (all-gathers the sequence-parallel chunk, or copies the replicated stream), routes
+the whole stream on every rank, and leaves once (reduce-scatter or all-reduce of the partial
+sums). `compute_experts` is the seam where expert parallelism dispatches tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from rlhf.models.config import ModelArgs
+from rlhf.parallel.collectives import (copy_to_tp, gather_from_sequence, group_size,
+                                       reduce_from_tp, reduce_scatter_to_sequence)
+
+ROUTES_KEY = "routed_experts"
+"""`MicroBatch.tensors` key (and engine output name) of the routes, (T, num_layers, top_k)."""
+
+
+@dataclass
+class Routing:
+    """One micro-batch forward's routing: forced routes in, chosen routes and router stats out.
+
+    `num_tokens`: the real tokens of the stream; rows past it (sequence-parallel padding) are
+    routed but left out of `routes` and of the aux loss.
+    """
+
+    num_tokens: int
+    forced: Tensor | None = None
+    record: bool = False
+    routes: dict[int, Tensor] = field(default_factory=dict)
+    # layer -> (tokens routed to each expert (E,), summed router probabilities (E,)); keyed by
+    # layer so that a recomputed layer overwrites its own entry instead of adding one.
+    stats: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def forced_for(self, layer: int, rows: int, top_k: int) -> Tensor | None:
+        """(rows, top_k) forced experts of `layer` (-1: free), or None when nothing is forced."""
+        if self.forced is None:
+            return None
+        forced = self.forced
+        if forced.dim() != 3 or forced.shape[0] != self.num_tokens or forced.shape[2] != top_k:
+            raise ValueError(f"forced routes must be (T={self.num_tokens}, num_layers, "
+                             f"top_k={top_k}), got {tuple(forced.shape)}")
+        if layer >= forced.shape[1]:
+            raise ValueError(f"forced routes cover {forced.shape[1]} layers but layer {layer} "
+                             "is an MoE layer; give one (T, top_k) slice per model layer")
+        out = forced[:, layer].to(torch.int64)
+        if rows > self.num_tokens:
+            out = torch.cat([out, out.new_full((rows - self.num_tokens, top_k), -1)])
+        return out
+
+    def observe(self, layer: int, experts_TK: Tensor, probs_TE: Tensor) -> None:
+        """Keep `layer`'s routes (if recording) and router statistics for the aux loss."""
+        n = self.num_tokens
+        if self.record:
+            self.routes[layer] = experts_TK[:n].detach()
+        counts_E = torch.bincount(experts_TK[:n].reshape(-1), minlength=probs_TE.shape[1])
+        self.stats[layer] = (counts_E.float(), probs_TE[:n].sum(0))
+
+    def aux_loss(self) -> Tensor | None:
+        """transformers' load-balancing loss over the layers run: E * sum_e f_e * P_e, with f_e
+        the share of (token, k) routes and P_e the mean probability of expert e, every layer's
+        tokens pooled; None when no MoE layer ran. Counts the routes used (forced ones too)."""
+        if not self.stats:
+            return None
+        counts = torch.stack([c for c, _ in self.stats.values()]).sum(0)
+        probs = torch.stack([p for _, p in self.stats.values()]).sum(0)
+        rows = len(self.stats) * self.num_tokens
+        return counts.shape[0] * torch.sum((counts / rows) * (probs / rows))
+
+    def routes_tensor(self, num_layers: int, top_k: int) -> Tensor:
+        """(T, num_layers, top_k) int64 of the recorded routes, -1 for layers not recorded."""
+        if not self.routes:
+            raise ValueError("no routes were recorded; pass Routing(record=True) to the forward "
+                             "of an MoE model")
+        device = next(iter(self.routes.values())).device
+        out = torch.full((self.num_tokens, num_layers, top_k), -1, dtype=torch.int64,
+                         device=device)
+        for layer, routes in self.routes.items():
+            out[:, layer] = routes
+        return out
+
+
+def routing_for(tensors: dict[str, Tensor], num_tokens: int, *, record: bool = False) -> Routing:
+    """The `Routing` of a micro-batch: forced routes from `tensors[ROUTES_KEY]` when present."""
+    return Routing(num_tokens=num_tokens, forced=tensors.get(ROUTES_KEY), record=record)
+
+
+def split_fused_experts(named: dict[str, Tensor]) -> dict[str, Tensor]:
+    """transformers' in-memory fused experts -> the per-expert tensors of its checkpoints
+    (what save_pretrained writes, and our parameter names); other entries are kept."""
+    out = {}
+    for name, tensor in named.items():
+        if name.endswith(".experts.gate_up_proj"):  # (E, 2I, H): gate rows, then up rows
+            base = name.removesuffix("gate_up_proj")
+            for e, (gate, up) in enumerate(t.chunk(2, dim=0) for t in tensor):
+                out[f"{base}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{base}{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".experts.down_proj"):  # (E, H, I)
+            base = name.removesuffix("down_proj")
+            for e, down in enumerate(tensor):
+                out[f"{base}{e}.down_proj.weight"] = down.contiguous()
+        else:
+            out[name] = tensor
+    return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU MLP. Its linears only hold weights (maybe TP shards): the block does
+    the collectives once for all experts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x_TH: Tensor) -> Tensor:
+        gate = F.linear(x_TH, self.gate_proj.weight)
+        return F.linear(F.silu(gate) * F.linear(x_TH, self.up_proj.weight), self.down_proj.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router plus routed experts of one layer; see the module docstring."""
+
+    def __init__(self, args: ModelArgs, *, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_experts, self.top_k = args.num_experts, args.num_experts_per_tok
+        self.norm_topk_prob = args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        # Keyed by global expert index, so a rank holding some experts keeps the HF names.
+        self.experts = nn.ModuleDict({str(e): Expert(args.hidden_size, args.moe_intermediate_size)
+                                      for e in range(args.num_experts)})
+        self.tp_group: ProcessGroup | None = None  # set by apply_tp
+        self.sequence_parallel = False
+
+    def forward(self, x_TH: Tensor, routing: Routing | None = None) -> Tensor:
+        group, tp = self.tp_group, group_size(self.tp_group)
+        if self.sequence_parallel:
+            x_TH = gather_from_sequence(x_TH, group=group)  # (T/tp, H) -> (T, H)
+        else:
+            x_TH = copy_to_tp(x_TH, group=group)
+        probs_TE = torch.softmax(F.linear(x_TH, self.gate.weight), dim=-1, dtype=torch.float32)
+        experts_TK = self._choose(probs_TE, routing)
+        weights_TK = probs_TE.gather(1, experts_TK)
+        if self.norm_topk_prob:
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+        out_TH = self.compute_experts(x_TH, experts_TK, weights_TK.to(x_TH.dtype))
+        if routing is not None:
+            # Every TP rank computes the same aux loss, and the router's grads are summed over
+            # TP (they are partial through the experts' shards): count the aux grad once.
+            routing.observe(self.layer, experts_TK,
+                            probs_TE if tp == 1 else _ScaleGrad.apply(probs_TE, 1.0 / tp))
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence(out_TH, group=group)
+        return reduce_from_tp(out_TH, group=group)
+
+    def _choose(self, probs_TE: Tensor, routing: Routing | None) -> Tensor:
+        chosen_TK = torch.topk(probs_TE, self.top_k, dim=-1).indices
+        forced_TK = (routing.forced_for(self.layer, probs_TE.shape[0], self.top_k)
+                     if routing is not None else None)
+        if forced_TK is None:
+            return chosen_TK
+        forced_TK = forced_TK.to(chosen_TK.device)
+        if int(forced_TK.max()) >= self.num_experts:  # a replay-only read: gather cannot check
+            raise ValueError(f"forced routes name experts outside [0, {self.num_experts}); give "
+                             "expert indices of this model (or -1 to route a token freely)")
+        free_T1 = (forced_TK < 0).any(-1, keepdim=True)
+        return torch.where(free_T1, chosen_TK, forced_TK)
+
+    def compute_experts(self, x_TH: Tensor, experts_TK: Tensor, weights_TK: Tensor) -> Tensor:
+        """sum_k weights_TK[t, k] * expert[experts_TK[t, k]](x_TH[t]), one expert at a time."""
+        top_k = experts_TK.shape[1]
+        flat = experts_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one read per layer
+        token_order = order // top_k
+        weight_order = weights_TK.reshape(-1)[order]
+        out_TH = torch.zeros_like(x_TH)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_order[start:start + n]
+            y = self.experts[str(e)](x_TH[rows]) * weight_order[start:start + n, None]
+            out_TH.index_add_(0, rows, y)
+            start += n
+        return out_TH
