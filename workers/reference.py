@@ -10,6 +10,7 @@ from rlhf.data.fields import TOKENS, require_fields
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from rlhf.rollout import sampling_temperature
+from rlhf.rollout.routing import replays_routes
 from workers.base import MemoryReportMixin, Worker, build_engine
 from workers.micro_batches import forward_micro_batches, response_fields
 
@@ -31,9 +32,11 @@ class ReferenceWorker(MemoryReportMixin, Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
     def compute_ref_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
-        """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
+        """`ref_log_probs` of every response token, at the sampling temperature like the actor's;
+        an MoE reference replays the batch's `routed_experts` with rollout.routing_replay on."""
         require_fields(batch, TOKENS, "ref.compute_ref_log_prob")
-        mbs = forward_micro_batches(batch, self.config.ref, split, key="ref")
+        mbs = forward_micro_batches(batch, self.config.ref, split, key="ref",
+                                    replay_routes=replays_routes(self.config.rollout))
         outputs = self.engine.forward(mbs, outputs=("log_probs",),
                                       temperature=sampling_temperature(self.config.rollout))
         return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

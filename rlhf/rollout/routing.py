@@ -31,6 +31,19 @@ def check_routing_source(config: RolloutConfig, *, on_cuda: bool) -> None:
             "later forwards replay) or off")
 
 
+def check_replay_model(config: RolloutConfig, *, is_moe: bool) -> None:
+    """ConfigError when routing replay is on for a policy without experts to route to."""
+    if config.routing_replay != "off" and not is_moe:
+        raise ConfigError(f"rollout.routing_replay={config.routing_replay} replays the experts "
+                          "of a mixture-of-experts policy, but the policy is dense; set "
+                          "rollout.routing_replay=off")
+
+
+def replays_routes(config: RolloutConfig) -> bool:
+    """The trainer's forwards of a batch replay its routes (rollout.routing_replay not off)."""
+    return config.routing_replay != "off"
+
+
 def records_in_rollout(config: RolloutConfig) -> bool:
     """vLLM returns each sample's routes (rollout.routing_replay=rollout)."""
     return config.routing_replay == "rollout"

@@ -96,33 +96,16 @@ print("OK", gap)
 
 
 def make_moe(folder: Path, seed: int) -> str:
-    """A tiny random Qwen3-MoE folder: 8 experts, top-2, an intermediate size vLLM's CPU
-    kernel pads (so a layout slip shows)."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig
+    """A tiny random Qwen3-MoE folder: 8 experts, top-2, an expert width vLLM's CPU kernel pads
+    (so a layout slip shows)."""
+    from rlhf.config import TinyModelConfig
+    from rlhf.demo.tiny_model import make_tiny_model
 
-    from rlhf.demo.tiny_model import _init_weights
-    from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
-
-    folder.mkdir(parents=True)
-    tok = train_tiny_tokenizer(vocab_size=384, seed=0)
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-               pad_token_id=tok.pad_token_id)
-    config = Qwen3MoeConfig(
-        vocab_size=384, hidden_size=128, intermediate_size=192, moe_intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=128,
-        tie_word_embeddings=False, rms_norm_eps=1e-6, dtype="float32", **ids)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _init_weights(model, seed)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
-              folder / "model.safetensors", metadata={"format": "pt"})
-    config.architectures = [type(model).__name__]
-    config.save_pretrained(folder)
-    GenerationConfig(**ids).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
+    spec = TinyModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=128, num_heads=4,
+                           num_kv_heads=2, intermediate_size=192, max_position_embeddings=64,
+                           num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                           tie_embeddings=False, seed=seed)
+    return str(make_tiny_model(spec, folder))
 
 
 def test_moe_sync_into_fused_layout(tmp_path):

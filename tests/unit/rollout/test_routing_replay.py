@@ -3,6 +3,7 @@ source the config names and the error when vLLM cannot be it, vLLM's per-sample 
 to prompt + response, routes into a packed stream (shared prompts too) and back, and the
 agreement figures, checked against hand-computed numbers."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,9 +18,11 @@ from rlhf.data.ragged import Ragged
 from rlhf.data.routes import FREE, routes_to_stream, routing_agreement, stream_to_routes
 from rlhf.errors import ConfigError
 from rlhf.rollout.replica import _to_batch
+from rlhf.rollout.routing import check_replay_model
 from rlhf.rollout.vllm_sampler import _completion, vllm_args
 
 L, K = 2, 2  # layers, top-k
+QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 
 
 def test_source_config_and_errors():
@@ -36,6 +39,18 @@ def test_source_config_and_errors():
         RolloutConfig(routing_replay="rollout", env=EnvConfig(path="x.py:Env"))
     with pytest.raises(ConfigError, match="routing_replay"):
         load_config(None, ["rollout.routing_replay=vllm"])
+    check_replay_model(RolloutConfig(routing_replay="trainer"), is_moe=True)
+    with pytest.raises(ConfigError, match="policy is dense"):
+        check_replay_model(RolloutConfig(routing_replay="trainer"), is_moe=False)
+
+
+def test_job_checks(tmp_path):
+    base = [f"model.path={tmp_path / 'model'}"]  # no folder: the checks read model.tiny
+    assert load_config(QUICKSTART, base + ["rollout.routing_replay=trainer"])
+    with pytest.raises(ConfigError, match="trainer.device is cpu"):
+        load_config(QUICKSTART, base + ["rollout.routing_replay=rollout"])
+    with pytest.raises(ConfigError, match="actor.parallel.pp=2"):
+        load_config(QUICKSTART, base + ["rollout.routing_replay=trainer", "actor.parallel.pp=2"])
 
 
 def test_vllm_routes_become_a_batch_field():
