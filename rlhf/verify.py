@@ -4,7 +4,8 @@ The parent process draws a seeded packed batch and runs transformers' AutoModelF
 twice, one sequence at a time: in float64 (the reference) and in float32. Each gives logits,
 next-token log-probs, entropy and the gradients of one loss (mean next-token log-prob plus mean
 entropy). N gloo processes then build the model with `build_model` in the requested layout
-(dp = N / (tp * pp) replicas, each running the whole batch, its loss scaled by 1/dp), run the
+(dp = N / (tp * pp) replicas, each running the whole batch, its loss scaled by 1/dp; with ep > 1
+the dp replicas of an ep group split every MoE layer's experts), run the
 engine's forward (`model_outputs`), backward and the training grad sync (`TrainEngine.sync_grads`:
 TP, pipeline ties, DP, ZeRO-1 when dp > 1), and measure their distance to the reference: logits
 gathered over the vocabulary for this check only, grads gathered to full.
@@ -58,7 +59,7 @@ DEFAULT_FLOOR = {"cpu": 1e-6, "cuda": 1e-5}
 
 
 def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
-                 sequence_parallel: bool = False, nproc: int | None = None,
+                 sequence_parallel: bool = False, ep: int = 1, nproc: int | None = None,
                  factor: float = DEFAULT_FACTOR, floor: float | None = None,
                  reference: str | Path | None = None, seed: int = 0, num_seqs: int = 6,
                  max_len: int = 48, timeout_s: float = 600.0, device: str = "cpu") -> dict:
@@ -76,7 +77,8 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         raise RLHFError(f"--factor ({factor}) and --floor ({floor}) must be >= 0")
     parallel, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
                                           sequence_parallel=sequence_parallel, nproc=nproc,
-                                          num_seqs=num_seqs, max_len=max_len, device=device)
+                                          num_seqs=num_seqs, max_len=max_len, device=device,
+                                          ep=ep)
     if reference != folder:
         _check_inputs(reference, tp=1, pp=1, vpp=1, sequence_parallel=False, nproc=1,
                       num_seqs=num_seqs, max_len=max_len, device="cpu")
@@ -98,7 +100,8 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         "model": str(folder), "model_type": args.model_type,
         **({"reference": str(reference)} if reference != folder else {}),
         "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * pp), "nproc": nproc,
-                   "sequence_parallel": sequence_parallel, **({"vpp": vpp} if vpp > 1 else {})},
+                   "sequence_parallel": sequence_parallel, **({"vpp": vpp} if vpp > 1 else {}),
+                   **({"ep": ep} if ep > 1 else {})},
         "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
         "device": per_rank[0]["device"], "tf32": per_rank[0]["tf32"],
         "max_abs_diff": {check: e.get("max_ours", e["ours"]) for check, e in errors.items()},
@@ -152,8 +155,8 @@ def _row(ours: float, theirs: float, scale: float, *, factor: float, floor: floa
 
 
 def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len,
-                  device="cpu"):
-    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel)
+                  device="cpu", ep=1):
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, ep=ep)
     if not folder.is_dir():
         raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
     args = ModelArgs.from_pretrained(folder)
@@ -161,11 +164,14 @@ def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_se
     split_layers(args.num_layers, stages=pp * vpp)  # ConfigError when there are too few layers
     gpus = torch.cuda.device_count() if device == "cuda" else None
     if nproc is None:
-        nproc = gpus if gpus is not None else tp * pp
-    if nproc < 1 or nproc % (tp * pp):
+        nproc = gpus if gpus is not None else tp * pp * ep
+    if nproc < 1 or nproc % (tp * pp * ep):
         where = f" (the {gpus} visible GPUs)" if gpus is not None else ""
-        raise RLHFError(f"--nproc {nproc}{where} is not a positive multiple of tp * pp = "
-                        f"{tp * pp}; pass --nproc")
+        raise RLHFError(f"--nproc {nproc}{where} is not a positive multiple of tp * pp * ep = "
+                        f"{tp * pp * ep}; pass --nproc")
+    if ep > 1 and (not args.num_experts or args.num_experts % ep):
+        raise RLHFError(f"--ep {ep} needs a mixture-of-experts model whose expert count it "
+                        f"divides; {folder} has {args.num_experts} experts")
     if gpus is not None and nproc > gpus:
         raise RLHFError(f"--nproc {nproc} needs a GPU per process but {gpus} are visible")
     if num_seqs < 1 or max_len < 1:
@@ -252,7 +258,8 @@ def _device_name(device: torch.device) -> str:
 def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
              world: int, device: torch.device) -> dict:
     ref["valid"] = ref["valid"].to(device)
-    mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, cache=ProcessGroupCache())
+    mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
+                        cache=ProcessGroupCache())
     built = build_model(folder, mesh=mesh, parallel=parallel, head="lm", device=device)
     model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.

@@ -25,10 +25,10 @@ class Worker:
         self.ctx = ctx
         self.mesh: ParallelMesh | None = None
 
-    def build_mesh(self, *, tp: int = 1, pp: int = 1) -> ParallelMesh:
+    def build_mesh(self, *, tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelMesh:
         """This role's dp × pp × tp mesh over all ranks of the group (collective: every rank of
         the group calls it, in the same order relative to other roles' meshes)."""
-        self.mesh = ParallelMesh(range(self.ctx.world_size), tp=tp, pp=pp,
+        self.mesh = ParallelMesh(range(self.ctx.world_size), tp=tp, pp=pp, ep=ep,
                                  cache=self.ctx.group_cache)
         return self.mesh
 
@@ -45,12 +45,13 @@ def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head
     """Check `config.<key>`'s plan against the worker group, build the role's mesh and engine."""
     role: ForwardRoleConfig = getattr(config, key)
     check_layout(worker.ctx.world_size, config, key)
-    mesh = worker.build_mesh(tp=role.parallel.tp, pp=role.parallel.pp)
+    mesh = worker.build_mesh(tp=role.parallel.tp, pp=role.parallel.pp, ep=role.parallel.ep)
     return TrainEngine.from_pretrained(
         path, mesh=mesh, parallel=role.parallel, head=head,
         optim=role.optim if train else None, total_steps=config.trainer.total_steps,
         dtype=role.dtype, device=worker.ctx.device,
-        recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed)
+        recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed,
+        router_aux_loss_coef=getattr(role, "router_aux_loss_coef", None))
 
 
 def check_layout(world_size: int, config: JobConfig, key: str) -> None:

@@ -34,6 +34,8 @@ class ModelFacts:
     head_dim: int
     intermediate_size: int
     max_position_embeddings: int
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
 
 
 def read_model_facts(path: str | None, tiny: TinyModelConfig | None, key: str) -> ModelFacts | None:
@@ -49,7 +51,8 @@ def read_model_facts(path: str | None, tiny: TinyModelConfig | None, key: str) -
     return ModelFacts(source="model.tiny", num_layers=tiny.num_layers, num_heads=tiny.num_heads,
                       num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
                       intermediate_size=tiny.intermediate_size,
-                      max_position_embeddings=tiny.max_position_embeddings)
+                      max_position_embeddings=tiny.max_position_embeddings,
+                      num_experts=getattr(tiny, "num_experts", 0) or 0)
 
 
 def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
@@ -71,7 +74,8 @@ def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
                       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
                       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                       intermediate_size=hf["intermediate_size"],
-                      max_position_embeddings=hf["max_position_embeddings"])
+                      max_position_embeddings=hf["max_position_embeddings"],
+                      num_experts=hf.get("num_experts") or 0)
 
 
 def check_config(cfg: JobConfig) -> None:
@@ -211,6 +215,11 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
     if world % (parallel.tp * parallel.pp):
         yield (f"{name}.parallel.tp * {name}.parallel.pp = {parallel.tp * parallel.pp} does not divide "
                f"{where}; change the layout or the number of ranks")
+    elif world // (parallel.tp * parallel.pp) % parallel.ep:
+        dp = world // (parallel.tp * parallel.pp)
+        yield (f"{name}.parallel.ep={parallel.ep} does not divide the {dp} data-parallel ranks of "
+               f"{name} ({where} / (tp * pp)); expert parallelism is carved out of data "
+               "parallelism, so choose an ep that divides dp")
     if role.dtype == "float16" and cfg.trainer.device == "cpu":
         yield f"{name}.dtype=float16 is not supported on cpu; use float32, bfloat16 or auto"
     sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_tokens
@@ -229,6 +238,12 @@ def _check_parallel_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFac
         if count % parallel.tp:
             yield (f"{name}.parallel.tp={parallel.tp} does not divide the model's {count} {what} "
                    f"({src}); choose a divisor")
+    if parallel.ep > 1 and not facts.num_experts:
+        yield (f"{name}.parallel.ep={parallel.ep} needs a mixture-of-experts model, but {src} has "
+               "no experts; set ep to 1")
+    elif facts.num_experts % parallel.ep:
+        yield (f"{name}.parallel.ep={parallel.ep} does not divide the model's {facts.num_experts} "
+               f"experts ({src}); choose a divisor so every rank holds the same number")
     stages = parallel.pp * parallel.vpp
     if facts.num_layers < stages:
         yield (f"{name}.parallel.pp * {name}.parallel.vpp = {stages} exceeds the model's "

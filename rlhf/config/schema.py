@@ -273,9 +273,12 @@ class ParallelConfig:
     """Shard activations outside attention/MLP along the token axis (needs tp > 1)."""
     layers_per_stage: tuple[int, ...] | None = None
     """Uneven layer split, one entry per virtual stage (pp * vpp entries); null = even split."""
+    ep: int = 1
+    """Expert-parallel size of MoE layers, carved out of data parallelism: divides dp and the
+    model's number of experts; each rank holds num_experts / ep experts."""
 
     def __post_init__(self):
-        require_min(self, 1, "tp", "pp", "vpp")
+        require_min(self, 1, "tp", "pp", "vpp", "ep")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"vpp={self.vpp} needs pp > 1 (interleaving splits pipeline stages); "
                               "set vpp to 1 or raise pp")
@@ -379,10 +382,16 @@ class TrainRoleConfig(ForwardRoleConfig):
     """Optional cap on samples per micro-batch, on top of the token budget; null = tokens only."""
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     """What this role moves to host memory around rollouts (see rlhf/engine/offload.py)."""
+    router_aux_loss_coef: float | None = None
+    """MoE models: weight of the router load-balancing loss added to the training loss; null =
+    the checkpoint's router_aux_loss_coef; must be 0 with parallel.pp > 1. Dense models ignore it."""
 
     def __post_init__(self):
         super().__post_init__()
         require_min(self, 1, "ppo_mini_batch_size")
+        if self.router_aux_loss_coef is not None and self.router_aux_loss_coef < 0:
+            raise ConfigError(f"router_aux_loss_coef must be >= 0 (or null for the model's), got "
+                              f"{self.router_aux_loss_coef}")
         if self.micro_batch_size is not None:
             require_min(self, 1, "micro_batch_size")
 

@@ -12,7 +12,8 @@ The optimizer is AdamW on flat fp32 state laid out by `rlhf.engine.zero`. With Z
 (`optim.distributed`, on by default when dp > 1) the master weights and moments are split
 over the DP group: grads are reduce-scattered into the owning shard, the shard steps, and the
 updated parameters are all-gathered back. Otherwise every DP rank holds and steps the whole
-state. Low-precision (bf16) models train through fp32 master weights; fp32 models are their
+state. At ep > 1 the routed experts' parameters have their own grad buffer and optimizer over
+the expert-data-parallel group (ZeRO-1 there), the rest over DP. Low-precision (bf16) models train through fp32 master weights; fp32 models are their
 own masters.
 
 With pp > 1 the model is this rank's pipeline chunks and the schedule is 1F1B or interleaved
@@ -41,17 +42,28 @@ from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
 from rlhf.engine.recompute import Recompute, apply_recompute
+from rlhf.engine.router_aux import router_aux_coef, with_router_aux
 from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
 from rlhf.models.export import export_full_hf_weights, gather_full_grads
 from rlhf.models.transformer import ValueModel
-from rlhf.parallel.collectives import group_size
+from rlhf.models.param_table import ParamTable
+from rlhf.parallel.collectives import group_rank, group_size
 from rlhf.parallel.mesh import ParallelMesh
 
 Head = Literal["lm", "value"]
 DEFAULT_OUTPUTS = {"lm": ("log_probs", "entropy"), "value": ("values",)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class _ParamSet:
+    """Parameters that sync and step together (the dense ones over dp; at ep > 1 the routed
+    experts over edp): their table indices, grads, shard rank, optimizer and table."""
+
+    def __init__(self, ids: list[int], grads: GradBuffer, rank: int, optimizer: ShardedAdamW):
+        self.ids, self.grads, self.rank, self.optimizer = ids, grads, rank, optimizer
+        self.table: ParamTable | None = None
 
 
 class TrainEngine:
@@ -62,12 +74,14 @@ class TrainEngine:
     `bucket_numel`: elements per grad / ZeRO-1 bucket (`rlhf.engine.zero`).
     `scatter_grads`: ZeRO-1 reduce-scatters DP grads rather than all-reducing them (None:
     `grads.scatters_grads` decides from the backend).
+    `router_aux_loss_coef`: an MoE model's load-balancing loss weight in `forward_backward`
+    (None: the checkpoint's; `rlhf.engine.router_aux`).
     """
 
     def __init__(self, built: BuiltModel, mesh: ParallelMesh, *,
                  optim: OptimizerConfig | None, total_steps: int = 1, head: Head | None = None,
                  recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL,
-                 scatter_grads: bool | None = None):
+                 scatter_grads: bool | None = None, router_aux_loss_coef: float | None = None):
         model = built.model
         if [e.name for e in built.table] != [name for name, _ in model.named_parameters()]:
             raise ValueError("the parameter table does not describe this model; pass the "
@@ -78,9 +92,14 @@ class TrainEngine:
         self.device = next(model.parameters()).device
         self.total_steps, self.step_count = total_steps, 0
         self.schedule = make_schedule(built, mesh, device=self.device)
+        self.router_aux_loss_coef = router_aux_coef(model.args, router_aux_loss_coef,
+                                                    pp=mesh.pp_size)
         apply_recompute(model, recompute)
         self.optimizer: ShardedAdamW | None = None
         self.grads: GradBuffer | None = None
+        self.expert_optimizer: ShardedAdamW | None = None  # experts' own at ep > 1
+        self.expert_grads: GradBuffer | None = None
+        self._sets: list[_ParamSet] = []
         self.distributed, self._shard_rank, self._grads_synced = False, 0, False
         if optim is None:
             return
@@ -90,25 +109,43 @@ class TrainEngine:
             raise ValueError("float16 training needs loss scaling, which the engine does not do; "
                              "train in bfloat16 or float32")
         params = [p for _, p in model.named_parameters()]  # the table's order; a tie once
-        shards = num_shards(group_size(mesh.dp_group), optim.distributed)
-        self.distributed = shards > 1
-        part = partition([p.numel() for p in params], shards, bucket_numel=bucket_numel)
-        self.table = self.table.with_partition(part)
-        self._shard_rank = mesh.dp_rank if self.distributed else 0
-        if scatter_grads is None:
-            scatter_grads = scatters_grads(part, mesh.dp_group)
-        self.grads = GradBuffer(params, part, device=self.device, scatter=scatter_grads)
-        self.optimizer = ShardedAdamW(params, part, rank=self._shard_rank, config=optim,
-                                      dp_group=mesh.dp_group, device=self.device)
+        # At ep > 1 the routed experts get a buffer and optimizer of their own over the
+        # expert-data-parallel group (rlhf.engine.grads); dense params keep the dp group.
+        expert_ids = self.table.expert_indices(ep=mesh.ep_size)
+        dense_ids = sorted(set(range(len(params))) - set(expert_ids))
+        sets = []
+        for ids, expert in ((dense_ids, False), (expert_ids, True)):
+            if expert and not ids:
+                continue
+            group = mesh.edp_group if expert else mesh.dp_group
+            shards = num_shards(group_size(group), optim.distributed)
+            part = partition([params[i].numel() for i in ids], shards, bucket_numel=bucket_numel)
+            self.table = self.table.with_partition(part, only=ids)
+            scatter = scatters_grads(part, group) if scatter_grads is None else scatter_grads
+            grads = GradBuffer([params[i] for i in ids], part, device=self.device,
+                               scatter=scatter and shards > 1, expert=expert)
+            rank = group_rank(group) if shards > 1 else 0
+            sets.append(_ParamSet(ids, grads, rank, ShardedAdamW(
+                [params[i] for i in ids], part, rank=rank, config=optim, dp_group=group,
+                device=self.device)))
+        for param_set in sets:
+            param_set.table = ParamTable(tuple(self.table.entries[i] for i in param_set.ids))
+        self._sets = sets
+        dense = sets[0]
+        self.distributed = dense.grads.part.shards > 1
+        self._shard_rank, self.grads, self.optimizer = dense.rank, dense.grads, dense.optimizer
+        self.expert_grads = sets[1].grads if len(sets) > 1 else None
+        self.expert_optimizer = sets[1].optimizer if len(sets) > 1 else None
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: ParallelMesh,
                         parallel: ParallelConfig | None = None, head: Head = "lm",
                         optim: OptimizerConfig | None = None, total_steps: int = 1,
                         dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                        recompute: Recompute = "none", seed: int = 0) -> TrainEngine:
+                        recompute: Recompute = "none", seed: int = 0,
+                        router_aux_loss_coef: float | None = None) -> TrainEngine:
         """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head."""
-        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size)
+        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size)
         if (parallel.tp, parallel.pp) != (mesh.tp_size, mesh.pp_size):
             raise ValueError(f"the parallel config has tp={parallel.tp} pp={parallel.pp} but the mesh has "
                              f"tp={mesh.tp_size} pp={mesh.pp_size}; build them from one config")
@@ -117,7 +154,7 @@ class TrainEngine:
                             dtype=resolve_dtype(dtype, device), device=device,
                             value_head_seed=seed)
         return cls(built, mesh, optim=optim, total_steps=total_steps, head=head,
-                   recompute=recompute)
+                   recompute=recompute, router_aux_loss_coef=router_aux_loss_coef)
 
     # ---- compute -----------------------------------------------------------------------------
 
@@ -139,13 +176,17 @@ class TrainEngine:
 
         Returns "loss": the sum over micro-batches and DP ranks (the mini-batch loss when
         loss_fn normalises by global counts), every metric of loss_fn averaged over all
-        micro-batches of all DP ranks, and "num_micro_batches" (over all DP ranks).
+        micro-batches of all DP ranks, and "num_micro_batches" (over all DP ranks). An MoE
+        model adds its router load-balancing loss to `loss_fn`'s and reports "router_aux_loss".
         """
         self._require_optimizer("forward_backward")
         if self._grads_synced:
             raise RuntimeError("forward_backward was called twice without step() or zero_grad() "
                                "in between; pass all micro-batches of a mini-batch in one call")
         self.model.train()
+        if self.model.args.is_moe:
+            loss_fn = with_router_aux(loss_fn, coef=self.router_aux_loss_coef,
+                                      total_tokens=self._global_tokens(micro_batches))
         results = self.schedule.forward_backward(micro_batches, loss_fn,
                                                  outputs=self._outputs(outputs),
                                                  temperature=temperature)
@@ -156,7 +197,8 @@ class TrainEngine:
         """Sum the accumulated grads over TP, pipeline ties and DP (`rlhf.engine.grads`);
         `forward_backward` calls it. Collective over the role's ranks."""
         self._require_optimizer("sync_grads")
-        sync_grads(self.grads, self.table, self.mesh, rank=self._shard_rank)
+        for param_set in self._sets:
+            sync_grads(param_set.grads, param_set.table, self.mesh, rank=param_set.rank)
         self._grads_synced = True
 
     def step(self) -> dict[str, float]:
@@ -165,7 +207,7 @@ class TrainEngine:
         A non-finite grad norm skips the update (and the schedule step) with a warning.
         """
         self._require_optimizer("step")
-        norm = grad_norm(self.grads, self.table, self.mesh, rank=self._shard_rank)
+        norm = grad_norm([(p.grads, p.table, p.rank) for p in self._sets], self.mesh)
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
         norm_value = float(norm)  # the step's one read: skipping needs it on the host
         if not math.isfinite(norm_value):
@@ -173,10 +215,11 @@ class TrainEngine:
                           "skipping this update", RuntimeWarning, stacklevel=2)
             self.zero_grad()
             return {"grad_norm": norm_value, "lr": lr}
-        if self.optim_config.grad_clip is not None:
-            clip_(self.grads, norm, self.optim_config.grad_clip, rank=self._shard_rank)
-        self.optimizer.step(self.grads.flat, lr=lr, step=self.step_count + 1)
-        self.optimizer.copy_to_model()
+        for param_set in self._sets:
+            if self.optim_config.grad_clip is not None:
+                clip_(param_set.grads, norm, self.optim_config.grad_clip, rank=param_set.rank)
+            param_set.optimizer.step(param_set.grads.flat, lr=lr, step=self.step_count + 1)
+            param_set.optimizer.copy_to_model()
         self.zero_grad()
         self.step_count += 1
         return {"grad_norm": norm_value, "lr": lr}
@@ -184,8 +227,8 @@ class TrainEngine:
     def zero_grad(self) -> None:
         """Drop accumulated gradients."""
         self.model.zero_grad(set_to_none=True)
-        if self.grads is not None:
-            self.grads.zero_()
+        for param_set in self._sets:
+            param_set.grads.zero_()
         self._grads_synced = False
 
     def state_tensors(self) -> dict[str, list[Tensor]]:
@@ -200,24 +243,26 @@ class TrainEngine:
         """
         out = {"weights": list(self.model.parameters()), "grads": [], "masters": [],
                "optimizer": []}
-        if self.optimizer is not None:
-            out["grads"] = [self.grads.flat]
-            out.update(self.optimizer.tensors())
+        for param_set in self._sets:
+            out["grads"].append(param_set.grads.flat)
+            for kind, tensors in param_set.optimizer.tensors().items():
+                out[kind] = out[kind] + tensors
         return out
 
     def full_grads(self) -> dict[str, Tensor]:
         """HF name -> full synced gradient (fp32 values in the parameter dtype), for checks
         after `forward_backward` / `sync_grads`. Collective over the role's ranks."""
         self._require_optimizer("full_grads")
-        flat, part = gather_grads(self.grads, self.mesh), self.grads.part
-        params = self.grads.params
         try:
-            for i, param in enumerate(params):
-                start = part.offsets[i]
-                param.grad = flat[start:start + part.numels[i]].view(param.shape).to(param.dtype)
+            for param_set in self._sets:
+                flat, part = gather_grads(param_set.grads, self.mesh), param_set.grads.part
+                for i, param in enumerate(param_set.grads.params):
+                    start = part.offsets[i]
+                    param.grad = flat[start:start + part.numels[i]].view(param.shape).to(
+                        param.dtype)
             return gather_full_grads(self.model, self.table, self.mesh)
         finally:
-            for param in params:
+            for param in self.model.parameters():
                 param.grad = None
 
     def loss_normalizers(self, micro_batches: Sequence[MicroBatch], *,
@@ -250,6 +295,8 @@ class TrainEngine:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "step": self.step_count,
+            **({"expert_optimizer": self.expert_optimizer.state_dict()}
+               if self.expert_optimizer is not None else {}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,22 +310,45 @@ class TrainEngine:
             raise ValueError("the state has no optimizer state (saved by a forward-only engine)")
         self.optimizer.copy_from_model()
         self.optimizer.load_state_dict(state["optimizer"], where="the state dict")
+        if self.expert_optimizer is not None:
+            if "expert_optimizer" not in state:
+                raise ValueError("the state has no expert optimizer state (saved at ep=1); "
+                                 "resume with the ep it was saved with")
+            self.expert_optimizer.copy_from_model()
+            self.expert_optimizer.load_state_dict(state["expert_optimizer"],
+                                                  where="the state dict's experts")
         self.zero_grad()
 
     def save_checkpoint(self, folder: str | Path) -> Path:
         """Write this rank's state under `folder` (collective over the mesh); return the file."""
+        self._require_no_expert_parallel("save_checkpoint")
         return ckpt.save_shard(self.state_dict(), folder, self.mesh)
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
         optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting."""
+        self._require_no_expert_parallel("load_checkpoint")
         shards = self.grads.part.shards if self.grads is not None else 1
         self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards))
 
     # ---- internals ---------------------------------------------------------------------------
 
+    def _global_tokens(self, micro_batches: Sequence[MicroBatch]) -> int:
+        """Stream tokens of these micro-batches summed over the DP ranks. Collective over DP."""
+        total = torch.tensor([sum(mb.num_tokens for mb in micro_batches)], device=self.device)
+        if group_size(self.mesh.dp_group) > 1:
+            dist.all_reduce(total, group=self.mesh.dp_group)
+        return max(int(total.item()), 1)
+
     def _outputs(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
         return tuple(outputs) if outputs is not None else DEFAULT_OUTPUTS[self.head]
+
+    def _require_no_expert_parallel(self, what: str) -> None:
+        # The checkpoint files are per (pp, tp) coordinate, written by dp rank 0: at ep > 1
+        # the ranks of an ep group hold different experts, which those files would drop.
+        if self.mesh.ep_size > 1:
+            raise NotImplementedError(f"{what} does not yet write per-ep-rank expert shards; "
+                                      "checkpoint with parallel.ep=1, or export HF weights")
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:

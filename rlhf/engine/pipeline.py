@@ -22,6 +22,7 @@ from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, d
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
                                         training_orders, units)
+from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
@@ -179,10 +180,12 @@ class _Run:
         run = sp_pad(mb.packed, s._tp) if s._sp else mb.packed
         x = run.tokens if chunk.has_embedding else received.requires_grad_(
             torch.is_grad_enabled())
+        # A stage sees its own layers only: their routes, never the pooled aux loss.
+        routing = micro_batch_routing(s.model, mb, self.output_names)
         hidden = s.model.model.run(x, run.position_ids, run.cu_seqlens, run.max_seqlen,
                                    layers=chunk.layer_names, embed=chunk.has_embedding,
                                    norm=chunk.has_head, prefix=run.prefix,
-                                   layout=mb.layout.padded(run.tokens.shape[0]))
+                                   layout=mb.layout.padded(run.tokens.shape[0]), routing=routing)
         if not chunk.has_head:
             self._send(hidden, i, v + 1, ACTIVATION)
             if self.loss_fn is not None:
@@ -190,6 +193,7 @@ class _Run:
             return
         out = head_outputs(s.model, s.model.head(hidden)[:mb.num_tokens], mb.packed,
                            mesh=s.mesh, outputs=self.output_names, temperature=self.temperature)
+        out.update(routing_outputs(s.model, routing, self.output_names, with_aux=False))
         if self.loss_fn is None:
             self.outputs[i] = out
             return

@@ -22,6 +22,7 @@ from torch import nn
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
+from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
@@ -49,15 +50,19 @@ class NoPipeline:
         self.model, self.mesh, self.device = model, mesh, device
         self._tp, self._sp = tp.tp, tp.sequence_parallel
 
-    def _outputs(self, mb: MicroBatch, outputs: tuple[str, ...], temperature: float) -> Outputs:
+    def _outputs(self, mb: MicroBatch, outputs: tuple[str, ...], temperature: float, *,
+                 training: bool = False) -> Outputs:
         # model_outputs' steps, with the micro-batch's host layout passed to every layer
         if mb.num_tokens == 0:
             raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
         run = sp_pad(mb.packed, self._tp) if self._sp else mb.packed
+        routing = micro_batch_routing(self.model, mb, outputs)
         out = self.model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
-                         prefix=run.prefix, layout=mb.layout.padded(run.tokens.shape[0]))
-        return head_outputs(self.model, out[:mb.num_tokens], mb.packed, mesh=self.mesh,
-                            outputs=outputs, temperature=temperature)
+                         prefix=run.prefix, layout=mb.layout.padded(run.tokens.shape[0]),
+                         routing=routing)
+        return {**head_outputs(self.model, out[:mb.num_tokens], mb.packed, mesh=self.mesh,
+                               outputs=outputs, temperature=temperature),
+                **routing_outputs(self.model, routing, outputs, with_aux=training)}
 
     def forward(self, micro_batches, *, outputs, temperature=1.0):
         check_outputs(self.model, outputs, temperature)
@@ -68,7 +73,7 @@ class NoPipeline:
         results = []
         for mb in micro_batches:
             mb = mb.to(self.device)
-            loss, metrics = loss_fn(self._outputs(mb, outputs, temperature), mb)
+            loss, metrics = loss_fn(self._outputs(mb, outputs, temperature, training=True), mb)
             check_loss(loss)
             loss.backward()  # frees this micro-batch's activations before the next one
             results.append(MicroBatchResult(loss.detach(), detached(metrics)))

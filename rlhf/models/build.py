@@ -16,6 +16,7 @@ import torch
 
 from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
+from rlhf.models.expert_sharding import apply_ep
 from rlhf.models.hf_io import SliceSpec, load_hf_weights
 from rlhf.models.param_table import ParamTable, param_table
 from rlhf.models.tp_sharding import Model, TPState, apply_tp
@@ -51,9 +52,10 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     model holds this pipeline rank's chunks only (`rlhf.parallel.stages`; a tied LM head on
     the last stage is its own copy, loaded from the embedding).
     """
-    if (mesh.tp_size, mesh.pp_size) != (parallel.tp, parallel.pp):
-        raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} but the plan says "
-                         f"tp={parallel.tp} pp={parallel.pp}; build the mesh from the same plan")
+    if (mesh.tp_size, mesh.pp_size, mesh.ep_size) != (parallel.tp, parallel.pp, parallel.ep):
+        raise ValueError(f"the mesh has tp={mesh.tp_size} pp={mesh.pp_size} ep={mesh.ep_size} "
+                         f"but the plan says tp={parallel.tp} pp={parallel.pp} ep={parallel.ep}; "
+                         "build the mesh from the same plan")
     model_cls = {"lm": CausalLM, "value": ValueModel}.get(head)
     if model_cls is None:
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
@@ -68,6 +70,7 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
         model = model_cls(args, **stage)
     model.to(dtype=dtype)  # still on meta: nothing allocated
     tp = apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
+    apply_ep(model, mesh)
     model.to_empty(device=device)
     # to_empty makes new Parameter objects: the tie has to be redone.
     if isinstance(model, CausalLM):

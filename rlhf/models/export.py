@@ -9,8 +9,13 @@ on full sizes: at most `bucket_bytes`, a bigger tensor alone. Per bucket:
     PP   the stage that owns the bucket packs its full tensors into one byte buffer and
          broadcasts it ONCE over the pp group; every stage yields views of that buffer.
 
+    EP   routed experts live on one rank of their ep group (each holds E / ep of them): every
+         rank lists the experts it holds (once per export, names and shapes), and per bucket
+         each ep rank broadcasts its experts' full tensors in ONE byte buffer over the ep group.
+
 Every rank of the model group receives every full tensor once and nothing twice (a tied LM
-head is not exported: HF and vLLM take it from the embedding). `ExportStream` adds up the
+head is not exported: HF and vLLM take it from the embedding). With ep > 1 the routed experts
+come after the other tensors of a stage, by owning ep rank. `ExportStream` adds up the
 seconds each rank spends gathering and broadcasting, for the sync metrics.
 """
 
@@ -42,6 +47,7 @@ class ExportItem:
     shape: tuple[int, ...]  # full HF shape (a padded vocabulary is cut back to its real size)
     local: Tensor  # detached; the whole tensor when replicated, else this TP rank's shard
     split_dim: int | None  # the dim it is split along over TP; None: replicated
+    owner: int | None = None  # the ep rank holding it (a routed expert at ep > 1), else None
 
     @property
     def spec(self) -> Spec:
@@ -117,8 +123,29 @@ def _export_items(model: nn.Module, table: ParamTable, *, grads: bool) -> list[E
         if spec is not None:
             shape[spec.dim] = spec.full_size
         items.append(ExportItem(name=entry.name, shape=tuple(shape), local=tensor.detach(),
-                                split_dim=None if spec is None else spec.dim))
+                                split_dim=None if spec is None else spec.dim,
+                                owner=None if entry.expert is None or entry.expert.ep == 1
+                                else entry.expert.ep_rank))
     return items
+
+
+def _with_remote_experts(items: Sequence[ExportItem], mesh: ParallelMesh) -> list[ExportItem]:
+    """`items` with every ep rank's experts (collective over the ep group): the other tensors
+    first, then the experts by owning ep rank; another rank's carry a meta `local`."""
+    if mesh.ep_size == 1:
+        return list(items)
+    mine = [(it.name, it.shape, tuple(it.local.shape), it.local.dtype, it.split_dim)
+            for it in items if it.owner is not None]
+    every: list = [None] * mesh.ep_size
+    dist.all_gather_object(every, mine, group=mesh.ep_group)
+    local = {it.name: it for it in items if it.owner is not None}
+    out = [it for it in items if it.owner is None]
+    for rank, listed in enumerate(every):
+        for name, shape, local_shape, dtype, split_dim in listed:
+            out.append(local[name] if rank == mesh.ep_rank else ExportItem(
+                name=name, shape=shape, split_dim=split_dim, owner=rank,
+                local=torch.empty(local_shape, dtype=dtype, device="meta")))
+    return out
 
 
 def export_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, *,
@@ -132,6 +159,7 @@ def export_buckets(items: Sequence[ExportItem], mesh: ParallelMesh, *,
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     device = items[0].local.device if items else "cpu"
+    items = _with_remote_experts(items, mesh)
     if mesh.pp_size == 1:
         return ExportStream(lambda times: _stage_buckets(items, mesh, bucket_bytes, times),
                             device=device)
@@ -182,23 +210,50 @@ def _gathered(items: Sequence[ExportItem], mesh: ParallelMesh, *,
     written `into` the given views, or else into one fresh buffer (split ones) and the
     items' own tensors (replicated ones)."""
     group = mesh.tp_group if mesh.tp_size > 1 else None
-    split = [i for i, it in enumerate(items) if it.split_dim is not None and group is not None]
+    here = [it.owner is None or it.owner == mesh.ep_rank for it in items]
+    split = [i for i, it in enumerate(items)
+             if it.split_dim is not None and group is not None and here[i]]
     if into is None:
-        into = _fresh_views(items, split)
+        into = _fresh_views(items, split + [i for i in range(len(items)) if not here[i]])
     parts = all_gather_coalesced([items[i].local for i in split], group=group)
     for i, ranks in zip(split, parts):
         _place(into[i], ranks, dim=items[i].split_dim)
     gathered = set(split)
     for i, it in enumerate(items):
-        if i not in gathered and into[i] is not it.local:
+        if here[i] and i not in gathered and into[i] is not it.local:
             into[i].copy_(it.local)
+    if mesh.ep_size > 1:
+        _broadcast_experts(items, into, mesh)
     return [(it.name, tensor) for it, tensor in zip(items, into)]
 
 
+def _broadcast_experts(items: Sequence[ExportItem], into: Sequence[Tensor],
+                       mesh: ParallelMesh) -> None:
+    """Each ep rank's full expert tensors of this bucket to the others: one byte buffer each."""
+    device = next((t.device for t in into if t.device.type != "meta"), "cpu")
+    for owner, src in enumerate(mesh.group_ranks("ep")):
+        ids = [i for i, it in enumerate(items) if it.owner == owner]
+        if not ids:
+            continue
+        offsets, total = byte_offsets(_nbytes(items[i].shape, items[i].local.dtype) for i in ids)
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        views = [byte_view(buffer, offset, items[i].shape, items[i].local.dtype)
+                 for i, offset in zip(ids, offsets)]
+        if owner == mesh.ep_rank:
+            for i, view in zip(ids, views):
+                view.copy_(into[i])
+        dist.broadcast(buffer, src=src, group=mesh.ep_group)
+        if owner != mesh.ep_rank:
+            for i, view in zip(ids, views):
+                into[i].copy_(view)
+
+
 def _fresh_views(items: Sequence[ExportItem], split: list[int]) -> list[Tensor]:
-    """The replicated items' own tensors, and views into one new buffer for the split ones."""
+    """The replicated items' own tensors, and views into one new buffer for the `split` ones
+    (split over TP, or another ep rank's experts)."""
     offsets, total = byte_offsets(_nbytes(items[i].shape, items[i].local.dtype) for i in split)
-    buffer = torch.empty(total, dtype=torch.uint8, device=items[0].local.device)
+    device = next((it.local.device for it in items if it.local.device.type != "meta"), "cpu")
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
     views = [it.local for it in items]
     for i, offset in zip(split, offsets):
         views[i] = byte_view(buffer, offset, items[i].shape, items[i].local.dtype)

@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 from rlhf.models.config import ModelArgs
 from rlhf.parallel.collectives import (copy_to_tp, gather_from_sequence, group_size,
                                        reduce_from_tp, reduce_scatter_to_sequence)
+from rlhf.parallel.expert_parallel import ExpertPlacement, experts_forward
 
 ROUTES_KEY = "routed_experts"
 """`MicroBatch.tensors` key (and engine output name) of the routes, (T, num_layers, top_k)."""
@@ -177,6 +178,8 @@ class SparseMoeBlock(nn.Module):
                                       for e in range(args.num_experts)})
         self.tp_group: ProcessGroup | None = None  # set by apply_tp
         self.sequence_parallel = False
+        self.ep_group: ProcessGroup | None = None  # set by expert_sharding.apply_ep
+        self.expert_placement: ExpertPlacement | None = None
 
     def forward(self, x_TH: Tensor, routing: Routing | None = None) -> Tensor:
         group, tp = self.tp_group, group_size(self.tp_group)
@@ -214,6 +217,9 @@ class SparseMoeBlock(nn.Module):
 
     def compute_experts(self, x_TH: Tensor, experts_TK: Tensor, weights_TK: Tensor) -> Tensor:
         """sum_k weights_TK[t, k] * expert[experts_TK[t, k]](x_TH[t]), one expert at a time."""
+        if group_size(self.ep_group) > 1:  # the experts live on several ranks
+            return experts_forward(x_TH, experts_TK, weights_TK, experts=self.experts,
+                                   placement=self.expert_placement, group=self.ep_group)
         top_k = experts_TK.shape[1]
         flat = experts_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert

@@ -7,8 +7,12 @@ data: no tensors, no communication.
 
 A grad is partial over TP for replicated parameters that each rank feeds only part of the
 work: the norms and row-parallel biases under sequence parallelism (each rank sees T/tp
-tokens), the value head under sequence parallelism, and Qwen3's q/k norms always (each rank
-sees its heads).
+tokens), the value head under sequence parallelism, Qwen3's q/k norms always (each rank
+sees its heads), and an MoE router always (its grad flows through each rank's expert shards).
+
+A routed expert's parameters carry an `ExpertShard`: with expert parallelism each rank holds
+E / ep of a layer's experts, so their grads are summed over the expert-data-parallel group
+(not dp) and full weights are gathered over the ep group as well as over TP.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from rlhf.models.moe import SparseMoeBlock
 from rlhf.models.tp_sharding import SequenceGatheredLinear, TPState
 from rlhf.models.transformer import Attention, RMSNorm
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
@@ -30,6 +35,21 @@ class ShardLayout:
 
     dim: int
     full_size: int
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """A parameter of routed expert `expert` (global index) of a layer whose `num_experts`
+    experts are split over `ep` ranks, `num_experts / ep` consecutive ones each."""
+
+    expert: int
+    num_experts: int
+    ep: int
+
+    @property
+    def ep_rank(self) -> int:
+        """The rank of the ep group that holds this expert."""
+        return self.expert // (self.num_experts // self.ep)
 
 
 @dataclass(frozen=True)
@@ -50,9 +70,12 @@ class ParamInfo:
     """The second copy of a shared parameter (the last stage's LM head): its grad is summed
     with the original's, it counts once in the grad norm, and the export leaves it out."""
     zero_owners: tuple[int, ...] = ()
-    """With ZeRO-1: the DP ranks that own part of its optimizer state."""
+    """With ZeRO-1: the DP ranks (edp ranks for an expert's) owning part of its optimizer state."""
     flat_range: tuple[int, int] | None = None
-    """With a training engine: its [start, stop) in the flat grad buffer."""
+    """With a training engine: its [start, stop) in its flat grad buffer (the experts' own
+    buffer for an expert parameter at ep > 1)."""
+    expert: ExpertShard | None = None
+    """A routed expert's parameter: which expert, and how the experts split over ep."""
 
 
 @dataclass(frozen=True)
@@ -75,21 +98,31 @@ class ParamTable:
             raise KeyError(f"{name} is not a parameter of this model")
         return self._index[name]
 
-    def with_partition(self, part) -> ParamTable:
-        """The table with each parameter's flat range and ZeRO-1 owners from `part`
-        (an `rlhf.engine.zero.Partition` over the entries in order)."""
-        if len(part.numels) != len(self.entries):
+    def with_partition(self, part, *, only: list[int] | None = None) -> ParamTable:
+        """The table with each parameter's flat range and ZeRO-1 owners from `part` (an
+        `rlhf.engine.zero.Partition` over the entries in order, or over the entries at the
+        indices `only`, in that order; the others are left as they are)."""
+        only = list(range(len(self.entries))) if only is None else only
+        if len(part.numels) != len(only):
             raise ValueError(f"the partition has {len(part.numels)} parameters, the table "
-                             f"{len(self.entries)}; partition the table's parameters")
-        return ParamTable(tuple(
-            replace(e, flat_range=(part.offsets[i], part.offsets[i] + part.numels[i]),
-                    zero_owners=part.owners(i) if part.shards > 1 else ())
-            for i, e in enumerate(self.entries)))
+                             f"{len(only)}; partition the table's parameters")
+        entries = list(self.entries)
+        for j, i in enumerate(only):
+            entries[i] = replace(entries[i],
+                                 flat_range=(part.offsets[j], part.offsets[j] + part.numels[j]),
+                                 zero_owners=part.owners(j) if part.shards > 1 else ())
+        return ParamTable(tuple(entries))
+
+    def expert_indices(self, *, ep: int) -> list[int]:
+        """Indices of the routed experts' parameters when experts are split over `ep` > 1
+        ranks (they then sync and shard over the expert-data-parallel group); [] at ep=1."""
+        return [i for i, e in enumerate(self.entries) if e.expert is not None] if ep > 1 else []
 
 
 def param_table(model: nn.Module, *, tp: TPState) -> ParamTable:
     """The table of `model` as `apply_tp` (which returned `tp`) and the stage cut left it."""
     layout, partial = _tp_layout(model), _tp_partial_names(model, tp)
+    experts = _expert_shards(model)
     ties = model.shared_parameters()  # {copy name: original name}
     present = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     entries = []
@@ -99,8 +132,25 @@ def param_table(model: nn.Module, *, tp: TPState) -> ParamTable:
         entries.append(ParamInfo(
             name=name, hf_name=ties.get(name, name) if shared else name,
             shard=layout.get(name), tp_partial_grad=name in partial, shared=shared,
-            tied_copy=shared and name in ties))
+            tied_copy=shared and name in ties, expert=experts.get(name)))
     return ParamTable(tuple(entries))
+
+
+def _expert_shards(model: nn.Module) -> dict[str, ExpertShard]:
+    """Parameter name -> its expert, for the routed experts of every MoE block: the modules
+    whose `expert_placement` (`rlhf.parallel.expert_parallel.ExpertPlacement`) says how the
+    experts in their `experts` dict (keyed by global index) split over ep."""
+    out = {}
+    for prefix, module in model.named_modules():
+        placement = getattr(module, "expert_placement", None)
+        if placement is None:
+            continue
+        dot = f"{prefix}." if prefix else ""
+        for key, expert in module.experts.items():
+            for n, _ in expert.named_parameters():
+                out[f"{dot}experts.{key}.{n}"] = ExpertShard(int(key), placement.num_experts,
+                                                             placement.ep)
+    return out
 
 
 def _tp_partial_names(model: nn.Module, tp: TPState) -> set[str]:
@@ -116,6 +166,8 @@ def _tp_partial_names(model: nn.Module, tp: TPState) -> set[str]:
             names.update(f"{dot}{n}" for n, _ in module.named_parameters())
         elif isinstance(module, SequenceGatheredLinear):
             names.update(f"{dot}{n}" for n, _ in module.named_parameters())
+        elif isinstance(module, SparseMoeBlock):
+            names.add(f"{dot}gate.weight")
         elif (isinstance(module, RowParallelLinear) and module.bias is not None
               and tp.sequence_parallel):
             names.add(f"{dot}bias")

@@ -6,6 +6,9 @@ parallel ones; the model code itself does not change. Per decoder layer:
     q/k/v_proj, gate/up_proj   ColumnParallelLinear   (output features split)
     o_proj, down_proj          RowParallelLinear      (input features split)
     embed_tokens / lm_head     VocabParallelEmbedding / ParallelLMHead (vocab padded to tp)
+    MoE experts' gate/up, down ColumnParallelLinear / RowParallelLinear weights; the router
+                               replicated (the block does one gather and one reduction for all
+                               experts: `rlhf.models.moe`)
 
 Under sequence parallelism the residual stream between those regions is a (T/tp, H) token
 chunk: the embedding reduce-scatters into it, every column layer all-gathers it to (T, H),
@@ -23,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
+from rlhf.models.moe import SparseMoeBlock
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.collectives import gather_from_sequence
 from rlhf.parallel.mesh import ParallelMesh
@@ -44,7 +48,8 @@ def check_tp_compatible(args: ModelArgs, tp: int) -> None:
     """Raise ConfigError (a ValueError) unless tp divides every dimension the plan splits."""
     for field, size in (("num_attention_heads", args.num_heads),
                         ("num_key_value_heads", args.num_kv_heads),
-                        ("intermediate_size", args.intermediate_size)):
+                        ("intermediate_size", args.intermediate_size),
+                        ("moe_intermediate_size", args.moe_intermediate_size * args.is_moe)):
         if size % tp:
             raise ConfigError(f"tp={tp} does not divide {field}={size} of this "
                               f"{args.model_type} model; choose a tp that divides it")
@@ -70,15 +75,21 @@ def apply_tp(model: Model, mesh: ParallelMesh, *, sequence_parallel: bool) -> TP
         body.embed_tokens = VocabParallelEmbedding.from_embedding(
             body.embed_tokens, group=group, sequence_parallel=sp)
     for layer in body.layers.values():
-        attn, mlp = layer.self_attn, layer.mlp
+        attn = layer.self_attn
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp.tp_group, layer.mlp.sequence_parallel = group, sp
+            mlps = list(layer.mlp.experts.values())
+        else:
+            mlps = [layer.mlp]
         for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")),
-                              (mlp, ("gate_proj", "up_proj"))):
+                              *((mlp, ("gate_proj", "up_proj")) for mlp in mlps)):
             for name in names:
                 setattr(parent, name, ColumnParallelLinear.from_linear(
                     getattr(parent, name), group=group, sequence_parallel=sp))
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, group=group, sequence_parallel=sp)
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, group=group,
-                                                      sequence_parallel=sp)
+        for parent in (attn, *mlps):
+            name = "o_proj" if parent is attn else "down_proj"
+            setattr(parent, name, RowParallelLinear.from_linear(
+                getattr(parent, name), group=group, sequence_parallel=sp))
         attn.num_heads //= tp
         attn.num_kv_heads //= tp
     if isinstance(model, CausalLM) and model.lm_head is not None:

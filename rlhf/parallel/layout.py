@@ -3,8 +3,11 @@
 Rank order (Megatron's): tp varies fastest, then pp, then dp. Position i holds
     tp_rank = i % tp,   pp_rank = (i // tp) % pp,   dp_rank = i // (tp * pp),
 so a tp group is a run of tp consecutive positions (the ranks that should share the fastest
-links). This class is the one place that order is written down: the mesh, the dispatcher, the
-memory planner and the rollout replica grouping all ask it. It is pure (no torch.distributed).
+links). Expert parallelism is carved out of dp as in Megatron: ep_rank = dp_rank % ep and
+edp_rank = dp_rank // ep, so an expert-parallel group is ep consecutive dp ranks with the same
+(pp, tp) and the expert-data-parallel group the dp / ep ranks holding the same experts.
+This class is the one place that order is written down: the mesh, the dispatcher, the memory
+planner and the rollout replica grouping all ask it. It is pure (no torch.distributed).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 AXES = ("dp", "pp", "tp")  # outermost to fastest-varying
 GROUP_AXES = (*AXES, "mp", "embedding")  # "mp": pp × tp, one model replica
+EXPERT_AXES = ("ep", "edp")  # expert-parallel and expert-data-parallel: both inside dp
 
 
 @dataclass(frozen=True)
@@ -22,17 +26,22 @@ class Layout:
     dp: int
     pp: int = 1
     tp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for name in AXES:
+        for name in (*AXES, "ep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive int, got {value!r}")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} does not divide dp={self.dp}; expert parallelism "
+                             "is carved out of data parallelism, so pick an ep that divides dp")
 
     @classmethod
     def over(cls, world_size: int, *, tp: int = 1, pp: int = 1,
-             dp: int | None = None) -> Layout:
-        """The layout of `world_size` ranks with `tp` and `pp`; dp is what remains unless given."""
+             dp: int | None = None, ep: int = 1) -> Layout:
+        """The layout of `world_size` ranks with `tp` and `pp`; dp is what remains unless given;
+        `ep` experts groups are carved out of dp."""
         for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
             if size is not None and (isinstance(size, bool) or not isinstance(size, int)
                                      or size < 1):
@@ -45,7 +54,7 @@ class Layout:
         if dp * pp * tp != world_size:
             raise ValueError(f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp} but {world_size} "
                              "ranks were given; the product must equal the number of ranks")
-        return cls(dp=dp, pp=pp, tp=tp)
+        return cls(dp=dp, pp=pp, tp=tp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -70,15 +79,28 @@ class Layout:
         """Pipeline stage (pp_rank) of position `rank`."""
         return self.coordinate(rank)[1]
 
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: the dp ranks that hold the same experts."""
+        return self.dp // self.ep
+
+    def expert_coordinate(self, rank: int) -> tuple[int, int]:
+        """(ep_rank, edp_rank) of position `rank`: where its dp rank sits in its ep group and
+        which ep group of its (pp, tp) line that is."""
+        dp_rank = self.coordinate(rank)[0]
+        return dp_rank % self.ep, dp_rank // self.ep
+
     # ---- groups ------------------------------------------------------------------------------
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along `axis` ("dp", "pp", "tp", "mp" or "embedding"), each in group-rank
-        order; groups listed with the other coordinates in (dp, pp, tp) order, outer first.
+        """Every group along `axis` ("dp", "pp", "tp", "mp", "embedding", "ep" or "edp"), each
+        in group-rank order; groups listed with the other coordinates in (dp, pp, tp) order,
+        outer first.
 
         "mp" is the pp × tp ranks holding one model replica (a rollout replica is the mp group
         of a dp × tp layout); "embedding" the first and last stage of each (dp, tp) line (the
-        two copies of tied embeddings; none at pp=1).
+        two copies of tied embeddings; none at pp=1); "ep" the ep consecutive dp ranks of a
+        (pp, tp) line that split the experts; "edp" the dp / ep ranks holding the same experts.
         """
         at = self.rank_at
         if axis == "dp":
@@ -98,7 +120,13 @@ class Layout:
                 return []
             return [(at(dp=d, pp=0, tp=t), at(dp=d, pp=self.pp - 1, tp=t))
                     for d in range(self.dp) for t in range(self.tp)]
-        raise ValueError(f"unknown axis {axis!r}; use one of {GROUP_AXES}")
+        if axis == "ep":
+            return [tuple(at(dp=g * self.ep + e, pp=p, tp=t) for e in range(self.ep))
+                    for g in range(self.edp) for p in range(self.pp) for t in range(self.tp)]
+        if axis == "edp":
+            return [tuple(at(dp=g * self.ep + e, pp=p, tp=t) for g in range(self.edp))
+                    for e in range(self.ep) for p in range(self.pp) for t in range(self.tp)]
+        raise ValueError(f"unknown axis {axis!r}; use one of {GROUP_AXES + EXPERT_AXES}")
 
     def output_ranks(self) -> list[int]:
         """Per DP group, in DP order, the rank whose result is collected: tp 0 of the last stage."""

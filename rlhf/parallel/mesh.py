@@ -1,4 +1,4 @@
-"""ParallelMesh: one role's dp × pp × tp layout over an explicit list of global ranks.
+"""ParallelMesh: one role's dp × pp × tp layout (ep inside dp) over an explicit list of ranks.
 
 Position i of `ranks` sits where `Layout` (rlhf.parallel.layout, the one owner of the rank
 order) puts position i; the mesh maps the layout's positions and groups onto global ranks.
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from rlhf.parallel.layout import AXES, GROUP_AXES, Layout
+from rlhf.parallel.layout import AXES, EXPERT_AXES, GROUP_AXES, Layout
 
 
 class ProcessGroupCache:
@@ -64,8 +64,9 @@ class ProcessGroupCache:
 class ParallelMesh:
     """A dp × pp × tp layout over `ranks`, with this process's coordinates and groups.
 
-    `dp` is inferred from `len(ranks) // (pp * tp)` when not given. On a process that is not in
-    `ranks`, `is_member` is False and coordinates and groups raise ValueError.
+    `dp` is inferred from `len(ranks) // (pp * tp)` when not given; `ep` (dividing dp) splits
+    the experts of MoE layers. On a process that is not in `ranks`, `is_member` is False and
+    coordinates and groups raise ValueError.
     """
 
     def __init__(
@@ -75,11 +76,13 @@ class ParallelMesh:
         tp: int = 1,
         pp: int = 1,
         dp: int | None = None,
+        ep: int = 1,
         cache: ProcessGroupCache,
     ):
         ranks = _check_ranks(ranks)
-        self.layout = Layout.over(len(ranks), tp=tp, pp=pp, dp=dp)
+        self.layout = Layout.over(len(ranks), tp=tp, pp=pp, dp=dp, ep=ep)
         self.tp_size, self.pp_size, self.dp_size = self.layout.tp, self.layout.pp, self.layout.dp
+        self.ep_size = self.layout.ep
         self.ranks = ranks
         self.grid = torch.tensor(
             [[[ranks[self.layout.rank_at(dp=d, pp=p, tp=t)] for t in range(self.tp_size)]
@@ -94,6 +97,13 @@ class ParallelMesh:
         for axis in GROUP_AXES:
             for positions in self.layout.groups(axis):
                 self._add(axis, tuple(ranks[i] for i in positions), cache)
+        # ep=1 creates nothing: no expert group to talk to, and the edp group is the dp group.
+        for axis in EXPERT_AXES if self.ep_size > 1 else ():
+            for positions in self.layout.groups(axis):
+                self._add(axis, tuple(ranks[i] for i in positions), cache)
+        if self.ep_size == 1 and "dp" in self._groups:
+            self._groups["edp"] = self._groups["dp"]
+            self._group_ranks["edp"] = self._group_ranks["dp"]
 
     def _add(self, axis: str, group_ranks: tuple[int, ...], cache: ProcessGroupCache) -> None:
         group = cache.get(group_ranks)
@@ -146,6 +156,29 @@ class ParallelMesh:
         return self._group("dp")
 
     @property
+    def ep_group(self) -> ProcessGroup | None:
+        """Expert-parallel group: the ep dp ranks of this (pp, tp) line that split the experts
+        and exchange tokens by all-to-all; None at ep=1."""
+        self._require_member()
+        return self._groups.get("ep")
+
+    @property
+    def edp_group(self) -> ProcessGroup:
+        """Expert-data-parallel group: the dp / ep ranks holding the same experts (expert grads
+        are summed and their ZeRO-1 state split over it); the dp group at ep=1."""
+        return self._group("edp")
+
+    @property
+    def ep_rank(self) -> int:
+        """This process's rank in its expert-parallel group (0 at ep=1)."""
+        return self.layout.expert_coordinate(self.ranks.index(self.rank))[0]
+
+    @property
+    def edp_rank(self) -> int:
+        """This process's rank in its expert-data-parallel group."""
+        return self.layout.expert_coordinate(self.ranks.index(self.rank))[1]
+
+    @property
     def mp_group(self) -> ProcessGroup:
         """Model-parallel group (pp × tp): the ranks that together hold one model replica."""
         return self._group("mp")
@@ -157,12 +190,12 @@ class ParallelMesh:
         return self._groups.get("embedding")
 
     def group_ranks(self, axis: str) -> tuple[int, ...]:
-        """Global ranks of this process's group along `axis` ("dp", "pp", "tp", "mp" or
-        "embedding", the last only on the first and last stage of a pipeline)."""
+        """Global ranks of this process's group along `axis` ("dp", "pp", "tp", "mp", "edp",
+        "embedding" only on the first and last stage of a pipeline, "ep" only at ep > 1)."""
         self._require_member()
         if axis not in self._group_ranks:
             raise ValueError(f"unknown axis {axis!r} for rank {self.rank}; use one of "
-                             f"{GROUP_AXES}")
+                             f"{GROUP_AXES + EXPERT_AXES}")
         return self._group_ranks[axis]
 
     def _group(self, axis: str) -> ProcessGroup:
@@ -173,7 +206,8 @@ class ParallelMesh:
 
     def describe(self) -> str:
         """One line: the layout, and this process's coordinates and groups."""
-        head = (f"ParallelMesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}) "
+        ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
+        head = (f"ParallelMesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}{ep}) "
                 f"over ranks {list(self.ranks)}")
         if not self.is_member:
             return f"{head}; rank {self.rank} is not a member"

@@ -63,6 +63,37 @@ def test_every_layout_is_megatron_order_and_groups_partition_the_ranks(dp, pp, t
         assert all(len(g) == size for g in groups), axis
 
 
+def test_expert_groups_are_consecutive_dp_ranks_of_a_line_written_out_by_hand():
+    """dp=4 pp=1 tp=2 ep=2 on 8 ranks: dp ranks 0,1 (and 2,3) split the experts, so rank 0's
+    ep group is the rank at dp=1 with its tp (rank 2); its edp partner is dp=2 (rank 4)."""
+    lay = Layout.over(8, tp=2, ep=2)
+    assert (lay.dp, lay.ep, lay.edp) == (4, 2, 2)
+    assert lay.groups("ep") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert lay.groups("edp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert [lay.expert_coordinate(r) for r in range(8)] == [
+        (0, 0), (0, 0), (1, 0), (1, 0), (0, 1), (0, 1), (1, 1), (1, 1)]
+    pipe = Layout.over(8, pp=2, ep=4)  # one ep group per pipeline stage
+    assert pipe.groups("ep") == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert sorted(pipe.groups("edp")) == [(r,) for r in range(8)]
+    plain = Layout(dp=4)  # ep=1: singleton expert groups, and the edp groups are the dp groups
+    assert plain.groups("ep") == [(r,) for r in range(4)] and plain.groups("edp") == [
+        (0, 1, 2, 3)]
+
+
+@pytest.mark.parametrize("dp,pp,tp,ep", [(4, 1, 1, 2), (4, 1, 1, 4), (4, 2, 2, 2), (6, 1, 2, 3)])
+def test_expert_groups_split_every_dp_group(dp, pp, tp, ep):
+    lay = Layout.over(dp * pp * tp, tp=tp, pp=pp, ep=ep)
+    for axis, size in (("ep", ep), ("edp", dp // ep)):
+        groups = lay.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(lay.world_size)), axis
+        assert all(len(g) == size for g in groups), axis
+    dp_of = {r: g for g in lay.groups("dp") for r in g}
+    for ep_group in lay.groups("ep"):  # inside one dp group, and ep meets edp once
+        assert all(set(ep_group) <= set(dp_of[r]) for r in ep_group)
+        for edp_group in lay.groups("edp"):
+            assert len(set(ep_group) & set(edp_group)) <= 1
+
+
 def test_invalid_layouts_name_the_problem():
     with pytest.raises(ValueError, match="do not split into pp=2 × tp=2"):
         Layout.over(6, tp=2, pp=2)
@@ -76,8 +107,12 @@ def test_invalid_layouts_name_the_problem():
         Layout(dp=2, pp=2, tp=2).coordinate(8)
     with pytest.raises(ValueError, match="pp=2 is outside 0..1"):
         Layout(dp=2, pp=2, tp=2).rank_at(dp=0, pp=2, tp=0)
-    with pytest.raises(ValueError, match="unknown axis 'ep'"):
-        Layout(dp=2).groups("ep")
+    with pytest.raises(ValueError, match="ep=3 does not divide dp=4"):
+        Layout.over(4, ep=3)
+    with pytest.raises(ValueError, match="Layout.ep must be a positive int"):
+        Layout(dp=2, ep=0)
+    with pytest.raises(ValueError, match="unknown axis 'xp'"):
+        Layout(dp=2).groups("xp")
 
 
 def test_dispatch_sends_each_rank_its_dp_groups_rows_and_keeps_the_layouts_output_ranks(
