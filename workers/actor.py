@@ -114,7 +114,8 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         """algorithm.ppo_epochs passes over the batch, one optimizer step per mini-batch of
         actor.ppo_mini_batch_size prompts (times rollout.n samples), in order. Without
         `old_log_probs` in the batch (on-policy only): (metrics, Batch of the `old_log_probs`
-        and `entropy` its first forward gave)."""
+        and `entropy` its first forward gave). At ep > 1, actor/all_to_all_s: this rank's
+        seconds in expert all-to-alls since the last update (the forwards between included)."""
         fused = "old_log_probs" not in batch
         per_token = self._per_token_fields(fused)
         require_fields(batch, (*TOKENS, *per_token), "actor.update_actor")
@@ -126,6 +127,8 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
                               replay_routes=replays_routes(self.config.rollout))
         if self.rollout is not None:
             self.rollout.mark_stale()
+        if self.engine.mesh.ep_size > 1:  # this update's and the forwards' since the last one
+            metrics["actor/all_to_all_s"] = self.engine.take_all_to_all_s()
         if not fused:
             return metrics
         outputs = [{"log_probs": lp, "entropy": ent} for lp, ent, _ in seen]
