@@ -3,6 +3,7 @@ source the config names and the error when vLLM cannot be it, vLLM's per-sample 
 to prompt + response, routes into a packed stream (shared prompts too) and back, and the
 agreement figures, checked against hand-computed numbers."""
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,6 +52,18 @@ def test_job_checks(tmp_path):
         load_config(QUICKSTART, base + ["rollout.routing_replay=rollout"])
     with pytest.raises(ConfigError, match="actor.parallel.pp=2"):
         load_config(QUICKSTART, base + ["rollout.routing_replay=trainer", "actor.parallel.pp=2"])
+
+
+def test_moe_quickstart_config_loads(tmp_path):
+    # a folder as transformers saves Qwen3-MoE: the expert count under num_local_experts
+    folder = tmp_path / "sft_model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "hidden_size": 128, "head_dim": 32, "intermediate_size": 256,
+        "max_position_embeddings": 512, "num_local_experts": 8, "num_experts_per_tok": 2}))
+    cfg = load_config(QUICKSTART.with_name("quickstart_moe.yaml"), [f"model.path={folder}"])
+    assert cfg.actor.parallel.ep == 2 and cfg.rollout.routing_replay == "trainer"
 
 
 def test_vllm_routes_become_a_batch_field():
