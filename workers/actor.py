@@ -27,13 +27,15 @@ from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import GroupBatches
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, TOKENS, require_fields
+from rlhf.data.routes import ROUTES
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from rlhf.models.lora import disable_adapters, is_lora_param
 from rlhf.rollout import RolloutReplica, sampling_temperature
+from rlhf.rollout.routing import check_replay_model, replays_routes
 from workers.base import MemoryReportMixin, Worker, build_engine
 from workers.checkpoint import CheckpointMixin
-from workers.micro_batches import forward_micro_batches, response_fields
+from workers.micro_batches import forward_micro_batches, response_fields, routes_field
 from workers.reference import ref_log_probs
 from workers.rollout import WeightSenderMixin, rollout_spec, sample_rollouts
 from workers.updates import ppo_updates, token_share
@@ -51,6 +53,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         self.engine = build_engine(self, config, "actor", path=config.model.path, head="lm",
                                    train=True)
         self.offload = Offloader(self.engine.state_tensors, config=config.actor.offload)
+        check_replay_model(config.rollout, is_moe=self.engine.model.args.is_moe)
         self.rollout = (RolloutReplica(rollout_spec(ctx, config))
                         if config.rollout.placement == "colocated" else None)
 
@@ -109,12 +112,19 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
     def compute_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
-        """`old_log_probs` and `entropy` of every response token at the sampling temperature."""
+        """`old_log_probs` and `entropy` of every response token at the sampling temperature.
+        With rollout.routing_replay on, an MoE policy replays the batch's `routed_experts`, or
+        without them routes freely and returns the routes it chose (rlhf.rollout.routing)."""
         require_fields(batch, TOKENS, "actor.compute_log_prob")
-        mbs = forward_micro_batches(batch, self.config.actor, split, key="actor")
-        outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy"),
+        replay = replays_routes(self.config.rollout)
+        record = replay and ROUTES not in batch  # with routing replay on, routes in or out
+        mbs = forward_micro_batches(batch, self.config.actor, split, key="actor",
+                                    replay_routes=replay)
+        outputs = self.engine.forward(mbs, outputs=("log_probs", "entropy", ROUTES) if record
+                                      else ("log_probs", "entropy"),
                                       temperature=sampling_temperature(self.config.rollout))
-        return response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
+        fields = response_fields(outputs, mbs, {"old_log_probs": "log_probs", "entropy": "entropy"})
+        return fields.union(routes_field(outputs, mbs, batch)) if record else fields
 
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
@@ -134,7 +144,8 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         """algorithm.ppo_epochs passes over the batch, one optimizer step per mini-batch of
         actor.ppo_mini_batch_size prompts (times rollout.n samples), in order. Without
         `old_log_probs` in the batch (on-policy only): (metrics, Batch of the `old_log_probs`
-        and `entropy` its first forward gave)."""
+        and `entropy` its first forward gave). At ep > 1, actor/all_to_all_s: this rank's
+        seconds in expert all-to-alls since the last update (the forwards between included)."""
         fused = "old_log_probs" not in batch
         per_token = self._per_token_fields(fused)
         require_fields(batch, (*TOKENS, *per_token), "actor.update_actor")
@@ -142,9 +153,12 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
         metrics = ppo_updates(self.engine, batch, split, self.config, "actor", per_token,
                               lambda tokens, seqs: self._loss_fn(tokens, seqs, seen=seen),
                               outputs=("log_probs", "entropy"), on_policy=fused,
-                              temperature=sampling_temperature(self.config.rollout))
+                              temperature=sampling_temperature(self.config.rollout),
+                              replay_routes=replays_routes(self.config.rollout))
         if self.rollout is not None:
             self.rollout.mark_stale()
+        if self.engine.mesh.ep_size > 1:  # this update's and the forwards' since the last one
+            metrics["actor/all_to_all_s"] = self.engine.take_all_to_all_s()
         if not fused:
             return metrics
         outputs = [{"log_probs": lp, "entropy": ent} for lp, ent, _ in seen]

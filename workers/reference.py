@@ -14,6 +14,7 @@ from rlhf.engine import TrainEngine
 from rlhf.engine.offload import Offloader, in_phase
 from rlhf.errors import ConfigError
 from rlhf.rollout import sampling_temperature
+from rlhf.rollout.routing import replays_routes
 from workers.base import MemoryReportMixin, Worker, build_engine
 from workers.micro_batches import forward_micro_batches, response_fields
 
@@ -35,7 +36,8 @@ class ReferenceWorker(MemoryReportMixin, Worker):
     @register(dispatch=Dispatch.DP_COMPUTE)
     @in_phase("forward")
     def compute_ref_log_prob(self, batch: Batch, split: GroupBatches | None = None) -> Batch:
-        """`ref_log_probs` of every response token, at the sampling temperature like the actor's."""
+        """`ref_log_probs` of every response token, at the sampling temperature like the actor's;
+        an MoE reference replays the batch's `routed_experts` with rollout.routing_replay on."""
         return ref_log_probs(self.engine, batch, split, self.config, key="ref")
 
 
@@ -44,7 +46,8 @@ def ref_log_probs(engine: TrainEngine, batch: Batch, split: GroupBatches | None,
     """`ref_log_probs` from `engine`, micro-batched by config.<key>: the reference role's model,
     or the actor's with its adapters disabled (`rlhf.config.ref_from_actor`)."""
     require_fields(batch, TOKENS, f"{key}.compute_ref_log_prob")
-    mbs = forward_micro_batches(batch, getattr(config, key), split, key=key)
+    mbs = forward_micro_batches(batch, getattr(config, key), split, key=key,
+                                replay_routes=replays_routes(config.rollout))
     outputs = engine.forward(mbs, outputs=("log_probs",),
                              temperature=sampling_temperature(config.rollout))
     return response_fields(outputs, mbs, {"ref_log_probs": "log_probs"})

@@ -43,11 +43,13 @@ def train_mini_batch(engine: TrainEngine, mbs: Sequence[MicroBatch], make_loss, 
 
 def ppo_updates(engine: TrainEngine, batch: Batch, split: GroupBatches | None, config: JobConfig,
                 key: str, per_token: Sequence[str], make_loss, *, outputs: Sequence[str],
-                temperature: float = 1.0, on_policy: bool = False) -> dict[str, float]:
+                temperature: float = 1.0, on_policy: bool = False,
+                replay_routes: bool = False) -> dict[str, float]:
     """algorithm.ppo_epochs passes over the plan's mini-batches (the driver's batch split, or this
     group's own at dp = 1: `<key>.ppo_mini_batch_size` prompts' samples each, in order), one
     `train_mini_batch` step each; metrics averaged over the steps, named `<key>/...`.
-    `on_policy`: ValueError unless that is one step (the loss reads the old policy from it)."""
+    `on_policy`: ValueError unless that is one step (the loss reads the old policy from it).
+    `replay_routes`: an MoE model's forwards use the batch's recorded routes (if it has them)."""
     role: TrainRoleConfig = getattr(config, key)
     split = group_batches(batch, role, split, dp_size=engine.mesh.dp_size, key=key,
                           mini_size=role.ppo_mini_batch_size * config.rollout.n)
@@ -57,7 +59,7 @@ def ppo_updates(engine: TrainEngine, batch: Batch, split: GroupBatches | None, c
                          f"its first forward only when it is one step; this one is {steps} "
                          f"(algorithm.ppo_epochs x mini-batches): call compute_log_prob first")
     minis = [build_micro_batches(batch, micro, (*per_token, MASK),
-                                 share_prompts=role.share_prompts)
+                                 share_prompts=role.share_prompts, replay_routes=replay_routes)
              for micro in split.mini_batches]
     history = [train_mini_batch(engine, mbs, make_loss, outputs=outputs, temperature=temperature)
                for _ in range(config.algorithm.ppo_epochs) for mbs in minis]

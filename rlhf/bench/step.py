@@ -11,7 +11,10 @@ between the steps: rlhf.bench.flops) and a summary with the ratio and the MFU ou
 need for twice the baseline's tokens/s.
 Warm-up steps are excluded. Models: `tiny24m` (8 layers, width 512, 8 heads / 4 kv heads,
 vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `quickstart`
-(the quickstart's model and batch sizes, with the same GRPO k3 loss in both systems).
+(the quickstart's model and batch sizes, with the same GRPO k3 loss in both systems; with
+`--quickstart-config configs/quickstart_moe.yaml` its MoE model and expert parallelism, and
+our line adds all_to_all_s and all_to_all_share: a rank's seconds in the expert all-to-alls
+and their share of the step).
 
 With `--async`: synchronous against one-step-off-policy steps, side by side. Both runs use the
 same job (model, prompts, sizes) on one training rank and one rollout rank of its own
@@ -99,7 +102,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _summary(result: dict, steps: int) -> dict:
     step_s = result["seconds"]["step"]
-    return {"cores": result["cores"],
+    extra = {}
+    if "all_to_all_s" in result:  # a rank's seconds in expert all-to-alls, and their share
+        extra = {"all_to_all_s": round(result["all_to_all_s"], 4),
+                 "all_to_all_share": round(result["all_to_all_s"] / step_s, 4)}
+    return {"cores": result["cores"], **extra,
             "generated_tokens_per_s": round(result["generated_tokens"] / step_s, 2),
             "generated_tokens": result["generated_tokens"],
             "seconds_per_step": round(step_s / steps, 4),
@@ -179,6 +186,8 @@ def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
     generated = sum(round(r["response_length/mean"] * samples) for r in records)
     ours = {"cores": cores, "generated_tokens": generated, "seconds": seconds,
             "cpu_util": meter.utilisation()}
+    if any("actor/all_to_all_s" in r for r in records):  # expert parallelism (an MoE actor)
+        ours["all_to_all_s"] = sum(r["actor/all_to_all_s"] for r in records)
     baseline = {"cores": cores, **summarise(baseline_steps, cores)}
     # MFU: both systems' forward tokens are the timed steps' prompts once plus their responses
     # (attention over the mean sample length, prompt plus response)
@@ -303,8 +312,9 @@ def _job_config(args, root: Path):
         base = load_config(args.quickstart_config, [])
         spec, prompts, samples, new_tokens = base.model.tiny, 32, 8, 16
         budget = base.actor.max_tokens_per_micro_batch
+        ep = base.actor.parallel.ep  # an MoE quickstart's expert parallelism
     else:
-        spec, prompts, samples, new_tokens, budget = TINY24M, 16, 4, 32, 4096
+        spec, prompts, samples, new_tokens, budget, ep = TINY24M, 16, 4, 32, 4096, 1
     prompts, samples = args.prompts or prompts, args.samples or samples
     new_tokens = args.new_tokens or new_tokens
     shape = {k: v for k, v in (("num_layers", args.layers), ("hidden_size", args.hidden)) if v}
@@ -320,7 +330,7 @@ def _job_config(args, root: Path):
     tree = {
         "model": {"path": str(model)},
         "actor": {"ppo_mini_batch_size": prompts, "max_tokens_per_micro_batch": budget,
-                  "optim": {"lr": 1.0e-6}},
+                  "optim": {"lr": 1.0e-6}, "parallel": {"ep": ep}},
         "ref": {"max_tokens_per_micro_batch": budget},
         "reward": {"functions": [{"path": "rlhf.rewards.arith:exact_match"}], "num_workers": 0},
         "rollout": {"n": samples, "max_new_tokens": new_tokens, "temperature": 1.0,

@@ -75,7 +75,7 @@ def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
                       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                       intermediate_size=hf["intermediate_size"],
                       max_position_embeddings=hf["max_position_embeddings"],
-                      num_experts=hf.get("num_experts") or 0)
+                      num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def check_config(cfg: JobConfig) -> None:
@@ -139,6 +139,13 @@ def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
         yield (f"algorithm.dynamic_sampling={algo.dynamic_sampling} filters prompt groups by "
                f"their reward spread; use a group estimator ({', '.join(GROUP_ESTIMATORS)}) "
                f"for algorithm.adv_estimator, or set algorithm.dynamic_sampling=off")
+    if rollout.routing_replay == "rollout" and cfg.trainer.device == "cpu":
+        yield ("rollout.routing_replay=rollout takes the routes from vLLM, which returns them "
+               "only on CUDA (trainer.device is cpu); use rollout.routing_replay=trainer")
+    if rollout.routing_replay != "off" and cfg.actor.parallel.pp > 1:
+        yield (f"rollout.routing_replay={rollout.routing_replay} with actor.parallel.pp="
+               f"{cfg.actor.parallel.pp}: the routes of a batch are recorded and replayed on "
+               "one pipeline stage; use actor.parallel.pp=1 or routing_replay=off")
     if algo.overlong_buffer > rollout.max_new_tokens:
         yield (f"algorithm.overlong_buffer={algo.overlong_buffer} exceeds rollout.max_new_tokens="
                f"{rollout.max_new_tokens}; the penalty ramp must fit inside the response")

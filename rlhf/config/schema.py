@@ -190,6 +190,9 @@ class RolloutConfig:
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: a vLLM replica on every actor rank, synced in-process; separate: world_size
     rollout ranks of their own (no training engine), sent weights over a transfer group."""
+    routing_replay: Literal["off", "rollout", "trainer"] = "off"
+    """MoE routing replay: the trainer's forwards of a batch use recorded experts per token.
+    rollout: those vLLM routed (CUDA only); trainer: those the old-log-prob forward chose."""
     world_size: int | None = None
     """Ranks of the separate rollout pool (a multiple of tp); set exactly when separate."""
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -242,6 +245,10 @@ class RolloutConfig:
         if self.env.path is not None and self.tp != 1:
             raise ConfigError(f"env: multi-turn rollouts run on replicas of one rank; set "
                               f"rollout.tp=1 (got {self.tp})")
+        if self.routing_replay == "rollout" and self.env.path is not None:
+            raise ConfigError("rollout.routing_replay=rollout records one generation's routes; "
+                              "multi-turn episodes (rollout.env) need routing_replay=trainer "
+                              "or off")
         require_placement(self)
 
 

@@ -52,7 +52,9 @@ from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_ful
 from rlhf.models.transformer import ValueModel
 from rlhf.models.param_table import ParamTable
 from rlhf.parallel.collectives import group_rank, group_size
+from rlhf.parallel.expert_parallel import timed_all_to_all
 from rlhf.parallel.mesh import ParallelMesh
+from rlhf.parallel.timing import Stopwatch
 
 Head = Literal["lm", "value"]
 DEFAULT_OUTPUTS = {"lm": ("log_probs", "entropy"), "value": ("values",)}
@@ -94,6 +96,7 @@ class TrainEngine:
         self.device = next(model.parameters()).device
         self.total_steps, self.step_count = total_steps, 0
         self.schedule = make_schedule(built, mesh, device=self.device)
+        self._all_to_all = Stopwatch(self.device)  # expert all-to-alls (take_all_to_all_s)
         self.router_aux_loss_coef = router_aux_coef(model.args, router_aux_loss_coef,
                                                     pp=mesh.pp_size)
         apply_recompute(model, recompute)
@@ -175,8 +178,9 @@ class TrainEngine:
         log-probs and entropy of softmax(logits / temperature), the sampler's distribution.
         With pp > 1 the outputs exist on the last stage; the other stages return []."""
         self.model.eval()
-        outs = self.schedule.forward(micro_batches, outputs=self._outputs(outputs),
-                                     temperature=temperature)
+        with timed_all_to_all(self._all_to_all):
+            outs = self.schedule.forward(micro_batches, outputs=self._outputs(outputs),
+                                         temperature=temperature)
         return [{k: v.detach() for k, v in out.items()} for out in outs]
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *,
@@ -197,9 +201,10 @@ class TrainEngine:
         if self.model.args.is_moe:
             loss_fn = with_router_aux(loss_fn, coef=self.router_aux_loss_coef,
                                       total_tokens=self._global_tokens(micro_batches))
-        results = self.schedule.forward_backward(micro_batches, loss_fn,
-                                                 outputs=self._outputs(outputs),
-                                                 temperature=temperature)
+        with timed_all_to_all(self._all_to_all):
+            results = self.schedule.forward_backward(micro_batches, loss_fn,
+                                                     outputs=self._outputs(outputs),
+                                                     temperature=temperature)
         self.sync_grads()
         return reduce_metrics(results, self.mesh, device=self.device)
 
@@ -346,6 +351,13 @@ class TrainEngine:
         self._require_no_expert_parallel("load_checkpoint")
         shards = self.grads.part.shards if self.grads is not None else 1
         self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards))
+
+    def take_all_to_all_s(self) -> float:
+        """Seconds this rank spent in expert-parallel all-to-alls since the last call (forwards,
+        backwards); 0 without ep. On CUDA, waits for the last one to finish."""
+        seconds = self._all_to_all.seconds
+        self._all_to_all = Stopwatch(self.device)
+        return seconds
 
     # ---- internals ---------------------------------------------------------------------------
 

@@ -15,11 +15,17 @@ the router's gradient stays local.
 
 Every rank of an ep group must call `dispatch` and `combine` as often as the others (an empty
 micro-batch, T = 0, still takes part); the micro-batch planner keeps the counts equal.
+
+Inside `timed_all_to_all(watch)` every all-to-all here, forward and backward, adds its time to
+`watch` (a `timing.Stopwatch`): the engine scopes one around its calls, so benchmarks can report
+the exchanges' share of a step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +34,26 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from rlhf.parallel.collectives import group_rank, group_size
+from rlhf.parallel.timing import Stopwatch
+
+# The stopwatch of the engine call in progress (`timed_all_to_all`). The exchanges run deep in
+# a model's forward and in autograd's backward, which no argument reaches; a backward uses the
+# stopwatch its forward saw (autograd may run it on another thread).
+_WATCH: ContextVar[Stopwatch | None] = ContextVar("all_to_all_watch", default=None)
+
+
+@contextmanager
+def timed_all_to_all(watch: Stopwatch) -> Iterator[None]:
+    """Within the block, every expert all-to-all of this thread adds its time to `watch`."""
+    token = _WATCH.set(watch)
+    try:
+        yield
+    finally:
+        _WATCH.reset(token)
+
+
+def _timed(watch: Stopwatch | None):
+    return watch() if watch is not None else nullcontext()
 
 
 @dataclass(frozen=True)
@@ -102,7 +128,8 @@ def dispatch(x_TH: Tensor, experts_TK: Tensor, *, num_experts: int,
                                        torch.arange(len(flat), device=flat.device), counts)
     # received[s, e]: copies source rank s sends to this rank's local expert e
     received = torch.empty_like(counts_E)
-    dist.all_to_all_single(received, counts_E, group=group)
+    with _timed(_WATCH.get()):
+        dist.all_to_all_single(received, counts_E, group=group)
     received_SE = received.view(ep, num_local)
     send_splits = counts_E.view(ep, num_local).sum(1).tolist()  # the step's one host read
     recv_splits = received_SE.sum(1).tolist()
@@ -151,13 +178,16 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, out_splits: list[int], in_splits: list[int],
                 group: ProcessGroup) -> Tensor:
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        return _all_to_all(x, out_splits, in_splits, group)
+        ctx.splits, ctx.group, ctx.watch = (out_splits, in_splits), group, _WATCH.get()
+        with _timed(ctx.watch):
+            return _all_to_all(x, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         out_splits, in_splits = ctx.splits
-        return _all_to_all(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+        with _timed(ctx.watch):
+            grad = _all_to_all(grad.contiguous(), in_splits, out_splits, ctx.group)
+        return grad, None, None, None
 
 
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int],

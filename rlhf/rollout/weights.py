@@ -12,6 +12,13 @@ piece is copied once by vLLM's own loader (its name mapping and q/k/v, gate/up f
 each module is repacked once, as soon as all its elements are in, so one module's tensors
 are alive at a time beside the exporter's bucket. Anything else takes the layer-wise path.
 
+A fused MoE layer (vLLM's FusedMoE: every expert's gate/up stacked in `w13_weight`, down in
+`w2_weight`) keeps its tensors live, but on the CPU in a prepacked, padded kernel layout that
+vLLM's own reload copies checkpoint-format weights into unconverted (its weight-update path
+skips the CPU repack). The direct path gives it fresh checkpoint-format tensors, lets vLLM's
+expert loader fill them (per-expert HF names or transformers' stacked ones) and converts them
+as vLLM does at first load.
+
 Both paths count the elements every module receives against those it holds
 (`checkpoint_elements`) and refuse a sync that leaves any module short (`check_complete`):
 vLLM itself only warns, then serves that module's old tensors, which after a level-2 sleep on
@@ -149,7 +156,8 @@ class _Pending:
     name: str
     module: nn.Module
     expected: int
-    repacks: bool  # an unquantized linear or embedding: repacked once complete
+    repacks: bool  # an unquantized linear, embedding or fused MoE: repacked once complete
+    fused_moe: bool = False  # its live tensors are in kernel layout: all loaded into stand-ins
     loaded: int = 0
     done: bool = False
     freed: dict[str, nn.Parameter] = field(default_factory=dict)  # the empty stand-ins vLLM left
@@ -201,8 +209,9 @@ class DirectReload:
         for name, module in self.model.named_modules():
             if not any(t is not None for t in module._parameters.values()):
                 continue
-            state = _Pending(name=name, module=module, expected=0,
-                             repacks=type(getattr(module, "quant_method", None)) in plain)
+            method = type(getattr(module, "quant_method", None))
+            state = _Pending(name=name, module=module, expected=0, repacks=method in plain,
+                             fused_moe=method is _fused_moe_method())
             for pname, tensor in list(module._parameters.items()):
                 if tensor is not None:
                     self._own(self._loadable(state, pname, tensor) if state.repacks else tensor,
@@ -218,7 +227,7 @@ class DirectReload:
         from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
 
         meta = get_layerwise_info(state.module).restore_metadata[0].get(pname)
-        if meta is None or tensor.numel() > 0 or meta.numel() == 0:
+        if meta is None or meta.numel() == 0 or (tensor.numel() > 0 and not state.fused_moe):
             return tensor
         stand_in = restore_layer_refs(to_meta_tensor(meta), state.module)  # a copy: ours
         state.freed[pname] = tensor
@@ -246,11 +255,14 @@ class DirectReload:
             if all(state.done for state in owners):
                 raise RuntimeError(f"vLLM module {owners[0].name} was sent a piece after all "
                                    "its elements; the export sends a tensor twice")
-            load(self._materialized(param), loaded_weight, *args, **kwargs)
+            loaded = load(self._materialized(param), loaded_weight, *args, **kwargs)
+            if loaded is False:  # an expert loader's "not mine" (return_success=True)
+                return loaded
             for state in owners:
                 state.loaded += loaded_weight.numel()  # vLLM-tp 1: a loader copies it whole
                 if state.loaded >= state.expected:
                     self._complete(state)
+            return loaded
 
         return loader
 
@@ -274,6 +286,10 @@ class DirectReload:
         if state.done:
             return
         state.done = True
+        if state.fused_moe:
+            # vLLM converts a fused MoE's weights in full only on its first load (a kernel
+            # already built means "a weight update": copy unconverted): make this one a first.
+            state.module.quant_method.moe_kernel = None
         if state.repacks:
             state.module.quant_method.process_weights_after_loading(state.module)
             if hasattr(state.module, "update_param_tp_status"):
@@ -300,4 +316,11 @@ def _unquantized_methods() -> tuple[type, ...]:
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
-    return UnquantizedLinearMethod, UnquantizedEmbeddingMethod
+    return UnquantizedLinearMethod, UnquantizedEmbeddingMethod, _fused_moe_method()
+
+
+def _fused_moe_method() -> type:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod)
+
+    return UnquantizedFusedMoEMethod

@@ -45,7 +45,9 @@ from rlhf.files import check_shared_folder
 from rlhf.rewards import RewardRunner
 from rlhf.rewards.runner import combine_scores
 from rlhf.rollout import logprob_gap
+from rlhf.rollout.routing import replays_routes
 from rlhf.rollout.sampling import check_logprob_gap
+from rlhf.trainer import routing_replay
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.metrics import MetricsLogger, SectionTimer
 from rlhf.trainer.preemption import Preempted, StopRequests
@@ -366,6 +368,10 @@ class PPOTrainer:
                 with timer("old_log_prob"):
                     batch = batch.union(views["actor"].compute_log_prob(
                         batch, split=splits.forward("actor")))
+                if replays_routes(cfg.rollout):  # MoE routing replay's figures
+                    with timer("routing_check"):
+                        metrics.update(routing_replay.before_update(
+                            views["actor"], batch, splits.forward("actor"), cfg.rollout))
             if cfg.algorithm.use_ref:
                 with timer("ref"):
                     ref = "actor" if ref_from_actor(cfg) else "ref"  # LoRA: the base is the ref
@@ -382,6 +388,10 @@ class PPOTrainer:
             if not fused:  # checked before the update trains on the engine's samples
                 metrics.update(self._logprob_gap(batch, version=version))
             update_metrics, batch = self._update(batch, splits, timer, step=step, fused=fused)
+            if replays_routes(cfg.rollout):
+                with timer("routing_check"):
+                    metrics.update(routing_replay.after_update(
+                        views["actor"], batch, splits.forward("actor"), cfg.rollout))
             if fused:  # the old log-probs came out of the update's first forward
                 metrics.update(self._logprob_gap(batch, version=version))
             metrics.update(recipe_metrics or rollout_corr_metrics(batch, cfg))
