@@ -9,13 +9,16 @@ from rlhf.bench import cli as bench_cli
 from rlhf.config.loader import add_job_arguments
 from rlhf.errors import RLHFError
 from rlhf.plan import report as plan_report
+from rlhf.trainer.preemption import EXIT_PREEMPTED
 
 
 def _add_job_commands(commands: argparse._SubParsersAction) -> None:
     """`rlhf train`, `rlhf sft` and `rlhf export-hf`."""
     for name, run, text in (
             ("train", _train, "PPO/GRPO training: connects to RAY_ADDRESS when set, else starts "
-                              "a local Ray; writes trainer.output_dir"),
+                              "a local Ray; writes trainer.output_dir; exit status "
+                              f"{EXIT_PREEMPTED}: stopped early (SIGTERM/SIGINT, "
+                              "trainer.max_hours) after a checkpoint, run it again to resume"),
             ("sft", _sft, "supervised fine-tuning on prompt/answer rows (the sft section); "
                           "writes an HF folder to warm-start a policy")):
         parser = commands.add_parser(name, help=text)
@@ -79,7 +82,7 @@ def _start(args, command: str):
 
 def _train(args) -> int:
     from rlhf.trainer.jobs import run_train
-    from rlhf.trainer.preemption import EXIT_PREEMPTED, Preempted
+    from rlhf.trainer.preemption import Preempted
 
     cfg = _start(args, "train")
     try:
