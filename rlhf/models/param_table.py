@@ -102,10 +102,6 @@ class ParamTable:
             raise KeyError(f"{name} is not a parameter of this model")
         return self._index[name]
 
-    def trainable(self) -> ParamTable:
-        """The entries of the trainable parameters only (all of them unless a base is frozen)."""
-        return ParamTable(tuple(e for e in self.entries if e.trainable))
-
     def with_partition(self, part, *, only: list[int] | None = None) -> ParamTable:
         """The table with each parameter's flat range and ZeRO-1 owners from `part` (an
         `rlhf.engine.zero.Partition` over the entries in order, or over the entries at the
