@@ -165,6 +165,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int = 0) -> list[str
     from `seed`."""
     if not lora.enabled:
         raise ValueError("LoRA is off (r = 0); check lora.enabled before applying it")
+    if has_lora(model):
+        raise ValueError("this model already has adapters; apply LoRA once")
     names = target_names(model, lora)
     for param in model.parameters():
         param.requires_grad_(False)
