@@ -249,7 +249,8 @@ def param_name(key: str) -> str:
     return key[len(PEFT_PREFIX):]
 
 
-def adapter_state(named: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]) -> dict[str, Tensor]:
+def adapter_state(named: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]
+                  ) -> dict[str, Tensor]:
     """The LoRA factors among full (unsharded) tensors named as our parameters, keyed as in a
     peft `adapter_model.safetensors`; other tensors are left out."""
     items = named.items() if isinstance(named, Mapping) else named
