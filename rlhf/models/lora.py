@@ -165,6 +165,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int = 0) -> list[str
     from `seed`."""
     if not lora.enabled:
         raise ValueError("LoRA is off (r = 0); check lora.enabled before applying it")
+    if has_lora(model):
+        raise ValueError("this model already has adapters; apply LoRA once")
     names = target_names(model, lora)
     for param in model.parameters():
         param.requires_grad_(False)
@@ -247,7 +249,8 @@ def param_name(key: str) -> str:
     return key[len(PEFT_PREFIX):]
 
 
-def adapter_state(named: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]) -> dict[str, Tensor]:
+def adapter_state(named: Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]
+                  ) -> dict[str, Tensor]:
     """The LoRA factors among full (unsharded) tensors named as our parameters, keyed as in a
     peft `adapter_model.safetensors`; other tensors are left out."""
     items = named.items() if isinstance(named, Mapping) else named
