@@ -160,8 +160,9 @@ def target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
 
 def apply_lora(model: nn.Module, lora: LoraConfig, *, seed: int = 0) -> list[str]:
     """Add adapters to `model` in place (after `apply_tp`, before recompute) and freeze every
-    other parameter but a value head; returns the adapted module names. Factors on the meta device stay
-    uninitialised (call `init_lora_` once materialised); others are initialised from `seed`."""
+    other parameter but a value head; returns the adapted module names. Factors on the meta
+    device stay uninitialised (call `init_lora_` once materialised); others are initialised
+    from `seed`."""
     if not lora.enabled:
         raise ValueError("LoRA is off (r = 0); check lora.enabled before applying it")
     names = target_names(model, lora)

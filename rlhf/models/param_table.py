@@ -89,12 +89,12 @@ class ParamTable:
         if len(part.numels) != len(trainable):
             raise ValueError(f"the partition has {len(part.numels)} parameters, the table "
                              f"{len(trainable)} trainable ones; partition those")
-        slot = {i: k for k, i in enumerate(trainable)}
-        return ParamTable(tuple(
-            e if i not in slot else
-            replace(e, flat_range=(part.offsets[slot[i]], part.offsets[slot[i]] + part.numels[slot[i]]),
-                    zero_owners=part.owners(slot[i]) if part.shards > 1 else ())
-            for i, e in enumerate(self.entries)))
+        entries = list(self.entries)
+        for k, i in enumerate(trainable):  # k: the parameter's index in the partition
+            entries[i] = replace(entries[i],
+                                 flat_range=(part.offsets[k], part.offsets[k] + part.numels[k]),
+                                 zero_owners=part.owners(k) if part.shards > 1 else ())
+        return ParamTable(tuple(entries))
 
 
 def param_table(model: nn.Module, *, tp: TPState) -> ParamTable:

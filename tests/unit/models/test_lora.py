@@ -228,3 +228,17 @@ def test_a_value_model_keeps_its_head_trainable(folder):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {"score.weight"} | {n for n in trainable if L.is_lora_param(n)} == trainable
     assert len(trainable) == 1 + 2 * 2 * SMALL["num_layers"]
+
+
+def test_the_table_partitions_the_adapters_and_leaves_the_base_out(folder):
+    from rlhf.engine.zero import partition
+
+    model = _lora_model(folder)
+    table = param_table(model, tp=TPState())
+    numels = [p.numel() for p in model.parameters() if p.requires_grad]
+    filled = table.with_partition(partition(numels, 2, bucket_numel=1000))
+    assert [e.flat_range is not None for e in filled] == [e.trainable for e in table]
+    assert [e.name for e in filled.trainable()] == [n for n, p in model.named_parameters()
+                                                   if p.requires_grad]
+    assert filled["model.layers.1.mlp.down_proj.lora_B.weight"].zero_owners
+    assert filled["model.embed_tokens.weight"].flat_range is None
