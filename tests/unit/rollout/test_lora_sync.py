@@ -12,7 +12,7 @@ from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
-from rlhf.models.lora import peft_config
+from rlhf.models.lora import param_name, peft_config
 from rlhf.rollout import vllm_sampler
 from rlhf.rollout.compat import VLLMVersionError
 from rlhf.rollout.lora_sync import (ADAPTER_VERSIONS, add_adapter, check_lora_internals,
@@ -120,7 +120,8 @@ def test_a_sleeping_cuda_engine_keeps_its_base_and_serves_the_newest_adapter(
     assert not replica.stale  # level 1: the base survived the sleep; nothing to re-send
     for version in range(3):
         replica.mark_stale()
-        metrics = replica.sync(lambda: iter([list(_factors().items())]))
+        ours = [(param_name(key), t) for key, t in _factors().items()]  # the export's names
+        metrics = replica.sync(lambda: iter([ours]))
         assert metrics["sync/bytes"] == sum(t.numel() * 4 for t in _factors().values())
         replica.generate(prompts, greedy=False, seed=1)
     assert removed == [1]  # the third version pushed out the first; two stay registered
