@@ -142,7 +142,9 @@ def _make_tiny_model(args) -> int:
         arch=args.arch, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
         num_kv_heads=args.kv_heads, intermediate_size=args.intermediate, vocab_size=args.vocab,
         tie_embeddings=args.tie_embeddings, max_position_embeddings=args.max_position,
-        seed=args.seed)
+        seed=args.seed, **{field: value for field, value in (
+            ("num_experts", args.experts), ("num_experts_per_tok", args.experts_per_token),
+            ("moe_intermediate_size", args.moe_intermediate)) if value is not None})
     out = make_tiny_model(spec, Path(args.out), overwrite=args.overwrite)
     print(f"wrote {spec.arch} model ({spec.num_layers} layers, hidden {spec.hidden_size}, "
           f"vocab {spec.vocab_size}) to {out}")
@@ -247,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init Hugging Face model folder and its tokenizer")
     tiny.add_argument("out", help="folder to create")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3", "mistral"])
+    tiny.add_argument("--arch", default="llama",
+                      choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
     tiny.add_argument("--layers", type=int, default=4)
     tiny.add_argument("--hidden", type=int, default=128)
     tiny.add_argument("--heads", type=int, default=4)
@@ -257,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--max-position", type=int, default=512)
     tiny.add_argument("--tie-embeddings", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--experts", type=int, help="qwen3_moe: routed experts per layer")
+    tiny.add_argument("--experts-per-token", type=int, help="qwen3_moe: top-k experts per token")
+    tiny.add_argument("--moe-intermediate", type=int, help="qwen3_moe: width of each expert")
     tiny.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     tiny.set_defaults(run=_make_tiny_model)
 

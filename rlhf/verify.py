@@ -19,6 +19,11 @@ parameter's grad), its max abs error against float64 is at most `factor` times t
 float32 error plus `floor`. A real bug (a wrong RoPE base or norm epsilon, a mis-sharded
 weight) moves results by orders of magnitude more than rounding does.
 
+A mixture-of-experts model (qwen3_moe) also checks the routers: the loss adds
+MOE_AUX_WEIGHT x transformers' load-balancing loss (pp = 1: the engine adds its own, over one
+micro-batch of the whole batch, so the routers' grads include it) and "aux_loss" is compared
+as a quantity; with pp > 1, where the engine refuses the aux loss, the loss leaves it out.
+
 With `device="cuda"` the ranks are NCCL processes, one per GPU (by default one per visible
 GPU), both references run on the first GPU, and fp32 matmuls are IEEE on both sides (TF32 off,
 `ieee_fp32`).
@@ -41,6 +46,7 @@ from rlhf.engine.micro_batch import MicroBatch
 from rlhf.errors import RLHFError
 from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
+from rlhf.models.moe import split_fused_experts
 from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
 from rlhf.models.tp_sharding import check_tp_compatible
 from rlhf.parallel.collectives import all_gather
@@ -48,7 +54,9 @@ from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.stages import split_layers
 
-OUTPUTS = ("logits", "log_probs", "entropy")  # compared value by value; grads per parameter
+# Compared value by value (aux_loss: MoE models only); grads per parameter.
+OUTPUTS = ("logits", "log_probs", "entropy", "aux_loss")
+MOE_AUX_WEIGHT = 1.0  # large enough that the aux loss's share of the routers' grads is checked
 # Ours may be this many times further from float64 than transformers' float32 is: both add the
 # same terms in another order (sharded sums, packed attention), so their errors are alike.
 DEFAULT_FACTOR = 4.0
@@ -83,15 +91,17 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         _check_inputs(reference, tp=1, pp=1, vpp=1, sequence_parallel=False, nproc=1,
                       num_seqs=num_seqs, max_len=max_len, device="cpu")
     seqs = random_batch(args, _pad_id(reference), num_seqs=num_seqs, max_len=max_len, seed=seed)
-    ref = hf_reference(reference, seqs, device=device, dtype=torch.float64)
-    theirs = distances(hf_reference(reference, seqs, device=device, dtype=torch.float32), ref)
+    aux_weight = MOE_AUX_WEIGHT if args.is_moe and pp == 1 else 0.0
+    ref = hf_reference(reference, seqs, device=device, dtype=torch.float64, aux_weight=aux_weight)
+    theirs = distances(hf_reference(reference, seqs, device=device, dtype=torch.float32,
+                                    aux_weight=aux_weight), ref)
     with tempfile.TemporaryDirectory(prefix="rlhf-verify-") as tmp:
         ref_path = Path(tmp) / "reference.pt"
         torch.save(ref, ref_path)
         scales = _scales(ref)
         del ref
         per_rank = run_distributed(_rank_check, nproc, str(folder), parallel, str(ref_path), seqs,
-                                   device, timeout_s=timeout_s,
+                                   device, aux_weight, timeout_s=timeout_s,
                                    backend="nccl" if device == "cuda" else "gloo")
     ours = {check: max(r[check] for r in per_rank) for check in OUTPUTS if check in per_rank[0]}
     ours["grads"] = {n: max(r["grads"][n] for r in per_rank) for n in per_rank[0]["grads"]}
@@ -122,7 +132,7 @@ def distances(got: dict, want: dict) -> dict:
 
 
 def _scales(ref: dict) -> dict:
-    out = {check: ref[check].abs().max().item() for check in OUTPUTS}
+    out = {check: ref[check].abs().max().item() for check in OUTPUTS if check in ref}
     out["grads"] = {n: g.abs().max().item() for n, g in ref["grads"].items()}
     return out
 
@@ -200,7 +210,8 @@ def random_batch(args: ModelArgs, pad_id: int | None, *, num_seqs: int, max_len:
 
 
 def verification_loss(log_probs_T, entropy_T, valid_T):
-    """Mean next-token log-prob over valid positions plus mean entropy."""
+    """Mean next-token log-prob over valid positions plus mean entropy (an MoE model's check
+    adds MOE_AUX_WEIGHT x the load-balancing loss)."""
     return (log_probs_T * valid_T).sum() / valid_T.sum().clamp(min=1) + entropy_T.mean()
 
 
@@ -218,35 +229,57 @@ def ieee_fp32():
 
 
 def hf_reference(folder: Path, seqs: list[torch.Tensor], *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float64) -> dict:
+                 dtype: torch.dtype = torch.float64, aux_weight: float = 0.0) -> dict:
     """transformers in `dtype` on `device` (its first GPU for "cuda"), sequence by sequence:
-    logits, log-probs, entropy, grads; on the CPU."""
+    logits, log-probs, entropy, grads (under our per-expert names); on the CPU. `aux_weight`
+    > 0 (an MoE model): the loss adds that times the load-balancing loss of all the tokens,
+    returned as "aux_loss"."""
     from transformers import AutoModelForCausalLM
 
     from rlhf.models.gguf import quiet_transformers
 
+    # transformers' default grouped-matmul experts take no float64: its plain loop is the
+    # reference (the experts' own sums are the same).
+    moe = {"experts_implementation": "eager"} if ModelArgs.from_pretrained(folder).is_moe else {}
     with quiet_transformers():  # a loading bar would garble the tool's output
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **moe).to(device).eval()
+    extra = {"output_router_logits": True} if aux_weight else {}
     with ieee_fp32():
-        logits_TV = torch.cat([hf(s[None].to(device)).logits[0] for s in seqs])
+        outs = [hf(s[None].to(device), **extra) for s in seqs]
+        logits_TV = torch.cat([o.logits[0] for o in outs])
         targets_T, valid_T = (t.to(device) for t in shifted_targets(pack(seqs)))
         logp_TV = torch.log_softmax(logits_TV, -1)
         log_probs_T = logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T
         entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
-        verification_loss(log_probs_T, entropy_T, valid_T).backward()
+        loss = verification_loss(log_probs_T, entropy_T, valid_T)
+        aux = {}
+        if aux_weight:
+            aux["aux_loss"] = _hf_aux_loss(hf, outs)
+            loss = loss + aux_weight * aux["aux_loss"]
+        loss.backward()
     return {"logits": logits_TV.detach().cpu(), "log_probs": log_probs_T.detach().cpu(),
             "entropy": entropy_T.detach().cpu(), "valid": valid_T.cpu(),
-            "grads": {n: p.grad.cpu() for n, p in hf.named_parameters()}}
+            **{k: v.detach().cpu() for k, v in aux.items()},
+            "grads": split_fused_experts({n: p.grad.cpu() for n, p in hf.named_parameters()})}
+
+
+def _hf_aux_loss(hf, outs) -> torch.Tensor:
+    """transformers' load-balancing loss over every sequence's tokens (packed, no padding)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    router = tuple(torch.cat(layer) for layer in zip(*[o.router_logits for o in outs]))
+    return load_balancing_loss_func(router, hf.config.num_experts, hf.config.num_experts_per_tok)
 
 
 def _rank_check(rank: int, world: int, folder: str, parallel: ParallelConfig, ref_path: str,
-                seqs: list[torch.Tensor], device_type: str = "cpu") -> dict:
+                seqs: list[torch.Tensor], device_type: str = "cpu",
+                aux_weight: float = 0.0) -> dict:
     # run_distributed made this rank's GPU the current device (NCCL).
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     with ieee_fp32():
         report = _compare(folder, parallel, torch.load(ref_path, mmap=True), seqs, world=world,
-                          device=device)
+                          device=device, aux_weight=aux_weight)
         tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
     return {**report, "device": _device_name(device), "tf32": tf32}
 
@@ -256,14 +289,14 @@ def _device_name(device: torch.device) -> str:
 
 
 def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
-             world: int, device: torch.device) -> dict:
+             world: int, device: torch.device, aux_weight: float = 0.0) -> dict:
     ref["valid"] = ref["valid"].to(device)
     mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
                         cache=ProcessGroupCache())
     built = build_model(folder, mesh=mesh, parallel=parallel, head="lm", device=device)
     model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.
-    engine = TrainEngine(built, mesh, optim=OptimizerConfig())
+    engine = TrainEngine(built, mesh, optim=OptimizerConfig(), router_aux_loss_coef=aux_weight)
     if parallel.pp > 1:
         return _pipeline_check(engine, seqs, ref)
     packed = _to_device(pack(seqs), device)
@@ -271,6 +304,9 @@ def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.
         shard = vocab_shard(model, mesh)
         logits_TV = all_gather(forward_packed(model, packed, mesh=mesh, tp=built.tp), dim=-1,
                                group=shard["group"])[:, : shard["real_vocab_size"]]
+    if model.args.is_moe:
+        return {**_moe_check(engine, seqs, ref),
+                "logits": _max_diff("logits", logits_TV, ref["logits"])}
     out = model_outputs(model, packed, mesh=mesh, tp=built.tp)
     # Every DP replica runs the whole batch; the DP sum of 1/dp of the loss is the loss.
     loss = verification_loss(out["log_probs"], out["entropy"], ref["valid"]) / mesh.dp_size
@@ -301,6 +337,23 @@ def _pipeline_check(engine: TrainEngine, seqs: list[torch.Tensor], ref: dict) ->
         return {"log_probs": 0.0, "entropy": 0.0, **distances({"grads": grads}, ref)}
     got = {key: torch.cat([o[key] for o in outs]) for key in ("log_probs", "entropy")}
     return distances({**got, "grads": grads}, {k: v for k, v in ref.items() if k != "logits"})
+
+
+def _moe_check(engine: TrainEngine, seqs: list[torch.Tensor], ref: dict) -> dict:
+    """The engine's training step over one micro-batch of the whole batch: it adds the router
+    aux loss (weighted as the reference) and reports it."""
+    mb = MicroBatch(pack_prompt_response([s[:1] for s in seqs], [s[1:] for s in seqs]))
+    mb = mb.to(engine.device)
+    dp = engine.mesh.dp_size
+
+    def loss_fn(out, mb):  # 1/dp of verification_loss: each DP replica runs the whole batch
+        return verification_loss(out["log_probs"], out["entropy"], ref["valid"]) / dp, {}
+
+    metrics = engine.forward_backward([mb], loss_fn, outputs=LM_OUTPUTS)
+    out = engine.forward([mb], outputs=LM_OUTPUTS)[0]
+    got = {"log_probs": out["log_probs"], "entropy": out["entropy"],
+           "aux_loss": torch.tensor(metrics["router_aux_loss"]), "grads": engine.full_grads()}
+    return distances(got, {k: v for k, v in ref.items() if k != "logits"})
 
 
 def _max_diff(name: str, got: torch.Tensor, want: torch.Tensor) -> float:

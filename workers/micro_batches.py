@@ -36,6 +36,10 @@ def group_batches(batch: Batch, role: ForwardRoleConfig, split: GroupBatches | N
             raise ValueError(f"{key}: the plan covers {split.num_rows} rows but the batch has "
                              f"{len(batch)}; pass the plan made for this batch")
         return split
+    if role.parallel.ep > 1:
+        raise ValueError(f"{key}: at parallel.ep={role.parallel.ep} the ranks of an ep group must "
+                         "run as many micro-batches as each other, which only the driver's "
+                         "batch split guarantees: pass the plan the driver made for this batch")
     if mini_size is not None and dp_size > 1:
         raise ValueError(f"{key}: an update on {dp_size} DP groups needs the driver's batch split: "
                          "pass the plan the driver made for this batch (StepSplits.update in "

@@ -5,7 +5,8 @@ The driver sees every sample, so it splits (workers only execute):
     mini-batch k = driver rows [k * mini_size, (k + 1) * mini_size), whatever the DP size, so
     every optimizer step sees the same samples at dp 1, 2, 4;
     within it, samples are balanced over DP groups by cost (Karmarkar-Karp, `balancing.py`) and
-    packed into micro-batches under the token budget, every group getting the same count.
+    packed into micro-batches under the token budget, every group getting the same count
+    (empty ones dropped, or kept at ep > 1, where every rank must run each exchange).
     With shared prompts (`shared`, rlhf.data.packing.shared_prompt_lens) the units balanced and
     packed are runs of one prompt's samples, counted at the tokens they pack to (the prompt
     once), so they land in one micro-batch and hold the prompt once; a run that would pass the
@@ -77,13 +78,17 @@ class BatchSplit:
 
 def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: int | None = None,
                 max_seqs: int | None = None, cost: Callable[[int], float] | None = None,
-                what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchSplit:
+                what: str = "mini_size", shared: Sequence[int] | None = None,
+                keep_empty: bool = False) -> BatchSplit:
     """Split samples of packed `lengths` over `dp` groups: consecutive mini-batches of
     `mini_size` samples (None: one mini-batch of all), each balanced over the groups and
     packed under `max_tokens` (and `max_seqs`) per micro-batch. `what` names `mini_size` in
     errors (say, "actor.ppo_mini_batch_size * rollout.n"). `shared[i]`: prompt tokens sample
     i reads from the first sample of its run (packing's shared prompts); not with `max_seqs`,
-    which counts samples, so a sample cap splits sample by sample (packing still shares)."""
+    which counts samples, so a sample cap splits sample by sample (packing still shares).
+    `keep_empty`: a group with fewer samples than micro-batches keeps empty ones, so every
+    group runs as many (expert parallelism: the ranks of an ep group exchange tokens in every
+    micro-batch); otherwise they are dropped."""
     n = len(lengths)
     check_lengths(lengths, max_tokens)
     size = n if mini_size is None else mini_size
@@ -104,7 +109,7 @@ def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: 
         for g in range(dp):
             mbs, counts = [], []
             for mb, count in zip(sub.rank(g), sub.token_counts[g]):
-                if mb:  # empty only when a group has fewer samples than micro-batches
+                if mb or keep_empty:  # empty only when a group has fewer samples than mbs
                     samples = sorted(i for u in mb for i in units[u][0])
                     mbs.append(tuple(range(len(rows[g]), len(rows[g]) + len(samples))))
                     rows[g].extend(start + i for i in samples)
@@ -142,8 +147,10 @@ def role_budget(role) -> tuple[int, int | None]:
 def split_role_batch(lengths: Sequence[int], role, *, dp: int, mini_size: int | None = None,
                      what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchSplit:
     """`split_batch` under a role config's budget (`role_budget`); `shared` (the batch's
-    shared_prompt_lens) is used when the role shares prompts (`share_prompts`)."""
+    shared_prompt_lens) is used when the role shares prompts (`share_prompts`); empty
+    micro-batches are kept at ep > 1."""
     max_tokens, max_seqs = role_budget(role)
     return split_batch(lengths, dp=dp, max_tokens=max_tokens, max_seqs=max_seqs,
                        mini_size=mini_size, what=what,
-                       shared=shared if role.share_prompts else None)
+                       shared=shared if role.share_prompts else None,
+                       keep_empty=role.parallel.ep > 1)

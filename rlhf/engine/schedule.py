@@ -9,7 +9,8 @@ the same list, so it knows every micro-batch's token count and hence every send/
 Its results exist on the last stage only (the engine broadcasts the reduced metrics from
 there over the pipeline group; other stages return empty lists). Gradients are left
 accumulated in the parameters; the engine syncs them afterwards, so callers never see which
-schedule ran.
+schedule ran. At pp = 1 an empty micro-batch is a padding one of expert parallelism: it only
+joins the MoE layers' token exchanges (`rlhf.models.expert_sharding.idle_expert_exchange`).
 """
 
 from __future__ import annotations
@@ -17,18 +18,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+import torch
 from torch import nn
 
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
+from rlhf.engine.recompute import Recomputed
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
+from rlhf.models.expert_sharding import idle_expert_exchange
+from rlhf.models.moe import ROUTES_KEY
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
 
 __all__ = ["LossFn", "MicroBatchResult", "NoPipeline", "Outputs", "Schedule", "make_schedule"]
+
+_PADDING = "_expert_exchange"  # a padding micro-batch's exchange, kept out of the outputs
 
 
 class Schedule(Protocol):
@@ -54,7 +61,7 @@ class NoPipeline:
                  training: bool = False) -> Outputs:
         # model_outputs' steps, with the micro-batch's host layout passed to every layer
         if mb.num_tokens == 0:
-            raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
+            return self._padding_outputs(outputs)
         run = sp_pad(mb.packed, self._tp) if self._sp else mb.packed
         routing = micro_batch_routing(self.model, mb, outputs)
         out = self.model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
@@ -64,15 +71,35 @@ class NoPipeline:
                                outputs=outputs, temperature=temperature),
                 **routing_outputs(self.model, routing, outputs, with_aux=training)}
 
+    def _padding_outputs(self, outputs: tuple[str, ...]) -> Outputs:
+        """An empty micro-batch (expert parallelism pads the plan with them so every rank of an
+        ep group runs as many): it joins the expert exchanges; its outputs have no tokens."""
+        # recompute "full" wraps whole decoder layers: their exchanges run again in backward
+        full = any(isinstance(layer, Recomputed) for layer in self.model.model.layers.values())
+        exchange = idle_expert_exchange(self.model, recompute=full)
+        if exchange is None:
+            raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
+        args = self.model.args
+        empty = {name: exchange.new_zeros((0, args.num_layers, args.num_experts_per_tok),
+                                          dtype=torch.int64) if name == ROUTES_KEY
+                 else exchange.new_zeros(0) for name in outputs}
+        return {**empty, _PADDING: exchange}
+
     def forward(self, micro_batches, *, outputs, temperature=1.0):
         check_outputs(self.model, outputs, temperature)
-        return [self._outputs(mb.to(self.device), outputs, temperature) for mb in micro_batches]
+        outs = [self._outputs(mb.to(self.device), outputs, temperature) for mb in micro_batches]
+        return [{k: v for k, v in out.items() if k != _PADDING} for out in outs]
 
     def forward_backward(self, micro_batches, loss_fn, *, outputs, temperature=1.0):
         check_outputs(self.model, outputs, temperature)
         results = []
         for mb in micro_batches:
             mb = mb.to(self.device)
+            if mb.num_tokens == 0:  # a padding micro-batch: backward of the exchanges only
+                exchange = self._padding_outputs(outputs)[_PADDING]
+                exchange.backward()
+                results.append(MicroBatchResult(exchange.detach(), {}))
+                continue
             loss, metrics = loss_fn(self._outputs(mb, outputs, temperature, training=True), mb)
             check_loss(loss)
             loss.backward()  # frees this micro-batch's activations before the next one

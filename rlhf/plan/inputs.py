@@ -45,10 +45,12 @@ class RoleSpec:
     tokens: int  # max_tokens_per_micro_batch
     shards: int  # ZeRO-1: ways the masters and moments are split (rlhf.engine.zero.num_shards)
     offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
+    expert_shards: int = 1  # the same for routed experts at ep > 1: over the edp group
 
     @property
     def layout(self) -> Layout:
-        return Layout.over(self.world_size, tp=self.parallel.tp, pp=self.parallel.pp)
+        return Layout.over(self.world_size, tp=self.parallel.tp, pp=self.parallel.pp,
+                           ep=self.parallel.ep)
 
     @property
     def dp(self) -> int:
@@ -118,15 +120,17 @@ def role_specs(cfg: JobConfig, hw: Hardware, *,
 
 def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     world = cfg.role_world_size(role)
-    dp = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp).dp
-    optim = getattr(role, "optim", None)
+    layout = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp, ep=role.parallel.ep)
+    dp, optim = layout.dp, getattr(role, "optim", None)
     return RoleSpec(
         name=name, head=head, args=args, parallel=role.parallel, world_size=world,
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
         shards=num_shards(dp, getattr(optim, "distributed", None)) if trains else 1,
-        offload=getattr(role, "offload", None) or OffloadConfig())
+        offload=getattr(role, "offload", None) or OffloadConfig(),
+        expert_shards=(num_shards(layout.edp, getattr(optim, "distributed", None))
+                       if trains else 1))
 
 
 def model_args(path: str, *, cfg: JobConfig | None, key: str,

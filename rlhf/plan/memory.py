@@ -188,7 +188,22 @@ def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
     norms = 2 * (4 + d) * h / chunk
     attention = (3 if sp else 1) * d * h + d * (2 * q + 2 * kv) / tp
     mlp = (2 if sp else 1) * d * h + 4 * d * inter / tp
+    moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
+    if moe_layers:  # per layer on average over the dense and the MoE layers
+        mlp = (moe_layers * _moe_block_bytes(spec)
+               + (args.num_layers - moe_layers) * mlp) / args.num_layers
     return norms, attention, mlp, d * h / chunk
+
+
+def _moe_block_bytes(spec: RoleSpec) -> float:
+    """Per token, what a sparse MoE block saves: its (gathered) input, the fp32 router
+    probabilities, and per routed (token, expert) pair, top_k of them: the expert's input
+    copy, gate, silu(gate), up, their product, its output before and after weighting, the
+    routing weight and the int64 indices that sort the pairs by expert."""
+    args, tp, d = spec.args, spec.parallel.tp, spec.dtype.itemsize
+    h, inter, k = args.hidden_size, args.moe_intermediate_size, args.num_experts_per_tok
+    router = 4 * args.num_experts + 4 * (k + 1) + 8 * k  # probs, weights and sum, top-k
+    return d * h + router + k * (3 * d * h + 4 * d * inter / tp + d + 2 * 8)
 
 
 def in_flight_chunks(pp: int, vpp: int, pp_rank: int) -> int:
@@ -206,13 +221,11 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     out = []
     for pp_rank, shapes in enumerate(stage_shapes(spec.args, parallel, head=spec.head,
                                                   dtype=spec.dtype)):
-        numels = [p.numel for p in shapes if p.trainable]
         no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
                     "optimizer": 0}
         state = replicated = no_state
         if spec.trains:
-            state = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=spec.shards)
-            replicated = state_bytes(numels, param_bytes=spec.dtype.itemsize, shards=1)
+            state, replicated = _train_state(spec, shapes), _train_state(spec, shapes, shards=1)
         chunks = rank_chunks(spec.args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=pp_rank,
                              layers_per_stage=parallel.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
@@ -230,6 +243,22 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
             activations_by_recompute=by_mode, replicated_state=replicated, head=head,
             head_forward=head_forward))
     return out
+
+
+def _train_state(spec: RoleSpec, shapes, *, shards: int | None = None) -> dict[str, int]:
+    """A training rank's state bytes as the engine allocates them: at ep > 1 the routed experts
+    in their own buffers, ZeRO-1 split over the edp group (`spec.expert_shards`), the rest over
+    dp (`spec.shards`); `shards` forces both (1: the replicated state)."""
+    split = spec.parallel.ep > 1
+    dense = [p.numel for p in shapes if p.trainable and not (split and p.expert)]
+    experts = [p.numel for p in shapes if p.trainable and split and p.expert]
+    state = state_bytes(dense, param_bytes=spec.dtype.itemsize,
+                        shards=spec.shards if shards is None else shards)
+    if experts:
+        more = state_bytes(experts, param_bytes=spec.dtype.itemsize,
+                           shards=spec.expert_shards if shards is None else shards)
+        state = {kind: state[kind] + more[kind] for kind in state}
+    return state
 
 
 def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:

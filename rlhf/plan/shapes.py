@@ -1,9 +1,10 @@
 """Exact per-rank parameter shapes, from the project's own build path on the meta device.
 
 A pipeline rank's shard is what `rlhf.models.build.build_model` would build: the model
-class on meta, cut to the rank's stage chunks (`rank_chunks`), cast, then `apply_tp`. Nothing
+class on meta, cut to the rank's stage chunks (`rank_chunks`), cast, then `apply_tp` and
+`apply_ep` (E / ep experts per MoE layer). Nothing
 is allocated and no weights are read. `apply_tp` needs a TP process group of the real size, so
-the build runs inside a "fake" torch.distributed world of tp * pp ranks (torch's FakeProcessGroup:
+the build runs inside a "fake" torch.distributed world of tp * pp * ep ranks (torch's FakeProcessGroup:
 groups of the right size that never communicate), the device-free method torchtitan's memory
 estimator uses. When this process already has a torch.distributed world (a worker, a test
 fixture), the build runs in a spawned subprocess instead, so that world is left untouched.
@@ -22,7 +23,9 @@ import torch.distributed as dist
 
 from rlhf.config.schema import ParallelConfig
 from rlhf.models.config import ModelArgs
-from rlhf.models.tp_sharding import apply_tp
+from rlhf.models.expert_sharding import apply_ep
+from rlhf.models.param_table import param_table
+from rlhf.models.tp_sharding import TPState, apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -38,6 +41,8 @@ class ParamShape:
     shape: tuple[int, ...]
     dtype: torch.dtype
     trainable: bool = True
+    expert: bool = False
+    """A routed expert's parameter (a rank holds E / ep experts of each MoE layer)."""
 
     @property
     def numel(self) -> int:
@@ -81,15 +86,19 @@ def _rank_shapes(args: ModelArgs, parallel: ParallelConfig, *, head: str, dtype:
                              layers_per_stage=parallel.layers_per_stage)
         stage = dict(layer_ranges=[c.layer_range for c in chunks],
                      has_embedding=chunks[0].has_embedding, has_head=chunks[-1].has_head)
-    layout = Layout.over(parallel.tp * parallel.pp, tp=parallel.tp, pp=parallel.pp)
+    # ep dp ranks: one ep group, whose ranks all hold E / ep experts
+    layout = Layout.over(parallel.tp * parallel.pp * parallel.ep, tp=parallel.tp, pp=parallel.pp,
+                         ep=parallel.ep)
     with _fake_world(world_size=layout.world_size, rank=layout.rank_at(dp=0, pp=pp_rank, tp=0)):
         mesh = ParallelMesh(range(layout.world_size), tp=parallel.tp, pp=parallel.pp,
-                            cache=ProcessGroupCache())
+                            ep=parallel.ep, cache=ProcessGroupCache())
         with torch.device("meta"):
             model = model_cls(args, **stage)
         model.to(dtype=dtype)
         apply_tp(model, mesh, sequence_parallel=parallel.sequence_parallel)
-        return tuple(ParamShape(name, tuple(p.shape), p.dtype, p.requires_grad)
+        apply_ep(model, mesh)
+        experts = {e.name for e in param_table(model, tp=TPState()) if e.expert is not None}
+        return tuple(ParamShape(name, tuple(p.shape), p.dtype, p.requires_grad, name in experts)
                      for name, p in model.named_parameters())  # named_parameters: tied once
 
 

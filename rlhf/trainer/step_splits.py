@@ -63,7 +63,8 @@ class StepSplits:
 
     def _split(self, key: str, *, mini_size: int | None, what: str) -> BatchSplit:
         role = getattr(self.cfg, key)
-        spec = (self.dp[key], mini_size, *role_budget(role), role.share_prompts)
+        spec = (self.dp[key], mini_size, *role_budget(role), role.share_prompts,
+                role.parallel.ep > 1)  # ep > 1 keeps empty micro-batches
         if spec not in self._splits:
             self._splits[spec] = split_role_batch(self.lengths, role, dp=self.dp[key],
                                                   mini_size=mini_size, what=what,

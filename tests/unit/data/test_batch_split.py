@@ -100,6 +100,24 @@ def test_fewer_samples_than_groups_leave_groups_empty_in_forward_plans():
     assert empty.rows == ((), ()) and all(g.num_rows == 0 for g in empty.groups)
 
 
+def test_expert_parallel_plans_keep_empty_micro_batches_so_counts_are_equal():
+    """Two samples (per mini-batch) over 4 groups: without keep_empty two groups run nothing;
+    with it (ep > 1) every group runs one micro-batch per mini-batch, two of them empty, and
+    the plan still covers every sample once."""
+    lengths = [5, 9, 7, 3, 6, 4, 8, 2]
+    for n, mini in ((2, None), (8, 2)):
+        plain = split_batch(lengths[:n], dp=4, max_tokens=9, mini_size=mini)
+        kept = split_batch(lengths[:n], dp=4, max_tokens=9, mini_size=mini, keep_empty=True)
+        assert kept.rows == plain.rows
+        counts = {tuple(len(m) for m in g.mini_batches) for g in kept.groups}
+        assert len(counts) == 1, counts  # every group: as many micro-batches per mini-batch
+        empties = [mb for g in kept.groups for m in g.mini_batches for mb in m if not mb]
+        assert empties and all(c == 0 for g in kept.groups for m, cs in
+                               zip(g.mini_batches, g.token_counts)
+                               for mb, c in zip(m, cs) if not mb)
+        assert len({tuple(len(m) for m in g.mini_batches) for g in plain.groups}) > 1
+
+
 def test_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"10 samples do not split into mini-batches of "
                                          r"actor\.x = 4; send a multiple of 4"):
