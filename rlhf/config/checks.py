@@ -75,7 +75,8 @@ def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
                       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                       intermediate_size=hf["intermediate_size"],
                       max_position_embeddings=hf["max_position_embeddings"],
-                      num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0)
+                      num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+                      if hf.get("model_type") == "qwen3_moe" else 0)
 
 
 def check_config(cfg: JobConfig) -> None:
