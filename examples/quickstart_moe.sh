@@ -21,4 +21,4 @@ warm_start "$@"
 
 step "GRPO (rlhf train)"
 "$rlhf" train "$config" "$@"
-step "done: metrics in $out/run/metrics.jsonl, policy in $out/run/hf_model"
+step "done: metrics in $out/run/metrics.jsonl"

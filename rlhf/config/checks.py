@@ -52,7 +52,7 @@ def read_model_facts(path: str | None, tiny: TinyModelConfig | None, key: str) -
                       num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
                       intermediate_size=tiny.intermediate_size,
                       max_position_embeddings=tiny.max_position_embeddings,
-                      num_experts=getattr(tiny, "num_experts", 0) or 0)
+                      num_experts=tiny.num_experts if tiny.arch == "qwen3_moe" else 0)
 
 
 def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
@@ -75,7 +75,8 @@ def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
                       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
                       intermediate_size=hf["intermediate_size"],
                       max_position_embeddings=hf["max_position_embeddings"],
-                      num_experts=hf.get("num_experts") or hf.get("num_local_experts") or 0)
+                      num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+                      if hf.get("model_type") == "qwen3_moe" else 0)
 
 
 def check_config(cfg: JobConfig) -> None:

@@ -312,14 +312,15 @@ def phase_names(specs: list[RoleSpec]) -> list[str]:
             + [f"update {s.name}" for s in reversed(specs) if s.trains])
 
 
-def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec,
-               stages: list[StageMemory]) -> dict[str, int]:
+def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec) -> dict[str, int]:
     """Per actor rank: vLLM's share of the weights, its KV cache (CUDA: the rest of
     gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb) and the sync's buffers."""
-    full = sum(s.state["weights"] for s in stages) * actor.parallel.tp  # whole model, dtype
-    largest = max(p.nbytes for shapes in stage_shapes(actor.args, actor.parallel, head=actor.head,
-                                                      dtype=actor.dtype, lora=actor.lora)
-                  for p in shapes)
+    shards = stage_shapes(actor.args, actor.parallel, head=actor.head, dtype=actor.dtype,
+                          lora=actor.lora)
+    # whole model, dtype: every stage's shard, the experts of every ep rank (E / ep each)
+    full = sum(p.nbytes * (actor.parallel.ep if p.expert else 1)
+               for shapes in shards for p in shapes) * actor.parallel.tp
+    largest = max(p.nbytes for shapes in shards for p in shapes)
     # A bucket holds whole full tensors up to sync_bucket_mb (one bigger tensor alone), never
     # more than the model; counted twice: the TP/PP-gathered bucket and its staging copy.
     bucket = min(full, max(int(cfg.rollout.sync_bucket_mb * 2**20), largest * actor.parallel.tp))
@@ -389,7 +390,7 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
     stages = {s.name: stage_memory(s) for s in specs}
     by_name = {s.name: s for s in specs}
     actor = by_name["actor"]
-    vllm = vllm_bytes(cfg, hw, actor, stages["actor"])
+    vllm = vllm_bytes(cfg, hw, actor)
     separate = cfg.rollout.placement == "separate"  # vLLM on rollout ranks, not the actor's
     pools: dict[str, tuple[int, list[RoleSpec]]] = {}
     for spec in specs:

@@ -51,6 +51,8 @@ BAD = {
     "ep-vs-dp": (["actor.parallel.ep=3"], "actor.parallel.ep"),
     "ep-needs-experts": (["actor.parallel.ep=2"], "actor.parallel.ep"),
     "ep-positive": (["actor.parallel.ep=0"], "actor.parallel.ep"),
+    "ep-vs-experts": (["model.tiny.arch=qwen3_moe", "trainer.ranks_per_node=6", "rollout.n=2",
+                       "actor.parallel.ep=3"], "actor.parallel.ep=3 does not divide the model's 8"),
     "vpp-stages-vs-layers": (["actor.parallel.pp=2", "actor.parallel.vpp=4"], "actor.parallel.vpp"),
     "layers-per-stage-length": (["actor.parallel.pp=2", "actor.parallel.layers_per_stage=[4]"],
                                 "actor.parallel.layers_per_stage"),

@@ -40,3 +40,18 @@ def test_state_bytes_split_dense_over_dp_and_experts_over_edp():
     assert stage.state["optimizer"] > together["optimizer"]
     one = stage_memory(dataclasses.replace(spec, parallel=ParallelConfig()))[0]
     assert one.state["weights"] > stage.state["weights"]  # every expert on every rank
+
+
+def test_vllm_holds_every_expert_whatever_the_ep():
+    from rlhf.config import load_config
+    from rlhf.plan.inputs import hardware, role_specs
+    from rlhf.plan.memory import vllm_bytes
+
+    def vllm_weights(ep):
+        cfg = load_config("configs/quickstart.yaml", ["model.tiny.arch=qwen3_moe",
+                                                      f"actor.parallel.ep={ep}"])
+        hw = hardware(cfg)
+        actor = next(s for s in role_specs(cfg, hw) if s.name == "actor")
+        return vllm_bytes(cfg, hw, actor)["weights"]
+
+    assert vllm_weights(2) == vllm_weights(1)

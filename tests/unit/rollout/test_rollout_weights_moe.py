@@ -79,8 +79,6 @@ assert gap < 2e-4, gap
 
 engine.load_weights(stream(old_named))  # stacked names
 assert generate() == before, "a reload of the old weights differs from vLLM's own loading"
-engine.load_weights(stream(new_named))
-assert generate() == direct, "stacked and per-expert names load differently"
 
 dropped = "model.layers.1.mlp.experts.3.up_proj.weight"
 try:
