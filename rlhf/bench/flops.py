@@ -31,8 +31,13 @@ def forward_flops_per_token(args: ModelArgs, *, seq_len: float) -> float:
     """One token's forward FLOPs (module docstring), in sequences of `seq_len` tokens."""
     hidden, q = args.hidden_size, args.num_heads * args.head_dim
     kv = args.num_kv_heads * args.head_dim
-    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * args.intermediate_size
-    matmul_weights = args.num_layers * per_layer + hidden * args.vocab_size  # with the LM head
+    attention_proj = hidden * (q + 2 * kv) + q * hidden
+    # An MoE layer runs its router and top-k of its experts per token (active parameters).
+    mlps = sum(hidden * (args.num_experts + 3 * args.num_experts_per_tok
+                         * args.moe_intermediate_size) if args.is_moe_layer(i)
+               else 3 * hidden * args.intermediate_size for i in range(args.num_layers))
+    matmul_weights = (args.num_layers * attention_proj + mlps
+                      + hidden * args.vocab_size)  # with the LM head
     attention = args.num_layers * seq_len * q  # causal: QK^T and AV, ~ seq_len / 2 * q MACs each
     return 2.0 * (matmul_weights + attention)
 

@@ -198,3 +198,23 @@ def test_config_reads_the_saved_expert_count():
     assert args.qk_norm and args.router_aux_loss_coef == 0.001 and not args.norm_topk_prob
     dense = ModelArgs.from_hf_config({**base, "model_type": "qwen3", "head_dim": 4})
     assert not dense.is_moe and dense.num_experts == 0
+
+
+def test_full_recompute_gives_the_same_grads(folder, packed):
+    """A recomputed layer re-runs its routing in backward: same routes, same stats, same grads."""
+    from rlhf.engine.recompute import apply_recompute
+
+    _, p = packed
+    grads = []
+    for mode in ("none", "full"):
+        model = CausalLM(ModelArgs.from_pretrained(folder))
+        load_hf_weights(model, folder)
+        apply_recompute(model, mode)
+        routing = Routing(num_tokens=p.tokens.numel())
+        logits_TV = _forward(model, p, routing)
+        _loss(logits_TV, routing.aux_loss(), p).backward()
+        grads.append({n.replace(".inner.", "."): q.grad for n, q in model.named_parameters()
+                      if q.grad is not None})  # the wrapper adds "inner."
+    assert grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-7), name
