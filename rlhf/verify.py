@@ -177,7 +177,8 @@ def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_se
         nproc = gpus if gpus is not None else tp * pp * ep
     if nproc < 1 or nproc % (tp * pp * ep):
         where = f" (the {gpus} visible GPUs)" if gpus is not None else ""
-        raise RLHFError(f"--nproc {nproc}{where} is not a positive multiple of tp * pp * ep = "
+        product = "tp * pp" + (" * ep" if ep > 1 else "")
+        raise RLHFError(f"--nproc {nproc}{where} is not a positive multiple of {product} = "
                         f"{tp * pp * ep}; pass --nproc")
     if ep > 1 and (not args.num_experts or args.num_experts % ep):
         raise RLHFError(f"--ep {ep} needs a mixture-of-experts model whose expert count it "

@@ -68,6 +68,8 @@ def test_a_tolerance_below_fp32_noise_fails(folder, capsys):
     (["--tp", "4"], "tp=4 does not divide num_key_value_heads=2"),
     (["--tp", "2", "--nproc", "3"], "--nproc 3 is not a positive multiple of tp * pp = 2"),
     (["--tp", "1", "--sequence-parallel"], "sequence_parallel needs tp > 1"),
+    (["--ep", "2"], "--ep 2 needs a mixture-of-experts model whose expert count it divides"),
+    (["--ep", "2", "--nproc", "3"], "--nproc 3 is not a positive multiple of tp * pp * ep = 2"),
 ])
 def test_bad_layouts_exit_2_without_a_traceback(folder, capsys, argv, message):
     assert main(["verify-model", folder, *argv]) == 2
