@@ -359,7 +359,8 @@ class TrainEngine:
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
-        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting."""
+        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting
+        (the experts' over edp at ep > 1, whose ep must match)."""
         shards = self.grads.part.shards if self.grads is not None else 1
         expert_shards = self.expert_grads.part.shards if self.expert_grads is not None else 1
         self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards,
