@@ -310,20 +310,33 @@ class TrainEngine:
         return export_nbytes(self.model, self.table, self.mesh, select=select)
 
     def state_dict(self) -> dict:
-        """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step."""
-        return {
-            "format_version": ckpt.FORMAT_VERSION, "layout": ckpt.layout(self.mesh),
-            "model": ckpt.model_state(self.model),  # with LoRA: the adapters only
+        """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step; at
+        ep > 1 the routed experts (weights, optimizer) apart under "experts"."""
+        dense = self._expert_filter(experts=False)
+        out = {
+            **ckpt.header(self.mesh),
+            "model": ckpt.model_state(self.model, keep=dense),  # with LoRA: the adapters only
             "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
             "step": self.step_count,
-            **({"expert_optimizer": self.expert_optimizer.state_dict()}
-               if self.expert_optimizer is not None else {}),
         }
+        if dense is not None:
+            out["experts"] = {
+                **ckpt.header(self.mesh),
+                "model": ckpt.model_state(self.model, keep=self._expert_filter(experts=True)),
+                "optimizer": (self.expert_optimizer.state_dict()
+                              if self.expert_optimizer is not None else None)}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned, on an engine built with the same layout."""
         ckpt.check_layout(state, self.mesh, "the state dict")
-        ckpt.load_model_state(self.model, state["model"], "the state dict")
+        dense = self._expert_filter(experts=False)
+        ckpt.load_model_state(self.model, state["model"], "the state dict", keep=dense)
+        if dense is not None:
+            ckpt.check_layout(state["experts"], self.mesh, "the state dict's experts")
+            ckpt.load_model_state(self.model, state["experts"]["model"],
+                                  "the state dict's experts",
+                                  keep=self._expert_filter(experts=True))
         self.step_count = int(state["step"])
         if self.optimizer is None:
             return
@@ -332,25 +345,26 @@ class TrainEngine:
         self.optimizer.copy_from_model()
         self.optimizer.load_state_dict(state["optimizer"], where="the state dict")
         if self.expert_optimizer is not None:
-            if "expert_optimizer" not in state:
-                raise ValueError("the state has no expert optimizer state (saved at ep=1); "
-                                 "resume with the ep it was saved with")
+            if state["experts"]["optimizer"] is None:
+                raise ValueError("the state has no expert optimizer state (saved by a "
+                                 "forward-only engine)")
             self.expert_optimizer.copy_from_model()
-            self.expert_optimizer.load_state_dict(state["expert_optimizer"],
+            self.expert_optimizer.load_state_dict(state["experts"]["optimizer"],
                                                   where="the state dict's experts")
         self.zero_grad()
 
     def save_checkpoint(self, folder: str | Path) -> Path:
         """Write this rank's state under `folder` (collective over the mesh); return the file."""
-        self._require_no_expert_parallel("save_checkpoint")
         return ckpt.save_shard(self.state_dict(), folder, self.mesh)
 
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
-        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting."""
-        self._require_no_expert_parallel("load_checkpoint")
+        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting
+        (the experts' over edp at ep > 1, whose ep must match)."""
         shards = self.grads.part.shards if self.grads is not None else 1
-        self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards))
+        expert_shards = self.expert_grads.part.shards if self.expert_grads is not None else 1
+        self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards,
+                                             expert_shards=expert_shards))
 
     def take_all_to_all_s(self) -> float:
         """Seconds this rank spent in expert-parallel all-to-alls since the last call (forwards,
@@ -371,12 +385,14 @@ class TrainEngine:
     def _outputs(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
         return tuple(outputs) if outputs is not None else DEFAULT_OUTPUTS[self.head]
 
-    def _require_no_expert_parallel(self, what: str) -> None:
-        # The checkpoint files are per (pp, tp) coordinate, written by dp rank 0: at ep > 1
-        # the ranks of an ep group hold different experts, which those files would drop.
-        if self.mesh.ep_size > 1:
-            raise NotImplementedError(f"{what} does not yet write per-ep-rank expert shards; "
-                                      "checkpoint with parallel.ep=1, or export HF weights")
+    def _expert_filter(self, *, experts: bool) -> Callable[[str], bool] | None:
+        """At ep > 1, which model-state names a checkpoint keeps per ep rank (`experts`) or in
+        the (pp, tp) file (the rest); None at ep=1, where every rank holds every expert."""
+        ids = self.table.expert_indices(ep=self.mesh.ep_size)
+        if not ids:
+            return None
+        names = {self.table.entries[i].name for i in ids}
+        return (lambda name: name in names) if experts else (lambda name: name not in names)
 
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:

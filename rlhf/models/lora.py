@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from rlhf.config.schema import LORA_ALL_LINEAR, LoraConfig
 from rlhf.errors import ConfigError
+from rlhf.models.moe import SparseMoeBlock
 from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                            shard_for_rank)
 
@@ -141,18 +142,21 @@ _LORA_CLASS = {nn.Linear: LoraLinear, ColumnParallelLinear: LoraColumnParallelLi
 def target_names(model: nn.Module, lora: LoraConfig) -> list[str]:
     """Qualified names of the modules `lora.target_modules` selects in `model` (peft's rule:
     the last name component matches); a ConfigError names the model's linear layers when a
-    listed name matches none."""
+    listed name matches none. A mixture-of-experts block's routed experts are never adapted:
+    the block reads their weights directly, so an adapter there would train nothing."""
     wanted = set(lora.modules)
+    experts = {id(m) for block in model.modules() if isinstance(block, SparseMoeBlock)
+               for m in block.experts.modules()}
     found, names = set(), []
     for qualified, module in model.named_modules():
         leaf = qualified.rsplit(".", 1)[-1]
-        if leaf in wanted and type(module) in _LORA_CLASS:
+        if leaf in wanted and type(module) in _LORA_CLASS and id(module) not in experts:
             names.append(qualified)
             found.add(leaf)
     missing = sorted(wanted - found)
     if missing and LORA_ALL_LINEAR not in lora.target_modules:
         have = sorted({q.rsplit(".", 1)[-1] for q, m in model.named_modules()
-                       if type(m) in _LORA_CLASS})
+                       if type(m) in _LORA_CLASS and id(m) not in experts})
         raise ConfigError(f"lora.target_modules {missing} match no linear layer of this model; "
                           f"its linear layers are {have}")
     return names

@@ -37,8 +37,9 @@ _CHUNK = 1 << 20
 # (trainer.nnodes, trainer.ranks_per_node, a role's world_size) is not among them: the step
 # plan makes the same optimizer steps from the same samples at any dp size, and engine
 # checkpoints reshard the ZeRO-1 optimizer state over dp (rlhf.engine.checkpoint). The
-# model-parallel layout (MODEL_PARALLEL_KEYS of each trained role) decides which file each rank
-# reads, so a change there is refused on its own (`layout_differences`), not overridable.
+# model-parallel layout (MODEL_PARALLEL_KEYS of each trained role, ep included: it decides which
+# experts a rank holds) decides which files each rank reads, so a change there is refused on its
+# own (`layout_differences`), not overridable.
 
 RUN_KEYS = (
     "model.path", "model.tokenizer_path",
@@ -49,7 +50,7 @@ RUN_KEYS = (
     "actor.placement", "critic.placement",
 )
 LAYOUT_ROLES = ("actor", "critic")  # the roles whose engines a checkpoint holds
-MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "layers_per_stage")
+MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "layers_per_stage", "ep")
 _ABSENT = "<absent>"
 
 
@@ -88,14 +89,14 @@ def layout_differences(saved: dict, current: dict, *,
         if not isinstance(old, dict) or not isinstance(new, dict):
             continue
         if any(old.get(k) != new.get(k) for k in MODEL_PARALLEL_KEYS):
-            lines.append(f"{role}: {_layout(old)} -> {_layout(new)}")
+            shown = [k for k in MODEL_PARALLEL_KEYS  # tp, pp and what is set on either side
+                     if k in ("tp", "pp") or {old.get(k), new.get(k)} - {None, 1}]
+            lines.append(f"{role}: {_layout(old, shown)} -> {_layout(new, shown)}")
     return lines
 
 
-def _layout(parallel: dict) -> str:
-    parts = [f"{k}={json.dumps(parallel.get(k))}" for k in MODEL_PARALLEL_KEYS
-             if k in ("tp", "pp") or parallel.get(k) not in (None, 1)]
-    return " ".join(parts)
+def _layout(parallel: dict, keys: Sequence[str]) -> str:
+    return " ".join(f"{k}={json.dumps(parallel.get(k, 1))}" for k in keys)
 
 
 def _short(value) -> str:

@@ -85,8 +85,8 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
     if layouts:
         yield (f"trainer.resume={t.resume} resumes {folder}, which was written at another "
                f"model-parallel layout: {'; '.join(layouts)}; checkpoints reshard over the "
-               f"data-parallel size only (ranks, nodes), not over tp or pp: resume with the "
-               f"checkpoint's tp and pp, or export its policy (rlhf export-hf) and start a new "
+               f"data-parallel size only (ranks, nodes), not over tp, pp or ep: resume with "
+               f"the checkpoint's layout, or export its policy (rlhf export-hf) and start a new "
                f"run from that folder")
         return
     diffs = config_differences(saved, current)

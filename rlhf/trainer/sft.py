@@ -8,7 +8,10 @@ import torch
 
 from rlhf.config import JobConfig, sft_output_path
 from rlhf.data.batch import Batch
+from rlhf.data.batch_split import BatchSplit, split_role_batch
 from rlhf.data.dataset import PromptDataset, PromptLoader, read_rows
+from rlhf.data.fields import sample_lengths
+from rlhf.data.packing import shared_prompt_lens
 from rlhf.data.ragged import Ragged
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
@@ -53,7 +56,7 @@ def run_sft(cfg: JobConfig, *, job_name: str, progress: bool = True) -> list[dic
             batch = next(loader)
             batch = batch.union(Batch({"response_ids": response_ids(batch["ground_truth"],
                                                                      tokenizer)}))
-            metrics = view.train_step(batch)
+            metrics = view.train_step(batch, split=_ep_split(batch, sft, dp=view.layout.dp))
             if step % sft.log_every == 0 or step == sft.total_steps:
                 records.append(logger.log(step, metrics))
         with atomic_folder(out) as tmp:
@@ -62,3 +65,13 @@ def run_sft(cfg: JobConfig, *, job_name: str, progress: bool = True) -> list[dic
         logger.close()
         groups.shutdown()
     return records
+
+
+def _ep_split(batch: Batch, sft, *, dp: int) -> BatchSplit | None:
+    """At ep > 1 the driver splits the batch, as the PPO step does: only its split gives every
+    rank of an ep group as many micro-batches (the experts' all-to-all needs every rank at
+    each exchange). At ep = 1 each DP group splits its own chunk (None)."""
+    if sft.parallel.ep == 1:
+        return None
+    return split_role_batch(sample_lengths(batch), sft, dp=dp, what="sft.batch_size",
+                            shared=shared_prompt_lens(batch["prompt_ids"]))

@@ -4,7 +4,14 @@ sequence parallelism, ep=2 x pp=2. Every dp replica runs the whole batch with 1/
 (as verify-model does); log-probs, routes, every grad (routers and experts, gathered over ep)
 and the load-balancing loss must equal transformers'. At ep=2 alone the batch is cut into two
 micro-batches on even ranks and one plus an empty padding micro-batch on odd ranks: the
-padding one still serves the other rank's tokens to its experts."""
+padding one still serves the other rank's tokens to its experts.
+
+The same launch checkpoints at ep=2: a ZeRO-1 engine (dp=4, so experts shard over edp=2) takes
+a step, saves, and a fresh engine loads and takes the second step, which must equal the
+uninterrupted engine's bit for bit; the same checkpoint resumed at dp=2 (edp=1: the expert
+optimizer reshards) must match it too, and a load at ep=1 is refused naming both ep sizes."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,10 +20,12 @@ from rlhf.config.schema import OptimizerConfig, ParallelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.data.packing import pack_prompt_response
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches
+from rlhf.errors import RLHFError
 from rlhf.models.moe import ROUTES_KEY
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.dist.test_moe_parallel import COEF, SPEC, _reference, _seqs, _weights
+from tests.unit.engine.reference import exported, max_param_error
 
 TOL = 1e-5
 WORLD = 4
@@ -65,7 +74,46 @@ def _run(rank, world, folder, seqs):
         out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
         results[tp, pp, sp, ep] = dict(out=out, metrics=metrics, grads=engine.full_grads(),
                                        held=held)
+    results["checkpoint"] = _checkpointed(rank, world, folder, seqs, cache)
     return results
+
+
+def _checkpointed(rank, world, folder, seqs, cache):
+    """Step, save at ep=2 (ZeRO-1, dp=4), step again; a fresh engine loads and steps; the same
+    checkpoint resumed at dp=2 (edp=1) and loaded at ep=1."""
+    ckpt = str(Path(folder).parent / "ckpt")
+    mbs = _micro_batches(seqs, cut=False, rank=rank)
+
+    def engine(mesh):
+        return TrainEngine.from_pretrained(folder, mesh=mesh, optim=OptimizerConfig(
+            distributed=True), parallel=ParallelConfig(ep=mesh.ep_size), total_steps=4)
+
+    def step(e):
+        total = sum(len(s) for s in seqs)
+        e.forward_backward(mbs, lambda out, mb: ((_weights(total) * out["log_probs"]).sum()
+                                                 / e.mesh.dp_size, {}))
+        return e.step()["grad_norm"]
+
+    mesh = ParallelMesh(list(range(world)), ep=2, cache=cache)
+    first = engine(mesh)
+    step(first)
+    first.save_checkpoint(ckpt)
+    out = {"grad_norm": step(first), "want": exported(first),
+           "expert_shards": first.expert_grads.part.shards}
+    resumed = engine(mesh)
+    resumed.load_checkpoint(ckpt)
+    out.update(resumed_grad_norm=step(resumed), resumed=exported(resumed))
+    dp2 = ParallelMesh([0, 1], ep=2, cache=cache)
+    if dp2.is_member:
+        smaller = engine(dp2)
+        smaller.load_checkpoint(ckpt)
+        out.update(dp2_grad_norm=step(smaller), dp2=exported(smaller),
+                   dp2_expert_shards=smaller.expert_grads.part.shards)
+    try:
+        engine(ParallelMesh(list(range(world)), cache=cache)).load_checkpoint(ckpt)
+    except RLHFError as e:
+        out["ep1"] = str(e)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +144,26 @@ def test_expert_parallel_layout_matches_transformers(runs, layout):
         experts = {n.split(".experts.")[1].split(".")[0] for n in got["held"]}
         assert len(experts) == SPEC.num_experts // ep, experts  # each rank holds E / ep
     assert per_rank[-1][tp, pp, sp, ep]["out"] is not None
+
+
+def test_ep2_checkpoint_resumes_exactly_and_reshards_the_expert_optimizer_over_edp(runs):
+    per_rank, _ = runs
+    for rank, results in enumerate(per_rank):
+        got = results["checkpoint"]
+        assert got["expert_shards"] == 2  # ZeRO-1 over edp=2: one file per edp rank
+        assert got["resumed_grad_norm"] == got["grad_norm"], rank
+        assert got["resumed"].keys() == got["want"].keys()
+        for name, tensor in got["want"].items():
+            assert torch.equal(got["resumed"][name], tensor), (rank, name)
+        if rank < 2:  # resumed at dp=2: edp=1, the saved 2 expert shards resharded into 1
+            assert got["dp2_expert_shards"] == 1
+            assert got["dp2_grad_norm"] == pytest.approx(got["grad_norm"], rel=1e-5)
+            assert max_param_error(got["dp2"], got["want"]) < TOL, rank
+
+
+def test_a_checkpoint_loaded_at_another_ep_is_refused_naming_both(runs):
+    per_rank, _ = runs
+    for results in per_rank:
+        message = results["checkpoint"].get("ep1")
+        assert message and "ep=2" in message and "ep=1" in message, message
+        assert "rlhf export-hf" in message

@@ -14,7 +14,7 @@ from rlhf.config import config_from_dict, config_to_dict
 from rlhf.preflight import pool_problems, preflight
 from rlhf.trainer.run_folder import move_old_run_aside, restart_line, write_run_identity
 from rlhf.errors import ConfigError
-from rlhf.trainer.checkpoint import CheckpointManager
+from rlhf.trainer.checkpoint import CheckpointManager, layout_differences
 from tests.unit.trainer.jobs import TINY, make_assets
 
 REWARD_OK = "def score(*, prompt, response, ground_truth, extra):\n    return 1.0\n"
@@ -377,6 +377,15 @@ def test_another_tensor_or_pipeline_layout_stops_naming_both(assets, tmp_path):
     assert "another model-parallel layout: actor: tp=1 pp=1 -> tp=2 pp=1;" in message
     assert "critic" not in message.split("layout:")[1].split(";")[0]
     assert "rlhf export-hf" in message
+
+
+def test_another_expert_parallel_size_is_a_layout_change_naming_both():
+    # ep decides which experts a rank holds (its own checkpoint files); dp may still change.
+    saved = {"actor": {"parallel": {"tp": 1, "pp": 1, "ep": 2}}}
+    assert layout_differences(saved, {"actor": {"parallel": {"tp": 1, "pp": 1, "ep": 1}}}) == [
+        "actor: tp=1 pp=1 ep=2 -> tp=1 pp=1 ep=1"]
+    assert layout_differences(saved, {"actor": {"parallel": {"tp": 1, "pp": 1, "ep": 2,
+                                                             "world_size": 8}}}) == []
 
 
 def _write_leftovers(out: Path, stage: str) -> None:

@@ -243,3 +243,15 @@ def test_the_table_partitions_the_adapters_and_leaves_the_base_out(folder):
                                                       if p.requires_grad]
     assert filled["model.layers.1.mlp.down_proj.lora_B.weight"].zero_owners
     assert filled["model.embed_tokens.weight"].flat_range is None
+
+
+def test_routed_experts_are_never_adapted(tmp_path):
+    # The MoE block reads its experts' weights directly: an adapter there would train nothing.
+    spec = TinyModelConfig(arch="qwen3_moe", num_experts=4, moe_intermediate_size=32,
+                           **{**SMALL, "num_heads": 2, "num_kv_heads": 2})
+    model = load_plain(make_tiny_model(spec, tmp_path / "moe"))
+    names = L.apply_lora(model, LoraConfig(r=2, target_modules=("all-linear",)))
+    assert names and not [n for n in names if ".experts." in n]
+    assert {n.rsplit(".", 1)[-1] for n in names} >= {"q_proj", "o_proj"}
+    with pytest.raises(ConfigError, match="match no linear layer"):
+        L.target_names(model, LoraConfig(r=2, target_modules=("gate_proj",)))
