@@ -1,8 +1,8 @@
 """MoE routing in the engine: each micro-batch's `Routing`, its outputs, and the router aux loss.
 
 The schedules build one `rlhf.models.moe.Routing` per micro-batch of an MoE model (forced
-routes from `MicroBatch.tensors[ROUTES_KEY]` when present) and put into its outputs the routes
-(ROUTES_KEY, when asked for) and, in training, the load-balancing loss (AUX_KEY).
+routes from `MicroBatch.tensors[ROUTES]` when present) and put into its outputs the routes
+(ROUTES, when asked for) and, in training, the load-balancing loss (AUX_KEY).
 `with_router_aux` wraps a role's loss_fn: it takes the aux loss out of the outputs, adds
 coef * share * aux (share = the micro-batch's tokens / the tokens of the whole mini-batch over
 every DP rank, so the shares add up to 1 and a mini-batch of one micro-batch gets exactly
@@ -19,7 +19,8 @@ from rlhf.engine.loss_fn import LossFn, Outputs
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
-from rlhf.models.moe import ROUTES_KEY, Routing, routing_for
+from rlhf.data.routes import ROUTES
+from rlhf.models.moe import Routing, routing_for
 
 AUX_KEY = "router_aux_loss"
 """Outputs key of a micro-batch's load-balancing loss (0-d), taken out by `with_router_aux`."""
@@ -47,7 +48,7 @@ def micro_batch_routing(model: nn.Module, mb: MicroBatch,
     """The `Routing` of `mb` through an MoE `model` (None for a dense model)."""
     if not model.args.is_moe:
         return None
-    return routing_for(mb.tensors, mb.num_tokens, record=ROUTES_KEY in outputs)
+    return routing_for(mb.tensors, mb.num_tokens, record=ROUTES in outputs)
 
 
 def routing_outputs(model: nn.Module, routing: Routing | None, outputs: Sequence[str], *,
@@ -56,8 +57,8 @@ def routing_outputs(model: nn.Module, routing: Routing | None, outputs: Sequence
     if routing is None:
         return {}
     out = {}
-    if ROUTES_KEY in outputs:
-        out[ROUTES_KEY] = routing.routes_tensor(model.args.num_layers,
+    if ROUTES in outputs:
+        out[ROUTES] = routing.routes_tensor(model.args.num_layers,
                                                 model.args.num_experts_per_tok)
     aux = routing.aux_loss() if with_aux else None
     if aux is not None:

@@ -28,7 +28,7 @@ from rlhf.engine.recompute import Recomputed
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
 from rlhf.models.expert_sharding import idle_expert_exchange
-from rlhf.models.moe import ROUTES_KEY
+from rlhf.data.routes import ROUTES
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
@@ -81,7 +81,7 @@ class NoPipeline:
             raise ValueError("the packed micro-batch has no tokens; skip empty micro-batches")
         args = self.model.args
         empty = {name: exchange.new_zeros((0, args.num_layers, args.num_experts_per_tok),
-                                          dtype=torch.int64) if name == ROUTES_KEY
+                                          dtype=torch.int64) if name == ROUTES
                  else exchange.new_zeros(0) for name in outputs}
         return {**empty, _PADDING: exchange}
 

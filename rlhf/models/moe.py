@@ -23,7 +23,7 @@ argument of the model's forward and of `Transformer.run`; None: route freely, re
     `record`), `routes_tensor()` all of them as (T, num_layers, top_k) (-1 where not run), and
     `aux_loss()` transformers' load_balancing_loss_func over the layers run and the T tokens.
 The engine builds a `Routing` per micro-batch, taking `forced` from
-`MicroBatch.tensors[ROUTES_KEY]` when present (`routing_for`).
+`MicroBatch.tensors[ROUTES]` when present (`routing_for`).
 
 Tensor parallelism (`tp_sharding.apply_tp`): each expert's gate/up are column-split and its
 down row-split over TP as in the dense MLP; the router is replicated. The block enters the TP
@@ -41,13 +41,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from rlhf.data.routes import ROUTES
 from rlhf.models.config import ModelArgs
 from rlhf.parallel.collectives import (copy_to_tp, gather_from_sequence, group_size,
                                        reduce_from_tp, reduce_scatter_to_sequence)
 from rlhf.parallel.expert_parallel import ExpertPlacement, experts_forward
 
-ROUTES_KEY = "routed_experts"
-"""`MicroBatch.tensors` key (and engine output name) of the routes, (T, num_layers, top_k)."""
 
 
 @dataclass
@@ -115,8 +114,8 @@ class Routing:
 
 
 def routing_for(tensors: dict[str, Tensor], num_tokens: int, *, record: bool = False) -> Routing:
-    """The `Routing` of a micro-batch: forced routes from `tensors[ROUTES_KEY]` when present."""
-    return Routing(num_tokens=num_tokens, forced=tensors.get(ROUTES_KEY), record=record)
+    """The `Routing` of a micro-batch: forced routes from `tensors[ROUTES]` when present."""
+    return Routing(num_tokens=num_tokens, forced=tensors.get(ROUTES), record=record)
 
 
 def split_fused_experts(named: dict[str, Tensor]) -> dict[str, Tensor]:

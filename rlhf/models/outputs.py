@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from rlhf.data.packing import Packed, shifted_targets
-from rlhf.models.moe import ROUTES_KEY
+from rlhf.data.routes import ROUTES
 from rlhf.models.tp_sharding import TPState
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.models.varlen_layout import varlen_layout
@@ -105,7 +105,7 @@ def check_outputs(model: nn.Module, outputs: Sequence[str], temperature: float) 
     """ValueError unless `model` can give `outputs` at `temperature`."""
     allowed = VALUE_OUTPUTS if isinstance(model, ValueModel) else LM_OUTPUTS
     if model.args.is_moe:  # (T, num_layers, top_k) routes; the engine's schedules fill them
-        allowed = (*allowed, ROUTES_KEY)
+        allowed = (*allowed, ROUTES)
     unknown = [name for name in outputs if name not in allowed]
     if unknown or not outputs:
         raise ValueError(f"a {type(model).__name__} gives outputs from {allowed}; got "

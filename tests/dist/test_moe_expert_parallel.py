@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from rlhf.config.schema import OptimizerConfig, ParallelConfig
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.data.packing import pack_prompt_response
+from rlhf.data.routes import ROUTES
+from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches
 from rlhf.errors import RLHFError
-from rlhf.models.moe import ROUTES_KEY
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.dist.test_moe_parallel import COEF, SPEC, _reference, _seqs, _weights
@@ -57,7 +57,7 @@ def _run(rank, world, folder, seqs):
             folder, mesh=mesh, optim=OptimizerConfig(), router_aux_loss_coef=coef,
             parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, ep=ep))
         held = {name for name in dict(engine.model.named_parameters()) if ".experts." in name}
-        outs = engine.forward(mbs, outputs=("log_probs", ROUTES_KEY))
+        outs = engine.forward(mbs, outputs=("log_probs", ROUTES))
         dp = mesh.dp_size
 
         total = sum(len(s) for s in seqs)
@@ -133,7 +133,7 @@ def test_expert_parallel_layout_matches_transformers(runs, layout):
         if got["out"] is not None:  # the last pipeline stage, or every rank at pp=1
             assert (got["out"]["log_probs"] - ref["log_probs"]).abs().max() < TOL
             stage_layers = [0, 1] if pp == 1 else [1]
-            assert torch.equal(got["out"][ROUTES_KEY][:, stage_layers],
+            assert torch.equal(got["out"][ROUTES][:, stage_layers],
                                ref["routes"][:, stage_layers])
         if coef:
             assert abs(got["metrics"]["router_aux_loss"] - ref["aux"]) < TOL

@@ -9,7 +9,8 @@ from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.models.moe import ROUTES_KEY, split_fused_experts
+from rlhf.data.routes import ROUTES
+from rlhf.models.moe import split_fused_experts
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 
@@ -77,7 +78,7 @@ def _run(rank, world, folder, seqs):
         engine = TrainEngine.from_pretrained(
             folder, mesh=mesh, parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp),
             optim=OptimizerConfig(), router_aux_loss_coef=coef)
-        outs = engine.forward(mbs, outputs=("log_probs", ROUTES_KEY))
+        outs = engine.forward(mbs, outputs=("log_probs", ROUTES))
         metrics = engine.forward_backward(mbs, _loss_fn)
         grads = engine.full_grads()
         results[tp, pp, sp] = dict(out=outs[0] if outs else None, metrics=metrics, grads=grads)
@@ -100,7 +101,7 @@ def test_moe_layout_matches_transformers(runs, layout):
         got = results[tp, pp, sp]
         if got["out"] is not None:  # the last pipeline stage, or every TP rank
             assert (got["out"]["log_probs"] - ref["log_probs"]).abs().max() < TOL
-            routes = got["out"][ROUTES_KEY]
+            routes = got["out"][ROUTES]
             stage_layers = [0, 1] if pp == 1 else [1]
             assert torch.equal(routes[:, stage_layers], ref["routes"][:, stage_layers])
         if coef:
