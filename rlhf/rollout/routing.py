@@ -33,7 +33,7 @@ def check_routing_source(config: RolloutConfig, *, on_cuda: bool) -> None:
 
 def check_replay_model(config: RolloutConfig, *, is_moe: bool) -> None:
     """ConfigError when routing replay is on for a policy without experts to route to."""
-    if config.routing_replay != "off" and not is_moe:
+    if replays_routes(config) and not is_moe:
         raise ConfigError(f"rollout.routing_replay={config.routing_replay} replays the experts "
                           "of a mixture-of-experts policy, but the policy is dense; set "
                           "rollout.routing_replay=off")

@@ -18,13 +18,14 @@ from rlhf.data.batch import Batch
 from rlhf.data.batch_split import BatchSplit
 from rlhf.data.fields import response_mask
 from rlhf.data.routes import ROUTES, routing_agreement
+from rlhf.rollout.routing import records_in_rollout
 from rlhf.rollout.sampling import logprob_gap
 
 
 def before_update(actor: RoleView, batch: Batch, split: BatchSplit,
                   config: RolloutConfig) -> dict[str, float]:
     """With routes from vLLM: agreement and the log-prob gap of a free pass (see above)."""
-    if config.routing_replay != "rollout" or ROUTES not in batch:
+    if not records_in_rollout(config) or ROUTES not in batch:
         return {}
     free = _free_pass(actor, batch, split)
     metrics = _agreement(batch[ROUTES], free[ROUTES])
