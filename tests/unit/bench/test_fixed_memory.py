@@ -1,0 +1,33 @@
+"""`rlhf bench fixed-memory`: its flat-buffer layout and shard list, and its CPU answer."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rlhf.bench.fixed_memory import ALIGN, flat_offsets, qwen7b_shard_numels
+
+
+def test_flat_offsets_align_every_start_and_cover_every_byte():
+    nbytes = [3, 600, 1, 512, 0, 7]
+    starts, size = flat_offsets(nbytes)
+    assert all(s % ALIGN == 0 for s in starts)
+    for (s, n), nxt in zip(zip(starts, nbytes), [*starts[1:], size]):
+        assert s + n <= nxt  # no two views overlap, and the buffer holds the last one
+    assert size % ALIGN == 0 and size - (starts[-1] + nbytes[-1]) < ALIGN
+
+
+def test_qwen7b_shards_match_the_model_size():
+    # 28 layers plus untied embedding and head is Qwen2.5-7B's 7.62e9 parameters.
+    assert sum(qwen7b_shard_numels(28)) == pytest.approx(7.62e9, rel=2e-3)
+    assert len(qwen7b_shard_numels(2)) == 1 + 12 * 2 + 2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
+def test_cpu_says_why_it_measures_nothing():
+    done = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "fixed-memory"],
+                          capture_output=True, text=True, check=True)
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["kind"] == "skipped" and "CUDA" in line["reason"]
