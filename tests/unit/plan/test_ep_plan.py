@@ -42,13 +42,16 @@ def test_state_bytes_split_dense_over_dp_and_experts_over_edp():
     assert one.state["weights"] > stage.state["weights"]  # every expert on every rank
 
 
-def test_vllm_holds_every_expert_whatever_the_ep():
+def test_vllm_holds_every_expert_whatever_the_ep(tmp_path):
     from rlhf.config import load_config
     from rlhf.plan.inputs import hardware, role_specs
     from rlhf.plan.memory import vllm_bytes
 
     def vllm_weights(ep):
-        cfg = load_config("configs/quickstart.yaml", ["model.tiny.arch=qwen3_moe",
+        # model.path in an empty folder: the quickstart's own sft_model (dense), which exists
+        # once the quickstart ran, would win over model.tiny.
+        cfg = load_config("configs/quickstart.yaml", [f"model.path={tmp_path / 'model'}",
+                                                      "model.tiny.arch=qwen3_moe",
                                                       f"actor.parallel.ep={ep}"])
         hw = hardware(cfg)
         actor = next(s for s in role_specs(cfg, hw) if s.name == "actor")
