@@ -1,4 +1,6 @@
-"""The cluster's nodes as the driver names them in messages, and small tasks pinned to each node.
+"""The cluster's nodes as the driver names them in messages, and small tasks pinned to each node:
+the checks run before a job whose ranks span nodes starts (the interfaces its collectives
+bootstrap over; the user files it imports).
 
 On a loopback cluster every node has the same host name and address, so a label carries the
 start of Ray's node id too.
@@ -7,6 +9,8 @@ start of Ray's node id too.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -103,3 +107,75 @@ def _import_each(specs: dict[str, str]) -> dict[str, str]:
         except RLHFError as e:
             errors[key] = str(e)
     return errors
+
+
+# ---- the interfaces a world spanning nodes bootstraps over -----------------------------------
+
+# The variables each backend's cross-node bootstrap reads. A CUDA job's ranks run NCCL, and the
+# vLLM engine inside them builds gloo groups over the same ranks, so it needs both.
+INTERFACE_VARIABLES = {"gloo": ("GLOO_SOCKET_IFNAME",),
+                       "nccl": ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")}
+
+
+def interface_problems(env: Mapping[str, str], interfaces: Iterable[str], *,
+                       backend: str) -> list[str]:
+    """What is wrong with one node's interface variables (`env`) for a `backend` world that
+    spans nodes, given the node's interface names: each variable unset, or matching none."""
+    have = sorted(interfaces)
+    problems = []
+    for name in INTERFACE_VARIABLES[backend]:
+        value = env.get(name, "").strip()
+        if not value:
+            problems.append(f"{name} is not set (interfaces there: {', '.join(have)})")
+        elif not _matches(name, value, have):
+            problems.append(f"{name}={value} names no interface of that node (interfaces there: "
+                            f"{', '.join(have)})")
+    return problems
+
+
+def _matches(name: str, value: str, interfaces: list[str]) -> bool:
+    """Whether `value` selects an interface the way its reader does: gloo takes exact names;
+    NCCL takes name prefixes, exact names after "=", and names to avoid after "^"."""
+    if name.startswith("GLOO"):
+        return all(part.strip() in interfaces for part in value.split(","))
+    exclude = value.startswith("^")
+    value = value.lstrip("^")
+    exact = value.startswith("=")
+    parts = [p.strip() for p in value.lstrip("=").split(",") if p.strip()]
+    chosen = [i for i in interfaces
+              if any(i == p if exact else i.startswith(p) for p in parts) != exclude]
+    return bool(chosen)
+
+
+def _interface_facts(names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """(the variables `names` as this process sees them, the node's interface names)."""
+    return ({n: os.environ[n] for n in names if n in os.environ},
+            [name for _, name in socket.if_nameindex()])
+
+
+def check_node_interfaces(node_ids: Iterable[str], *, backend: str, timeout_s: float) -> None:
+    """RLHFError naming each node and variable when ranks on `node_ids` span several nodes and
+    a node lacks an interface variable `backend` needs (INTERFACE_VARIABLES) or names an
+    interface it does not have; one-node groups are not checked."""
+    nodes = list(dict.fromkeys(node_ids))
+    if len(nodes) < 2:
+        return
+    variables = INTERFACE_VARIABLES[backend]
+    # Run as tasks of this job, so they see the environment the ranks will: the node's
+    # `ray start` plus the job's runtime_env.
+    found = run_on_nodes(_interface_facts, nodes, variables, timeout_s=timeout_s)
+    table = node_table()
+    problems = [f"on {node_label(node, table)}: {problem}"
+                for node, (env, names) in found.items()
+                for problem in interface_problems(env, names, backend=backend)]
+    if problems:
+        raise RLHFError(
+            f"the job's {backend} ranks span {len(nodes)} nodes; their collectives connect over "
+            f"the interfaces that {' and '.join(variables)} name, which every node must set:\n"
+            + "\n".join(problems) + "\nSet the variable on that node before `ray start` (Ray's "
+            f"workers inherit its environment), e.g. `export {variables[0]}=eth0` with the "
+            "interface that reaches the other nodes (`ip -br addr` lists them), then restart "
+            "Ray there: `ray stop && ray start ...`")
+    logger.info("network interfaces: %s", "; ".join(
+        f"{' '.join(f'{v}={env[v]}' for v in variables)} on {node_label(node, table)}"
+        for node, (env, _) in found.items()))

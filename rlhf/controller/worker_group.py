@@ -39,7 +39,8 @@ from rlhf.controller.dispatch import (
     registered_methods,
 )
 from rlhf.controller.errors import WorkerDiedError, WorkerError
-from rlhf.controller.nodes import node_alive, node_label, node_table
+from rlhf.controller.nodes import (check_node_interfaces, node_alive, node_label,
+                                   node_table)
 from rlhf.controller.resource_pool import ResourcePool
 
 RoleSpec = type | tuple[type, Mapping[str, Any]]
@@ -73,6 +74,9 @@ class WorkerGroup:
         self._actors: list[ray.actor.ActorHandle] = []
         backend = backend or ("nccl" if pool.use_gpu else "gloo")
         try:
+            # Before any rank starts: a world spanning nodes hangs in its first collective
+            # when a node bootstraps over the wrong interface.
+            check_node_interfaces(pool.node_ids(), backend=backend, timeout_s=init_timeout_s)
             self._start_actors()
             # Kept from the start: after a node is lost, Ray may move the pool's bundles.
             self.rank_nodes = pool.node_ids()

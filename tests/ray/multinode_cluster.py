@@ -23,6 +23,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).with_name("ray"))
+# Every node of a loopback cluster reaches the others over the loopback interface; a job whose
+# ranks span nodes refuses to start without it (rlhf.controller.nodes.check_node_interfaces).
+NODE_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
+NETWORK_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 def free_port() -> int:
@@ -33,8 +37,10 @@ def free_port() -> int:
 
 def client_env(**extra: str) -> dict[str, str]:
     """The environment of every process the test starts: this repository first on the path,
-    one thread per process, no token authentication, and no inherited Ray address."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    one thread per process, no token authentication, and no inherited Ray address or network
+    variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("RAY_") and k not in NETWORK_VARIABLES}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0", RAY_DEDUP_LOGS="0", **extra)
     return env
@@ -53,10 +59,13 @@ class LoopbackCluster:
         self.nodes: dict[str, subprocess.Popen] = {}
         self._started = 0
 
-    def start_node(self, name: str, *, head: bool = False, timeout_s: float = 180) -> None:
+    def start_node(self, name: str, *, head: bool = False, timeout_s: float = 180,
+                   env: dict[str, str] | None = None) -> None:
         """`ray start --block` in folder root/<name>; returns when Ray says it started. The
         node carries the resource `mn_<name>` so tests can tell the nodes apart. Start nodes
-        one at a time: nodes of one address starting together may take each other's raylet."""
+        one at a time: nodes of one address starting together may take each other's raylet.
+        `env`: the node's network variables (default NODE_ENV, as a user sets them before
+        `ray start`)."""
         ports = ["--node-manager-port", str(free_port()), "--object-manager-port",
                  str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
                  "--metrics-export-port", str(free_port()), "--runtime-env-agent-port",
@@ -78,7 +87,8 @@ class LoopbackCluster:
         log = folder / "ray-start.log"
         with open(log, "w") as out:
             proc = self.nodes[name] = subprocess.Popen(
-                args, cwd=folder, env=client_env(), stdout=out, stderr=subprocess.STDOUT,
+                args, cwd=folder, env=client_env(**(NODE_ENV if env is None else env)),
+                stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         deadline = time.monotonic() + timeout_s
         while "Ray runtime started" not in log.read_text():
