@@ -35,19 +35,35 @@ want="$flavour $(cat "$repo/pyproject.toml" "$repo/examples/install.sh" | sha256
 flash_failed=$venv/.rlhf-flash-attn-failed
 torch_version() { "$venv/bin/python" -c 'import torch; print(torch.__version__)'; }
 
+# Parallel compile jobs of the flash-attn build. Each job runs NVCC_THREADS (default 4) nvcc
+# threads of up to ~5 GB each, and flash-attn's own guess uses all free memory, so a node can
+# run out of memory mid-build: at most one job per core and per 5 GB x threads of 3/4 of the
+# available memory. A MAX_JOBS set by the caller wins.
+flash_attn_jobs() {
+  if [ -n "${MAX_JOBS:-}" ]; then echo "$MAX_JOBS"; return; fi
+  local cores threads avail_kb by_memory
+  cores=$(nproc)
+  threads=${NVCC_THREADS:-4}
+  avail_kb=$(awk '/^MemAvailable:/{print $2}' /proc/meminfo)
+  by_memory=$(( avail_kb * 3 / 4 / (5 * 1024 * 1024 * threads) ))
+  local jobs=$(( by_memory < cores ? by_memory : cores ))
+  echo $(( jobs > 1 ? jobs : 1 ))
+}
+
 install_flash_attn() {
-  local before after log=$venv/.rlhf-flash-attn-build.log built=1
+  local before after log=$venv/.rlhf-flash-attn-build.log built=1 jobs
   before=$(torch_version)
   if "${pip[@]}" show -q flash-attn >/dev/null 2>&1 && ! "$venv/bin/python" -c \
       'from flash_attn import flash_attn_varlen_func' >/dev/null 2>&1; then
     step "removing a flash-attn that does not load against torch $before (built for another one)"
     "${pip[@]}" uninstall -y -q flash-attn
   fi
-  step "building flash-attn against torch $before (no build isolation; can take a while)"
+  jobs=$(flash_attn_jobs)
+  step "building flash-attn against torch $before with MAX_JOBS=$jobs (no build isolation; can take a while)"
   "${pip[@]}" install "setuptools>=68" wheel ninja packaging psutil
   # No cache: pip would reuse a wheel built earlier against another torch.
-  "${pip[@]}" install --no-cache-dir --no-build-isolation -e "$repo[flash-attn]" 2>&1 |
-    tee "$log" || built=0
+  MAX_JOBS=$jobs "${pip[@]}" install --no-cache-dir --no-build-isolation -e "$repo[flash-attn]" \
+    2>&1 | tee "$log" || built=0
   after=$(torch_version)
   if [ "$after" != "$before" ]; then
     echo "ERROR: the flash-attn step replaced torch $before (the one vLLM was installed for) with" \
@@ -68,7 +84,7 @@ install_flash_attn() {
 # Packed attention on CUDA falls back to the exact SDPA path (correct, slower on long
 # sequences). \`rlhf doctor\` reports this on every run until it is fixed.
 # Why: $flash_failed (pip's output: $log)
-# Retry after fixing the cause (CUDA toolkit, nvcc, MAX_JOBS for memory):
+# Retry after fixing the cause (CUDA toolkit, nvcc; MAX_JOBS=N for less memory):
 #   rm $stamp && bash examples/install.sh
 ########################################################################################
 

@@ -75,6 +75,7 @@ state=$(dirname "$0")/../state
 if [ "$1" = -m ] && [ "$2" = pip ]; then
   shift 3  # -m pip --disable-pip-version-check
   echo "pip $*" >>"$state/pip.log"
+  echo "${MAX_JOBS:-unset} $*" >>"$state/max_jobs.log"
   case "$1 $*" in
     show*) exit 1 ;;  # nothing installed yet
     *"[flash-attn]"*)
@@ -103,7 +104,8 @@ def _install_gpu(tmp_path, flavour="gpu", **env) -> tuple[subprocess.CompletedPr
         (venv / "bin" / name).chmod(0o755)
     result = subprocess.run(
         ["bash", str(REPO / "examples" / "install.sh")], capture_output=True, text=True,
-        timeout=120, env={**os.environ, "RLHF_VENV": str(venv), "RLHF_INSTALL": flavour,
+        timeout=120, env={**{k: v for k, v in os.environ.items() if k != "MAX_JOBS"},
+                          "RLHF_VENV": str(venv), "RLHF_INSTALL": flavour,
                           "PYTHON": sys.executable, **env})
     return result, venv
 
@@ -122,6 +124,40 @@ def test_gpu_install_pins_vllm_through_the_extra_then_builds_flash_attn(tmp_path
     assert calls[-1] == "rlhf doctor"
     assert not (venv / doctor.FLASH_ATTN_FAILED).exists()
     assert (venv / ".rlhf-install").read_text().startswith("gpu ")
+
+
+def _max_jobs(venv) -> dict[str, str]:
+    """{pip arguments: MAX_JOBS it ran with ("unset" when none)}."""
+    lines = (venv / "state" / "max_jobs.log").read_text().splitlines()
+    return {args: jobs for jobs, _, args in (line.partition(" ") for line in lines)}
+
+
+def test_flash_attn_is_pinned_and_built_with_jobs_bounded_by_memory(tmp_path):
+    (flash,) = [Requirement(r) for r in EXTRAS["flash-attn"]]
+    assert str(flash.specifier).startswith("==")  # a tested release, not whatever is newest
+    result, venv = _install_gpu(tmp_path)
+    assert result.returncode == 0, result.stderr
+    jobs = _max_jobs(venv)
+    (build,) = [args for args in jobs if "[flash-attn]" in args]
+    # The bound, from this machine: one job per core and per 5 GB x 4 nvcc threads of 3/4 of
+    # the available memory, at least one.
+    avail_kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text()
+                    .splitlines() if line.startswith("MemAvailable:"))
+    expected = max(1, min(os.cpu_count(), avail_kb * 3 // 4 // (5 * 2**20 * 4)))
+    assert jobs[build] == str(expected)
+    assert f"MAX_JOBS={expected}" in result.stdout
+    # set for that call only: vLLM's install (and everything else) keeps pip's own choice
+    assert {j for args, j in jobs.items() if args != build} == {"unset"}
+
+
+def test_fewer_nvcc_threads_allow_more_jobs_and_a_callers_max_jobs_wins(tmp_path):
+    _, venv = _install_gpu(tmp_path / "a", NVCC_THREADS="1")
+    one_thread = int(next(j for a, j in _max_jobs(venv).items() if "[flash-attn]" in a))
+    _, venv = _install_gpu(tmp_path / "b", NVCC_THREADS="1000")
+    assert next(j for a, j in _max_jobs(venv).items() if "[flash-attn]" in a) == "1"
+    assert one_thread >= 1
+    _, venv = _install_gpu(tmp_path / "c", MAX_JOBS="3")
+    assert next(j for a, j in _max_jobs(venv).items() if "[flash-attn]" in a) == "3"
 
 
 def test_a_failed_flash_attn_build_is_loud_and_recorded_for_doctor(tmp_path):
