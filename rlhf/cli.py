@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from rlhf.bench import cli as bench_cli
+from rlhf.bench import first_run
 from rlhf.config.loader import add_job_arguments
 from rlhf.errors import RLHFError
 from rlhf.plan import report as plan_report
@@ -364,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(run=_doctor)
 
     plan_report.add_command(commands)
+    first_run.add_command(commands)
     bench_cli.add_commands(commands)
     _add_job_commands(commands)
     return parser
