@@ -1,6 +1,7 @@
 """Load a JobConfig from YAML files and `section.key=value` overrides, and write it back.
 
-Plain YAML values become typed dataclasses, naming the dotted key on any error. YAML is read
+Plain YAML values become typed dataclasses through pydantic (strict types, unknown keys
+refused), each of its errors turned into one line naming the dotted key. YAML is read
 with 1.2-style scalars: PyYAML follows YAML 1.1, where `yes`/`on` are booleans, `1e-5` is a
 string, `017` is octal and `2024-01-01` is a date; configs use the 1.2 rules instead (only
 true/false are booleans, 1e-5 is a float, integers are decimal, everything else stays a
@@ -9,7 +10,8 @@ string), and duplicate keys are an error rather than "last one wins".
 
 import dataclasses
 import difflib
-import math
+import functools
+import json
 import re
 import types
 import typing
@@ -112,7 +114,6 @@ def read_yaml_mapping(path: Path) -> dict:
     return data
 
 
-_MISSING = dataclasses.MISSING
 # Option values a release renamed, by field name: an old config is told what to write.
 # recompute "selective" recomputed the whole attention block, not Megatron's core attention.
 RENAMED_VALUES = {"recompute": {"selective": "attention_block"}}
@@ -188,136 +189,131 @@ def unknown_key_error(key: str, cls, parent: str) -> ConfigError:
                        f"'{parent.rstrip('.') or 'the top level'}': {valid})")
 
 
-def _type_error(key: str, tp, value, hint: str = "") -> ConfigError:
-    got = "null" if value is None else f"{value!r} ({type(value).__name__})"
-    return ConfigError(f"{key}: expected {type_name(tp)}, got {got}{hint}")
+# pydantic checks the types. YAML values are JSON values, and pydantic's strict JSON mode types
+# them the way a config should: ints only from integers, floats from integers too, booleans
+# only from true/false, lists for tuples, no string ever read as a number. A stdlib dataclass
+# takes pydantic settings only from an enclosing type, so a one-item tuple carries them. The
+# field docstrings become descriptions in the editor schema (rlhf.config.json_schema).
+# (pydantic is imported where it is used: `rlhf --help` loads this module and stays instant.)
+_PYDANTIC = {"strict": True, "extra": "forbid", "allow_inf_nan": False,
+             "use_attribute_docstrings": True}
 
 
-def _to_int(key: str, tp, value) -> int:
-    if isinstance(value, bool):
-        raise _type_error(key, tp, value)
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    raise _type_error(key, tp, value)
+@functools.cache
+def type_adapter(cls):
+    """The pydantic TypeAdapter of dataclass `cls` (wrapped in a one-item tuple, see above)."""
+    import pydantic
+
+    return pydantic.TypeAdapter(tuple[cls], config=pydantic.ConfigDict(**_PYDANTIC))
 
 
-def _to_float(key: str, tp, value) -> float:
-    result = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
-    elif isinstance(value, str):
-        try:
-            result = float(value.strip())
-        except ValueError:
-            pass
-    if result is None:
-        raise _type_error(key, tp, value)
-    if not math.isfinite(result):  # no config float means anything as nan or inf
-        raise ConfigError(f"{key}: expected a finite float, got {value!r}")
-    return result
+def build(cls, value, key: str = "", *, base=None):
+    """Build dataclass `cls` from a mapping; missing keys come from `base` or the defaults.
 
+    `key` is where the mapping sits in the config (`actor.optim`); errors name dotted keys."""
+    import pydantic
 
-def _to_bool(key: str, tp, value) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    raise _type_error(key, tp, value, " (write true or false)")
-
-
-def _to_tuple(key: str, tp, value) -> tuple:
-    args = typing.get_args(tp)
-    if args[1:] == (Ellipsis,) and args[0] is str and isinstance(value, str):
-        return (value,)  # a single path or stop string needs no brackets
-    if not isinstance(value, (list, tuple)):
-        raise _type_error(key, tp, value, " (write a YAML list, e.g. [a, b])")
-    if args[1:] == (Ellipsis,):
-        return tuple(convert(item, args[0], f"{key}[{i}]") for i, item in enumerate(value))
-    if len(value) != len(args):
-        raise ConfigError(f"{key}: expected {len(args)} items {type_name(tp)}, got {list(value)!r}")
-    return tuple(convert(item, arg, f"{key}[{i}]") for i, (item, arg) in
-                 enumerate(zip(value, args)))
-
-
-def convert(value, tp, key: str, base=None):
-    """Check and coerce one YAML value to field type `tp`; `base` seeds a nested dataclass."""
-    inner, optional = unwrap_optional(tp)
-    if value is None:
-        if optional:
-            return None
-        raise _type_error(key, tp, value)
-    origin = typing.get_origin(inner)
-    if origin is Literal:
-        if value not in typing.get_args(inner) or isinstance(value, bool):
-            name = key.rsplit(".", 1)[-1]
-            if value in RENAMED_VALUES.get(name, {}):
-                new = RENAMED_VALUES[name][value]
-                raise ConfigError(f"{key}: {value!r} was renamed {new!r}; write {name}: {new}")
-            allowed = ", ".join(repr(a) for a in typing.get_args(inner))
-            raise ConfigError(f"{key}: expected one of {allowed}; got {value!r}")
-        return value
-    if origin is tuple:
-        return _to_tuple(key, inner, value)
-    if dataclasses.is_dataclass(inner):
-        return build(inner, value, key, base=base if isinstance(base, inner) else None)
-    if origin is dict:  # free-form keyword arguments handed to user code, taken as written
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise _type_error(key, tp, value, " (write a mapping with string keys)")
-        return dict(value)
-    if inner is bool:
-        return _to_bool(key, tp, value)
-    if inner is int:
-        return _to_int(key, tp, value)
-    if inner is float:
-        return _to_float(key, tp, value)
-    if inner is str:
-        if not isinstance(value, str):
-            raise _type_error(key, tp, value, " (quote it to make it a string)")
-        return value
-    raise TypeError(f"{key}: unsupported config field type {tp}")
-
-
-def build(cls, value, key: str, *, base=None):
-    """Build dataclass `cls` from a mapping; missing keys come from `base` or the defaults."""
     if isinstance(value, cls):
         return value
-    if not isinstance(value, Mapping):
-        raise _type_error(key, cls, value, f" (write a mapping of {cls.__name__} keys)")
-    prefix = f"{key}." if key else ""
-    types_by_name = field_types(cls)
-    for name in value:
-        if name not in types_by_name:
-            raise unknown_key_error(f"{prefix}{name}", cls, prefix)
-    kwargs = {}
-    for f in dataclasses.fields(cls):
-        current = getattr(base, f.name) if base is not None else _default(f)
-        if f.name in value:
-            kwargs[f.name] = convert(value[f.name], types_by_name[f.name], prefix + f.name,
-                                     base=current)
-        elif current is not _MISSING:
-            kwargs[f.name] = current
-        else:
-            expected = type_name(types_by_name[f.name])
-            raise ConfigError(f"missing key '{prefix}{f.name}' ({expected})")
+    tree = _json_tree(value, cls, key)
+    if base is not None and isinstance(tree, dict):
+        # `base` rather than the class defaults under every key: critic.optim's own lr stays.
+        tree = merge_trees(_json_tree(config_to_dict(base), cls, key), tree)
     try:
-        return cls(**kwargs)
-    except ValueError as exc:  # ConfigError included: __post_init__ names bare fields
-        raise ConfigError(qualify_message(str(exc), cls, prefix)) from None
+        return type_adapter(cls).validate_json(json.dumps([tree]))[0]
+    except pydantic.ValidationError as exc:
+        lines = [_error_line(error, cls, key) for error in exc.errors(include_url=False)]
+        raise ConfigError("\n".join(dict.fromkeys(lines))) from None
 
 
-def _default(f: dataclasses.Field):
-    if f.default is not _MISSING:
-        return f.default
-    if f.default_factory is not _MISSING:
-        return f.default_factory()
-    return _MISSING
+def _json_tree(value, tp, key: str):
+    """A YAML value as JSON values, named by `key` when it is none; a single string where
+    `tp` wants a list of strings becomes a one-item list (`stop: </s>`, `train_files: a.jsonl`)."""
+    inner = unwrap_optional(tp)[0]
+    args = typing.get_args(inner) if typing.get_origin(inner) is tuple else ()
+    if isinstance(value, Mapping):
+        fields = field_types(inner) if dataclasses.is_dataclass(inner) else {}
+        for name in value:
+            if not isinstance(name, str):
+                raise ConfigError(f"{key or 'the config'}: keys must be strings, got {name!r}")
+        return {name: _json_tree(item, fields.get(name), _join(key, name))
+                for name, item in value.items()}
+    if isinstance(value, str) and args == (str, Ellipsis):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        items = [args[0]] * len(value) if args[1:] == (Ellipsis,) else args
+        return [_json_tree(item, items[i] if i < len(items) else None, f"{key}[{i}]")
+                for i, item in enumerate(value)]
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    raise ConfigError(f"{key}: {value!r} ({type(value).__name__}) is not a YAML number, string, "
+                      "boolean, list or mapping")
+
+
+def _join(key: str, part: str | int) -> str:
+    if isinstance(part, int):
+        return f"{key}[{part}]"
+    return f"{key}.{part}" if key else part
+
+
+def _prefix(key: str) -> str:
+    return key + "." if key else ""
+
+
+def _type_at(cls, loc: tuple) -> Any:
+    """The declared type at a pydantic error location below dataclass `cls` (None if unknown)."""
+    tp = cls
+    for part in loc:
+        inner = unwrap_optional(tp)[0]
+        if isinstance(part, str) and dataclasses.is_dataclass(inner):
+            tp = field_types(inner).get(part)
+        elif isinstance(part, int) and typing.get_origin(inner) is tuple:
+            args = typing.get_args(inner)
+            tp = args[0] if args[1:] == (Ellipsis,) else args[part] if part < len(args) else None
+        else:
+            return None
+    return tp
+
+
+# What to write instead, by the kind of value a key expected.
+_HINTS = {bool: " (write true or false)", str: " (quote it to make it a string)",
+          tuple: " (write a YAML list, e.g. [a, b])", dict: " (write a mapping with string keys)"}
+
+
+def _error_line(error: dict, cls, key: str) -> str:
+    """One pydantic error as one line of ours: the dotted key, the value, what is expected."""
+    loc = error["loc"][1:]  # past the wrapping tuple's index
+    where = functools.reduce(_join, loc, key)
+    kind, value = error["type"], error["input"]
+    if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+        parent = functools.reduce(_join, loc[:-1], key)
+        return str(unknown_key_error(where, _type_at(cls, loc[:-1]), _prefix(parent)))
+    if kind == "value_error":  # __post_init__ names bare fields; make them dotted keys
+        owner = unwrap_optional(_type_at(cls, loc))[0]
+        return qualify_message(str(error["ctx"]["error"]), owner, _prefix(where))
+    if kind == "missing" and loc and isinstance(loc[-1], int):  # a fixed-length list too short
+        where = functools.reduce(_join, loc[:-1], key)
+        return f"{where}: expected {type_name(_type_at(cls, loc[:-1]))}, got {value!r}"
+    tp = _type_at(cls, loc)
+    if kind == "missing":
+        return f"missing key '{where}' ({type_name(tp)})"
+    if kind == "literal_error":
+        name = str(loc[-1]) if loc and isinstance(loc[-1], str) else where.rsplit(".", 1)[-1]
+        new = RENAMED_VALUES.get(name, {}).get(value) if isinstance(value, str) else None
+        if new is not None:
+            return f"{where}: {value!r} was renamed {new!r}; write {name}: {new}"
+        allowed = ", ".join(repr(a) for a in typing.get_args(unwrap_optional(tp)[0]))
+        return f"{where}: expected one of {allowed}; got {value!r}"
+    if kind == "finite_number":  # no config float means anything as nan or inf
+        return f"{where}: expected a finite float, got {value!r}"
+    got = "null" if value is None else f"{value!r} ({type(value).__name__})"
+    if tp is None:
+        return f"{where}: {error['msg']}, got {got}"
+    inner = unwrap_optional(tp)[0]
+    origin = typing.get_origin(inner) or inner
+    hint = (f" (write a mapping of {inner.__name__} keys)" if dataclasses.is_dataclass(inner)
+            else "" if origin is tuple and isinstance(value, list) else _HINTS.get(origin, ""))
+    return f"{where}: expected {type_name(tp)}, got {got}{hint}"
 
 
 def qualify_message(message: str, cls, prefix: str) -> str:
@@ -347,7 +343,7 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> JobCo
 
 def config_from_dict(data: Mapping) -> JobConfig:
     """Build and check a JobConfig from a nested mapping shaped like the YAML files."""
-    cfg = build(JobConfig, data, "")
+    cfg = build(JobConfig, data, base=JobConfig())
     check_config(cfg)
     return cfg
 
