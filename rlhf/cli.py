@@ -151,6 +151,21 @@ def _config_docs(args) -> int:
     return 0
 
 
+def _config_schema(args) -> int:
+    import json
+
+    from rlhf.config.json_schema import config_json_schema
+
+    text = json.dumps(config_json_schema(), indent=2) + "\n"
+    if args.out is None:
+        print(text, end="")
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote the config JSON schema to {args.out}")
+    return 0
+
+
 def _make_tiny_model(args) -> int:
     from rlhf.config.schema import TinyModelConfig
     from rlhf.demo.tiny_model import make_tiny_model
@@ -262,6 +277,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(run=_config_show)
     docs = config_commands.add_parser("docs", help="print the configuration reference (Markdown)")
     docs.set_defaults(run=_config_docs)
+    schema = config_commands.add_parser(
+        "schema", help="print (or write to OUT) the JSON Schema of config files, for editors' "
+                       "completion and checks (docs/reference/config.md#editor-support)")
+    schema.add_argument("out", nargs="?", help="file to write; default: standard output")
+    schema.set_defaults(run=_config_schema)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init Hugging Face model folder and its tokenizer")

@@ -192,11 +192,9 @@ def unknown_key_error(key: str, cls, parent: str) -> ConfigError:
 # pydantic checks the types. YAML values are JSON values, and pydantic's strict JSON mode types
 # them the way a config should: ints only from integers, floats from integers too, booleans
 # only from true/false, lists for tuples, no string ever read as a number. A stdlib dataclass
-# takes pydantic settings only from an enclosing type, so a one-item tuple carries them. The
-# field docstrings become descriptions in the editor schema (rlhf.config.json_schema).
+# takes pydantic settings only from an enclosing type, so a one-item tuple carries them.
 # (pydantic is imported where it is used: `rlhf --help` loads this module and stays instant.)
-_PYDANTIC = {"strict": True, "extra": "forbid", "allow_inf_nan": False,
-             "use_attribute_docstrings": True}
+_PYDANTIC = {"strict": True, "extra": "forbid", "allow_inf_nan": False}
 
 
 @functools.cache

@@ -11,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from rlhf.cli import build_parser
 from rlhf.config import JobConfig, config_from_dict
-from rlhf.config.loader import dotted_keys, merge_trees, read_config_tree
+from rlhf.config.loader import dotted_keys, merge_trees, parse_yaml, read_config_tree
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -117,13 +116,14 @@ GUIDES = sorted((DOCS / "guides").glob("*.md"))
 
 @pytest.mark.parametrize("page", GUIDES, ids=lambda p: p.name)
 def test_config_snippets_load_on_top_of_the_quickstart(page, tmp_path):
-    """Each YAML snippet of a guide is a valid change to configs/quickstart.yaml."""
+    """Each YAML snippet of a guide is a valid change to configs/quickstart.yaml, read as a
+    config file is (YAML 1.2 scalars: `1e-6` is a float, `yes` a string)."""
     base = read_config_tree(REPO / "configs" / "quickstart.yaml")
     # Not the checkout's outputs/quickstart/sft_model, which a quickstart run leaves behind and
     # whose shape would then decide the checks: the snippet's own model, or model.tiny.
     base["model"]["path"] = str(tmp_path / "model")
     for snippet in _config_snippets(page):
-        config_from_dict(merge_trees(base, yaml.safe_load(snippet)))
+        config_from_dict(merge_trees(base, parse_yaml(snippet)))
 
 
 def test_the_algorithm_guide_has_a_config_for_each_algorithm():
