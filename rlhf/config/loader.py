@@ -225,15 +225,19 @@ def build(cls, value, key: str = "", *, base=None):
 
 
 def _json_tree(value, tp, key: str):
-    """A YAML value as JSON values, named by `key` when it is none; a single string where
-    `tp` wants a list of strings becomes a one-item list (`stop: </s>`, `train_files: a.jsonl`)."""
+    """A YAML value (at `key`, of field type `tp`) as JSON values; a single string where a list
+    of strings is expected becomes a one-item list (`stop: </s>`, `train_files: a.jsonl`)."""
     inner = unwrap_optional(tp)[0]
     args = typing.get_args(inner) if typing.get_origin(inner) is tuple else ()
     if isinstance(value, Mapping):
         fields = field_types(inner) if dataclasses.is_dataclass(inner) else {}
-        for name in value:
+        for name, item in value.items():
             if not isinstance(name, str):
                 raise ConfigError(f"{key or 'the config'}: keys must be strings, got {name!r}")
+            new = RENAMED_VALUES.get(name, {}).get(item) if isinstance(item, str) else None
+            if name in fields and new is not None:
+                raise ConfigError(f"{_join(key, name)}: {item!r} was renamed {new!r}; write "
+                                  f"{name}: {new}")
         return {name: _json_tree(item, fields.get(name), _join(key, name))
                 for name, item in value.items()}
     if isinstance(value, str) and args == (str, Ellipsis):
@@ -296,10 +300,6 @@ def _error_line(error: dict, cls, key: str) -> str:
     if kind == "missing":
         return f"missing key '{where}' ({type_name(tp)})"
     if kind == "literal_error":
-        name = str(loc[-1]) if loc and isinstance(loc[-1], str) else where.rsplit(".", 1)[-1]
-        new = RENAMED_VALUES.get(name, {}).get(value) if isinstance(value, str) else None
-        if new is not None:
-            return f"{where}: {value!r} was renamed {new!r}; write {name}: {new}"
         allowed = ", ".join(repr(a) for a in typing.get_args(unwrap_optional(tp)[0]))
         return f"{where}: expected one of {allowed}; got {value!r}"
     if kind == "finite_number":  # no config float means anything as nan or inf
