@@ -282,7 +282,7 @@ _HINTS = {bool: " (write true or false)", str: " (quote it to make it a string)"
           tuple: " (write a YAML list, e.g. [a, b])", dict: " (write a mapping with string keys)"}
 
 
-def _error_line(error: dict, cls, key: str) -> str:
+def _error_line(error: Mapping[str, Any], cls, key: str) -> str:
     """One pydantic error as one line of ours: the dotted key, the value, what is expected."""
     loc = error["loc"][1:]  # past the wrapping tuple's index
     where = functools.reduce(_join, loc, key)
