@@ -27,6 +27,8 @@ RELOAD_FUNCTIONS = ("initialize_layerwise_reload", "finalize_layerwise_reload")
 # (module under RELOAD_MODULE, attribute, attributes of that attribute).
 RELOAD_INTERNALS = (("layerwise", "get_layerwise_info", ()),
                     ("meta", "SKIP_LOAD_TENSORS", ()),
+                    ("meta", "CopyCounter", ()),  # counts a module vLLM does not (can_load)
+                    ("utils", "get_tensor_load_numel", ()),
                     ("types", "LayerReloadingInfo",
                      ("load_numel", "load_numel_total", "kernel_tensors", "can_load")))
 # A source tree (or an editable install) has pyproject.toml beside the package; it wins over the

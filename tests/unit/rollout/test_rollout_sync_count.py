@@ -182,3 +182,57 @@ def test_a_tied_copy_is_complete_only_through_a_complete_sibling():
     short = Receipt("embed", expected=40, received=36, tensors=shared)
     assert incomplete([short, head]) == [short, head]
     check_complete([Receipt("rotary", expected=0)])  # nothing to receive
+
+
+@pytest.fixture
+def norm_not_set_up(monkeypatch):
+    """vLLM's layer-wise set-up, but leaving layer 0's norm as later vLLMs leave a
+    "runtime-mapped" layer: its live tensor loaded straight into, `can_load()` false."""
+    from vllm.model_executor.model_loader import reload
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    vllm_init = reload.initialize_layerwise_reload
+
+    def init_but_one(model):
+        vllm_init(model)
+        norm = model.layers[0].input_layernorm
+        info = layerwise.get_layerwise_info(norm)
+        layerwise._place_kernel_tensors(norm, info)
+        norm.weight.weight_loader = layerwise._get_original_loader(norm.weight)
+        info.reset()
+        assert not info.can_load()
+
+    monkeypatch.setattr(reload, "initialize_layerwise_reload", init_but_one)
+
+
+def test_a_module_vllm_does_not_count_is_counted_by_the_sync(model, norm_not_set_up):
+    weights = hf_weights()
+    receipts = _layerwise_reload(model, iter(weights), model_config=None)
+    norm = next(r for r in receipts if r.name == "layers.0.input_layernorm")
+    assert (norm.received, norm.expected) == (HIDDEN, HIDDEN)
+    assert torch.equal(model.layers[0].input_layernorm.weight,
+                       dict(weights)["layers.0.input_layernorm.weight"])
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    assert model.layers[0].input_layernorm.weight.weight_loader is default_weight_loader
+
+
+def test_a_module_vllm_does_not_count_is_refused_when_withheld(model, norm_not_set_up):
+    weights = [w for w in hf_weights() if w[0] != "layers.0.input_layernorm.weight"]
+    with pytest.raises(IncompleteSyncError, match=r"layers\.0\.input_layernorm 0/4"):
+        _layerwise_reload(model, iter(weights), model_config=None)
+
+
+def test_receipts_of_a_complete_sync_are_reported(model):
+    from rlhf.rollout.weights import receipt_metrics
+
+    receipts = [r for r in _layerwise_reload(model, iter(hf_weights()), model_config=None)
+                if r.expected]
+    # embedding, its tied head, two qkv and two norms
+    assert sorted(r.name for r in receipts) == sorted(
+        ["embed_tokens", "lm_head", "layers.0.qkv_proj", "layers.1.qkv_proj",
+         "layers.0.input_layernorm", "layers.1.input_layernorm"])
+    assert receipt_metrics(receipts) == {"sync/receipts": 6.0, "sync/receipts_complete": 6.0}
+    short = Receipt("layers.1.qkv_proj", expected=32, received=24)
+    assert receipt_metrics(receipts[:1] + [short]) == {"sync/receipts": 2.0,
+                                                       "sync/receipts_complete": 1.0}

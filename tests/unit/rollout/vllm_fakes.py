@@ -15,8 +15,10 @@ def install_fake_reload(monkeypatch) -> types.ModuleType:
         setattr(reload, name, lambda *a: None)
     monkeypatch.setitem(sys.modules, compat.RELOAD_MODULE, reload)
     for module_name, name, members in compat.RELOAD_INTERNALS:
-        module = types.ModuleType(f"{compat.RELOAD_MODULE}.{module_name}")
+        module = getattr(reload, module_name, None)
+        if module is None:  # several internals may live in one submodule
+            module = types.ModuleType(f"{compat.RELOAD_MODULE}.{module_name}")
+            monkeypatch.setitem(sys.modules, module.__name__, module)
+            setattr(reload, module_name, module)
         setattr(module, name, type(name, (), {member: None for member in members}))
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-        setattr(reload, module_name, module)
     return reload
