@@ -28,6 +28,7 @@ from rlhf.parallel.collectives import group_size
 from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
 from rlhf.rollout.multiturn import EpisodeRunner, env_metrics
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
+from rlhf.rollout.weights import receipt_metrics
 
 Buckets = Iterable[list[tuple[str, Tensor]]]
 
@@ -198,10 +199,14 @@ class RolloutReplica:
         start = time.perf_counter()
         moved = [0]
         buckets = export()
+        receipts = {}
         if self.spec.lora is not None and self.spec.lora.enabled:
             sampler.load_adapter(_stream(buckets, moved))
         else:
-            sampler.load_weights(_stream(buckets, moved))
+            receipts = receipt_metrics(sampler.load_weights(_stream(buckets, moved)))
+            # the fewest a rank tracked and had complete: a rank's shortfall shows
+            receipts = dict(zip(receipts, self._reduce(list(receipts.values()),
+                                                       dist.ReduceOp.MIN)))
         total = time.perf_counter() - start
         times = buckets.times if isinstance(buckets, ExportStream) else ExportTimes()
         reload = total - times.gather_s - times.broadcast_s
@@ -210,7 +215,7 @@ class RolloutReplica:
         self.stale = False
         return {"sync/bytes": float(moved[0]), "sync/seconds": seconds, "sync/gather_s": gather,
                 "sync/broadcast_s": broadcast, "sync/reload_s": reload, "sync/skipped": 0.0,
-                "sync/gb_per_s": moved[0] / 1e9 / max(seconds, 1e-9)}
+                "sync/gb_per_s": moved[0] / 1e9 / max(seconds, 1e-9), **receipts}
 
 
 def _stream(buckets: Buckets, moved: list[int]) -> Iterator[tuple[str, Tensor]]:

@@ -37,7 +37,7 @@ from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import replica_sleeps
 from rlhf.rollout.routing import check_routing_source, records_in_rollout, sample_routes
-from rlhf.rollout.weights import reload_weights
+from rlhf.rollout.weights import Receipt, reload_weights
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -92,15 +92,17 @@ class VllmSampler:
         outs = self.llm.generate(requests, list(params), use_tqdm=False, **extra)
         return [_completion(out.outputs[0], prompt_len=len(p)) for out, p in zip(outs, prompts)]
 
-    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> list[Receipt]:
         """Replace the weights with HF-named full tensors (consumed as a stream), then drop
         the prefix cache, whose KV the old weights computed. Wakes only the weights: the KV
-        cache stays released while the trainer's state is on the device."""
+        cache stays released while the trainer's state is on the device. Returns the receipts
+        of this process's vLLM worker (all complete)."""
         self._wake("weights")
-        self.llm.collective_rpc(reload_weights, args=(weights,))
+        per_worker = self.llm.collective_rpc(reload_weights, args=(weights,))
         self.has_weights = True
         if "kv_cache" not in self.asleep:  # a sleep already dropped the prefix cache
             self.llm.reset_prefix_cache()
+        return per_worker[0]  # one worker per process: the tp ranks are the job's processes
 
     def load_adapter(self, weights: Iterable[tuple[str, Tensor]]) -> int:
         """Make the full LoRA factors `weights` (our parameter names) the adapter that serves

@@ -177,7 +177,12 @@ class FakeEngine:
                 for p, p_ in zip(prompts, params)]
 
     def load_weights(self, weights):
-        self.loaded += [name for name, _ in weights]
+        """One receipt per tensor, complete (as vLLM's worker returns them per module)."""
+        from rlhf.rollout.weights import Receipt
+
+        receipts = [Receipt(name, t.numel(), t.numel()) for name, t in weights]
+        self.loaded += [r.name for r in receipts]
+        return receipts
 
     def sleep(self):
         self.sleeps += 1
@@ -234,6 +239,7 @@ def test_sync_pushes_only_after_the_policy_changed(world):
     replica.mark_stale()
     metrics = replica.sync(lambda: iter(buckets))
     assert metrics["sync/skipped"] == 0.0 and metrics["sync/bytes"] == 3 * 4 + 2 * 8
+    assert metrics["sync/receipts"] == metrics["sync/receipts_complete"] == 2.0
     assert replica.sampler.loaded == ["a", "b"]
     assert replica.sync(lambda: iter(buckets))["sync/skipped"] == 1.0
 

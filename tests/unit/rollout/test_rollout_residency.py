@@ -59,7 +59,7 @@ class DiscardingLLM:
             raise RuntimeError("load_weights into sleeping weights")
         for _, tensor in args[0]:
             self.version = float(tensor.flatten()[0])
-        return [None]
+        return [[]]  # the worker's receipts
 
     def sleep(self, level):
         self.log.append(("sleep", level))

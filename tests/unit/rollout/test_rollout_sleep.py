@@ -29,7 +29,7 @@ class FakeLLM:
         self.calls.append(("rpc", fn.__name__))
         if fn.__name__ == "reload_weights":
             self.received += [name for name, _ in args[0]]  # consume the stream
-            return [None for _ in self.workers]
+            return [[] for _ in self.workers]  # each worker's receipts
         return [fn(worker, *args) for worker in self.workers]
 
     def generate(self, requests, params, use_tqdm, lora_request=None):
