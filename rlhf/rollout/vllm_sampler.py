@@ -20,6 +20,7 @@ inside `vllm_environment`, which sets the latter only while it builds.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_e
 from rlhf.rollout.residency import replica_sleeps
 from rlhf.rollout.routing import check_routing_source, records_in_rollout, sample_routes
 from rlhf.rollout.weights import Receipt, reload_weights
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -61,15 +64,17 @@ class VllmSampler:
         from vllm import LLM
 
         self.device_type = device_type
+        self.casts = _CastNotice(dtype)
         self.sleeps = replica_sleeps(device_type=device_type, placement=config.placement)
         self.asleep: set[str] = set()  # vLLM's sleep tags now released
         self.has_weights = True  # False after a level-2 sleep, until load_weights
         # With LoRA the base stays (model.path, loaded once) and only adapters arrive.
         self.adapters = (AdapterVersions(peft_config(lora, base_model=model_path))
                          if lora is not None and lora.enabled else None)
-        self.llm = LLM(model=model_path, **vllm_args(config, on_cuda=device_type == "cuda",
-                                                     dtype=dtype, max_model_len=max_model_len,
-                                                     lora=lora))
+        with self.casts.around(model_path):
+            self.llm = LLM(model=model_path, **vllm_args(
+                config, on_cuda=device_type == "cuda", dtype=dtype,
+                max_model_len=max_model_len, lora=lora))
         check_vllm_internals(self.llm)
         if self.adapters is not None:
             check_lora_internals(self.llm)
@@ -98,7 +103,8 @@ class VllmSampler:
         cache stays released while the trainer's state is on the device. Returns the receipts
         of this process's vLLM worker (all complete)."""
         self._wake("weights")
-        per_worker = self.llm.collective_rpc(reload_weights, args=(weights,))
+        with self.casts.around("the weight sync"):
+            per_worker = self.llm.collective_rpc(reload_weights, args=(weights,))
         self.has_weights = True
         if "kv_cache" not in self.asleep:  # a sleep already dropped the prefix cache
             self.llm.reset_prefix_cache()
@@ -178,6 +184,47 @@ def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
                     enable_chunked_prefill=False,
                     max_num_batched_tokens=max(max_model_len, CPU_PREFILL_TOKENS))
     return args
+
+
+# The logger of vLLM's AutoWeightsLoader, which warns once per tensor and rank that it loads
+# into a parameter of a narrower dtype, and the start of that warning.
+_VLLM_LOADER_LOGGER = "vllm.model_executor.models.utils"
+_CAST_WARNING = "Attempted to load weight"
+
+
+class _CastNotice:
+    """vLLM's per-tensor warning for a float32 source (checkpoint or trainer) loaded into a
+    bfloat16 engine, replaced by one line of ours per engine. vLLM's loader rounds each tensor
+    into its parameter's dtype, which it alone knows (a model may keep some in float32)."""
+
+    def __init__(self, engine_dtype: torch.dtype):
+        self.engine_dtype = engine_dtype
+        self.said = False
+
+    @contextmanager
+    def around(self, source: str) -> Iterator[None]:
+        """Count vLLM's warnings while it loads from `source` instead of printing them."""
+        casts = []
+
+        def drop(record: logging.LogRecord) -> bool:
+            if not str(record.msg).startswith(_CAST_WARNING):
+                return True
+            if record.levelno >= logging.WARNING:  # an exact widening is only a debug line
+                casts.append(record.args[1] if isinstance(record.args, tuple) else "?")
+            return False
+
+        vllm_logger = logging.getLogger(_VLLM_LOADER_LOGGER)
+        vllm_logger.addFilter(drop)
+        try:
+            yield
+        finally:
+            vllm_logger.removeFilter(drop)
+        if casts and not self.said:
+            self.said = True
+            logger.info("vLLM rounds %d %s tensors of %s to the engine's %s as it loads them "
+                        "(said once per engine, not per tensor)", len(casts),
+                        str(casts[0]).removeprefix("torch."), source,
+                        _DTYPE_NAMES[self.engine_dtype])
 
 
 def _completion(sample, *, prompt_len: int) -> Completion:
