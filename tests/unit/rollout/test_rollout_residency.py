@@ -1,8 +1,9 @@
 """Two and more generates with policy updates between, on replicas behind a fake CUDA vLLM that
-really discards its weights at sleep level 2, driven by the driver's RolloutSource (synchronous)
-and RolloutPipeline (one step off), colocated (ActorWorker's replica) and separate
-(RolloutWorker's): every batch is sampled by the weights of the version it is labelled with,
-and PyTorch's allocator cache is emptied before every wake."""
+really discards its weights at sleep level 2 (and takes and frees device memory as vLLM does),
+driven by the driver's RolloutSource (synchronous) and RolloutPipeline (one step off), colocated
+(ActorWorker's replica) and separate (RolloutWorker's): every batch is sampled by the weights of
+the version it is labelled with, PyTorch's allocator cache is emptied before every wake, and
+each sleep reports what it freed and what the engine still holds."""
 
 import gc
 import sys
@@ -27,6 +28,22 @@ from workers.actor import ActorWorker
 from workers.rollout import RolloutWorker
 
 N = 2  # samples per prompt
+GIB = 2**30
+
+
+class Device:
+    """One GPU's free memory as a fake vLLM takes and gives it back: building takes the
+    weights, the KV cache and a residual (graphs, buffers); the first generate loads kernels
+    it keeps; a level-2 sleep frees the weights and the KV cache, each wake takes its part."""
+
+    TOTAL, WEIGHTS, KV, RESIDUAL, LAZY = 80 * GIB, 14 * GIB, 28 * GIB, 3 * GIB, GIB // 4
+
+    def __init__(self, log):
+        self.free, self.log = self.TOTAL - 10 * GIB, log  # the trainer holds 10 GiB
+
+    def mem_get_info(self, *args):
+        self.log.append(("free",))
+        return self.free, self.TOTAL
 
 
 class DiscardingLLM:
@@ -34,8 +51,10 @@ class DiscardingLLM:
     (a wake brings back uninitialised memory until they are reloaded), generating without
     weights or KV cache raises, and every sampled token is the version of the weights."""
 
-    def __init__(self, model, log, **kwargs):
-        self.log, self.kwargs = log, kwargs
+    def __init__(self, model, log, device, **kwargs):
+        self.log, self.kwargs, self.device = log, kwargs, device
+        device.free -= device.WEIGHTS + device.KV + device.RESIDUAL
+        self.generated = False
         self.workers = [SimpleNamespace(model_runner=SimpleNamespace(model=object()))]
         self.version: float | None = 0.0  # model.path is policy version 0
         self.asleep: set[str] = set()
@@ -46,6 +65,9 @@ class DiscardingLLM:
             raise RuntimeError(f"generate while {sorted(self.asleep)} asleep")
         if self.version is None:
             raise RuntimeError("generate from discarded (uninitialised) weights")
+        if not self.generated:  # kernels loaded on first use stay
+            self.device.free -= self.device.LAZY
+            self.generated = True
         token = int(self.version)
         sample = SimpleNamespace(token_ids=[token], logprobs=[{token: SimpleNamespace(
             logprob=-0.5)}], finish_reason="length")
@@ -63,12 +85,16 @@ class DiscardingLLM:
 
     def sleep(self, level):
         self.log.append(("sleep", level))
+        self.device.free += (self.device.WEIGHTS * ("weights" not in self.asleep)
+                             + self.device.KV * ("kv_cache" not in self.asleep))
         self.asleep = {"weights", "kv_cache"}
         if level == 2:
             self.version = None
 
     def wake_up(self, tags=None):
         self.log.append(("wake_up", tuple(tags)))
+        for tag in set(tags) & self.asleep:
+            self.device.free -= self.device.WEIGHTS if tag == "weights" else self.device.KV
         self.asleep -= set(tags)
 
     def reset_prefix_cache(self):
@@ -80,14 +106,15 @@ def fake_cuda(monkeypatch):
     """A fake `vllm` whose LLM discards weights, and torch.cuda's cache calls recorded in the
     same log (no GPU here: the code branches on the device type "cuda")."""
     log: list[tuple] = []
+    device = Device(log)
     vllm = types.ModuleType("vllm")
-    vllm.LLM = lambda model, **kw: DiscardingLLM(model, log, **kw)
+    vllm.LLM = lambda model, **kw: DiscardingLLM(model, log, device, **kw)
     vllm.SamplingParams, vllm.__version__ = (lambda **kw: SimpleNamespace(**kw)), "0.99.fake"
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     reload = install_fake_reload(monkeypatch)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
     monkeypatch.setattr(gc, "collect", lambda *a: log.append(("gc",)) or 0)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", device.mem_get_info)
     return log
 
 
@@ -258,11 +285,13 @@ def test_every_wake_comes_after_the_allocator_cache_is_emptied_weights_sync_then
     wakes = [i for i, entry in enumerate(log) if entry[0] == "wake_up"]
     assert len(wakes) == 2
     for i in wakes:
-        assert log[i - 2:i] == [("gc",), ("empty_cache",)], log
-    assert log == [("generate", 4), ("sleep", 2),
-                   ("gc",), ("empty_cache",), ("wake_up", ("weights",)), ("reload",),
-                   ("gc",), ("empty_cache",), ("wake_up", ("kv_cache",)), ("generate", 4),
-                   ("sleep", 2)]
+        assert log[i - 3:i] == [("gc",), ("empty_cache",), ("free",)], log
+    read = [("gc",), ("empty_cache",), ("free",)]  # a reading of the emptied device
+    # before the engine acts the cache is emptied; after a wake or a sleep it need not be
+    assert log == [*read, *read, ("generate", 4), *read, ("sleep", 2), ("free",),  # build
+                   *read, ("wake_up", ("weights",)), ("free",), ("reload",),
+                   *read, ("wake_up", ("kv_cache",)), ("free",), ("generate", 4),
+                   *read, ("sleep", 2), ("free",)]
     assert replica.sampler.llm.kwargs["enable_sleep_mode"] is True
 
 
@@ -270,3 +299,41 @@ def test_a_separate_cuda_engine_is_built_without_sleep_mode(fake_cuda):
     _, source, _, replica = _job("separate")
     source.generate(_prompts(1), greedy=False)
     assert replica.sampler.llm.kwargs["enable_sleep_mode"] is False and not replica.sampler.sleeps
+
+
+def test_each_sleep_reports_what_it_freed_and_what_vllm_keeps_whatever_the_trainer_moves(
+        fake_cuda):
+    """The residual is what the engine took (building, waking, its first generate's kernels)
+    less what its sleeps gave back, the same every step, while the trainer's own memory
+    changes between the calls (its state moved off and back, a sync's buckets)."""
+    policy, source, actor, replica = _job("colocated")
+    reports = []
+    for step in (1, 2, 3):
+        source.sync()
+        out = source.generate(_prompts(step), greedy=False)
+        reports.append({k: v for k, v in out.meta["metrics"].items() if "sleep" in k})
+        device = replica.sampler.llm.device
+        device.free += 5 * GIB * (-1) ** step  # the trainer moves state on and off the device
+        _update(policy, source, actor)
+    expected = {"rollout/sleep_freed_gb": (Device.WEIGHTS + Device.KV) / GIB,
+                "rollout/sleep_residual_gb": (Device.RESIDUAL + Device.LAZY) / GIB}
+    assert reports == [expected] * 3
+
+
+def test_a_resident_engine_reports_no_sleep(fake_cuda):
+    _, source, _, replica = _job("separate")
+    out = source.generate(_prompts(1), greedy=False)
+    assert not any("sleep" in k for k in out.meta["metrics"]) and replica.sampler.ledger is None
+
+
+def test_a_call_whose_replica_got_no_prompts_reports_no_sleep(fake_cuda):
+    """Its engine stays as the sync left it (nothing to sleep): no figure, and every rank still
+    joins the metric reductions (a rank with prompts reports for the group)."""
+    policy, source, actor, replica = _job("colocated")
+    source.generate(_prompts(1), greedy=False)
+    _update(policy, source, actor)
+    source.sync()  # the weights wake; no generate wakes the KV cache
+    out = replica.generate(Ragged.from_list([], dtype=torch.int64), greedy=False, seed=0)
+    assert len(out["response_ids"]) == 0 and not replica.sampler.awake
+    assert not any("sleep" in k for k in out.meta["metrics"])
+    assert replica._sleep_metrics(None) == {}

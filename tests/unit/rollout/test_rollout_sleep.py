@@ -55,6 +55,8 @@ def fake_vllm(monkeypatch):
     vllm.LLM, vllm.SamplingParams, vllm.__version__ = FakeLLM, lambda **kw: kw, "0.99.fake"
     monkeypatch.setitem(sys.modules, "vllm", vllm)
     reload = install_fake_reload(monkeypatch)
+    # a sleeping engine reads the device's free memory (no GPU here)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (40 * 2**30, 80 * 2**30))
     return SimpleNamespace(vllm=vllm, reload=reload)
 
 

@@ -26,8 +26,12 @@ with vllm_environment(device_type="cuda"):
                            max_model_len=64)
 params = sampling_params(cfg, greedy=True, seeds=[0])
 before = engine.generate([[1, 5, 6, 7]], params)[0].token_ids
-engine.sleep()
+slept = engine.sleep()
 assert not engine.awake
+# what vLLM keeps besides weights and KV cache: measured, and small for a tiny model
+assert slept.freed_bytes > 0 and 0 <= slept.residual_bytes < 4 * 2**30, slept
+print(f"sleep freed {slept.freed_bytes / 2**30:.3f} GiB, "
+      f"kept {slept.residual_bytes / 2**30:.3f} GiB")
 free_asleep = torch.cuda.mem_get_info()[0]
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 with torch.no_grad():
