@@ -224,22 +224,28 @@ def _check_extras(cfg: JobConfig) -> Iterator[str]:
 
 def pool_problems(cfg: JobConfig, command: Command, *, cpus: float, gpus: float | None,
                   where: str) -> list[str]:
-    """The job's ranks (one CPU each, plus one GPU each when `gpus` is given) against a
-    cluster of `cpus` CPUs and `gpus` GPUs, described by `where`."""
+    """The job's ranks (rlhf.trainer.jobs.least_rank_cpus CPUs each, plus one GPU each when
+    `gpus` is given) against a cluster of `cpus` CPUs and `gpus` GPUs, described by `where`."""
+    from rlhf.trainer.jobs import least_rank_cpus  # imports Ray: only when a pool is checked
+
+    per_rank = {"CPU": least_rank_cpus(cfg), "GPU": 1}
     problems = []
     for label, roles in _jobs(cfg, command):
         shared = any(role.placement == "colocated" for role in roles.values())
         ranks = cfg.trainer.pool_size * shared + sum(
             role.world_size for role in roles.values() if role.placement == "separate")
         for kind, have in (("CPU", cpus), ("GPU", gpus)):
-            if have is not None and ranks > have:
+            if have is not None and ranks * per_rank[kind] > have:
+                each = ("one" if per_rank[kind] == 1
+                        else f"{per_rank[kind]} (trainer.cpus_per_rank)")
                 problems.append(
-                    f"{label} needs {ranks} ranks (one {kind} each: trainer.nnodes * "
+                    f"{label} needs {ranks} ranks ({each} {kind} each: trainer.nnodes * "
                     f"trainer.ranks_per_node = {cfg.trainer.pool_size} shared"
                     + "".join(f", {n}.world_size={r.world_size}" for n, r in roles.items()
                               if r.placement == "separate")
                     + f") but {where} has {have:g} {kind}s; lower trainer.ranks_per_node or "
-                    f"the world sizes" + (", or raise ray.num_cpus" if kind == "CPU" else ""))
+                    f"the world sizes" + (", or raise ray.num_cpus or lower "
+                                          "trainer.cpus_per_rank" if kind == "CPU" else ""))
     return problems
 
 

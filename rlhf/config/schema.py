@@ -174,6 +174,12 @@ class RolloutConfig:
     """Most sequences vLLM decodes at once."""
     enforce_eager: bool = False
     """Disable CUDA graphs (slower decoding, faster start, less memory)."""
+    sleep_residual_gb: float | None = 3.0
+    """GiB vLLM keeps on each of its GPUs beyond its weights and KV cache, asleep or awake
+    (CUDA graphs, buffers sized by max_num_seqs, workspaces, its own communicators, kernels),
+    as `rlhf plan` counts it. Feed back a run's `rollout/sleep_residual_gb`. The default is
+    about twice the 1.38 GiB vLLM reported in use after sleep (CUDA context included) on an
+    8-GPU GRPO run; null = the CUDA-graph pool alone (1 GiB; 0 with enforce_eager)."""
     sync_bucket_mb: float = 256.0
     """Weight sync moves full tensors in buckets of about this many MiB (peak extra memory)."""
     max_logprob_gap: float | None = 1.0
@@ -223,6 +229,9 @@ class RolloutConfig:
         require_range(self, "gpu_memory_utilization", 0, 1, low_open=True)
         if self.cpu_kv_cache_gb <= 0:
             raise ConfigError(f"cpu_kv_cache_gb must be positive, got {self.cpu_kv_cache_gb}")
+        if self.sleep_residual_gb is not None and self.sleep_residual_gb < 0:
+            raise ConfigError(f"sleep_residual_gb must be >= 0 (a run's rollout/sleep_residual_gb)"
+                              f" or null (estimate), got {self.sleep_residual_gb}")
         if self.max_logprob_gap is not None and self.max_logprob_gap <= 0:
             raise ConfigError(f"max_logprob_gap must be positive or null, got "
                               f"{self.max_logprob_gap}")
@@ -794,6 +803,10 @@ class TrainerConfig:
     """Machines in the shared pool."""
     ranks_per_node: int = 1
     """Ranks per machine; the shared colocated pool has nnodes * ranks_per_node ranks."""
+    cpus_per_rank: int | None = None
+    """CPUs each rank reserves in Ray and runs torch's intra-op threads on (host packing,
+    pinned copies, vLLM's scheduler); null = the node's CPUs split over its ranks, at most 4
+    with GPUs (rlhf.trainer.jobs.rank_cpus)."""
     experiment_name: str = "rlhf"
     """Name of the run in logs and trackers (the W&B run, the MLflow experiment and run)."""
     loggers: tuple[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"], ...] = (
@@ -842,6 +855,8 @@ class TrainerConfig:
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
+        if self.cpus_per_rank is not None:
+            require_min(self, 1, "cpus_per_rank")
         require_positive_or_none(self, "device_memory_gb", "host_memory_gb", "max_hours")
         if self.init_timeout_s <= 0:
             raise ConfigError(f"init_timeout_s must be positive, got {self.init_timeout_s}")

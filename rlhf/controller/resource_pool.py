@@ -36,11 +36,7 @@ class ResourcePool:
         self.name = name
         self.use_gpu = use_gpu
         self.ranks_per_node = _node_counts(ranks_per_node, nnodes)
-        if cpus_per_rank < 1:
-            raise ValueError(f"cpus_per_rank must be at least 1, got {cpus_per_rank}")
-        self.bundle: dict[str, float] = {"CPU": cpus_per_rank}
-        if use_gpu:
-            self.bundle["GPU"] = 1
+        self.bundle = rank_bundle(cpus_per_rank=cpus_per_rank, use_gpu=use_gpu)
         _check_feasible(name, self.ranks_per_node, self.bundle)
         self._pgs: list[PlacementGroup] = [
             placement_group([dict(self.bundle)] * n, strategy="STRICT_PACK", name=f"{name}:node{i}")
@@ -96,6 +92,14 @@ class ResourcePool:
             "free now (other pools or actors hold the rest). Free resources, lower "
             "ranks_per_node, or raise timeout_s."
         )
+
+
+def rank_bundle(*, cpus_per_rank: int, use_gpu: bool) -> dict[str, float]:
+    """One rank's placement-group bundle; its CPUs are also the rank's torch threads
+    (WorkerGroup hands them to ColocatedWorker)."""
+    if cpus_per_rank < 1:
+        raise ValueError(f"cpus_per_rank must be at least 1, got {cpus_per_rank}")
+    return {"CPU": cpus_per_rank, **({"GPU": 1} if use_gpu else {})}
 
 
 def _node_counts(ranks_per_node: list[int] | int, nnodes: int | None) -> list[int]:

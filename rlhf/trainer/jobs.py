@@ -23,8 +23,12 @@ from rlhf.trainer.device import use_gpu
 logger = logging.getLogger(__name__)
 
 # Processes that set no thread count (Ray's helpers, reward actors) run one OpenMP thread; a
-# rank sets torch's intra-op threads to its bundle's CPUs (ColocatedWorker), see cpus_per_rank.
+# rank sets torch's intra-op threads to its bundle's CPUs (ColocatedWorker), see rank_cpus.
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+# A GPU rank's host work: packing micro-batches, pinned copies to and from the device, vLLM's
+# scheduler and detokenizer. Up to four each leave most of an 8-GPU node's cores (typically 64
+# or more) to the reward processes, the data loader and Ray.
+GPU_CPUS_PER_RANK = 4
 
 
 def init_ray(cfg: JobConfig, *, env_address: str | None) -> None:
@@ -65,6 +69,22 @@ def cpus_per_rank(*, node_cpus: float, ranks_on_node: int, local_cores: int | No
     return max(1, int(cores) // ranks_on_node)
 
 
+def rank_cpus(cfg: JobConfig, *, gpu: bool, ranks_on_node: int) -> int:
+    """CPUs each rank's Ray bundle holds and torch's intra-op threads it runs: the one owner of
+    trainer.cpus_per_rank's default, the node's share of its CPUs (`cpus_per_rank`), at most
+    GPU_CPUS_PER_RANK with GPUs."""
+    if cfg.trainer.cpus_per_rank is not None:
+        return cfg.trainer.cpus_per_rank
+    share = _job_cpus_per_rank(ranks_on_node)
+    return min(GPU_CPUS_PER_RANK, share) if gpu else share
+
+
+def least_rank_cpus(cfg: JobConfig) -> int:
+    """What `rank_cpus` gives at least, known before any cluster is seen (the start-up checks):
+    trainer.cpus_per_rank, else one (a node's share is at least one)."""
+    return cfg.trainer.cpus_per_rank or 1
+
+
 def _job_cpus_per_rank(ranks_on_node: int) -> int:
     """cpus_per_rank for this Ray cluster: the smallest alive node, capped by this machine's
     cores when the cluster is this machine alone."""
@@ -92,7 +112,7 @@ class RoleGroups:
                     for n in separate}
         # Every pool may land on one node: split that node's CPUs over all of their ranks.
         on_node = (cfg.trainer.ranks_per_node if shared else 0) + sum(per_node.values())
-        cpus = 1 if gpu else _job_cpus_per_rank(on_node)
+        cpus = rank_cpus(cfg, gpu=gpu, ranks_on_node=on_node)
         self.groups: list[WorkerGroup] = []
         self.views: dict[str, RoleView] = {}
         try:

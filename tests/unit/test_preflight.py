@@ -216,8 +216,12 @@ def test_an_existing_cluster_is_checked_by_pool_problems(assets, tmp_path):
     assert pool_problems(cfg, "train", cpus=4, gpus=None, where="the cluster") == []
     (line,) = pool_problems(cfg, "train", cpus=3, gpus=None, where="the cluster")
     assert "needs 4 ranks" in line and "ref.world_size=2" in line and "has 3 CPUs" in line
-    (line,) = pool_problems(cfg, "train", cpus=8, gpus=2, where="the cluster")
+    (line,) = pool_problems(cfg, "train", cpus=16, gpus=2, where="the cluster")
     assert "has 2 GPUs" in line
+    # each rank holds trainer.cpus_per_rank CPUs (null: at least one, its node's share)
+    t["trainer"] = {**t.get("trainer", {}), "cpus_per_rank": 4}
+    (line,) = pool_problems(config_from_dict(t), "train", cpus=8, gpus=4, where="the cluster")
+    assert "4 (trainer.cpus_per_rank) CPU each" in line and "has 8 CPUs" in line
 
 
 @pytest.mark.parametrize("logger", ["tensorboard", "wandb", "mlflow"])
