@@ -25,6 +25,9 @@ from rlhf.parallel.layout import Layout
 from rlhf.trainer.device import use_gpu
 
 GIB = 2**30
+# vLLM's CUDA-graph memory pool (captured batch sizes up to max_num_seqs), unless enforce_eager:
+# the residual's estimate when rollout.sleep_residual_gb is null.
+VLLM_GRAPH_POOL_BYTES = 1 * GIB
 
 
 class UnknownArchitecture(ConfigError):
@@ -168,3 +171,17 @@ def host_memory(cfg: JobConfig) -> tuple[int, str]:
     if size_gb is not None:
         return int(size_gb * GIB), "trainer.host_memory_gb"
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "detected RAM of this machine"
+
+
+def vllm_residual(cfg: JobConfig) -> tuple[int, str]:
+    """(bytes vLLM keeps on each of its GPUs beyond weights and KV cache, where the figure
+    comes from): rollout.sleep_residual_gb (a run's measured rollout/sleep_residual_gb fed
+    back, or the default), else the CUDA-graph pool alone, an estimate that misses vLLM's
+    buffers and workspaces."""
+    rollout = cfg.rollout
+    if rollout.sleep_residual_gb is not None:
+        return int(rollout.sleep_residual_gb * GIB), (
+            f"rollout.sleep_residual_gb={rollout.sleep_residual_gb:g}")
+    if rollout.enforce_eager:
+        return 0, "estimate (rollout.sleep_residual_gb null): no CUDA graphs (enforce_eager)"
+    return VLLM_GRAPH_POOL_BYTES, "estimate (rollout.sleep_residual_gb null): CUDA-graph pool"

@@ -29,8 +29,11 @@ every phase, no training state) and the actor's ranks hold none.
 
 On CUDA every rank also holds, in every phase, named overheads (`rank_overheads`): its CUDA
 context, one reserve per NCCL communicator its process joins (every group of size > 1 that a
-role's mesh, ZeRO-1, pipeline p2p or vLLM's TP uses; `communicators`), and vLLM's CUDA-graph
-pool, which sleeping does not release. PyTorch's caching allocator keeps what a phase freed
+role's mesh, ZeRO-1, pipeline p2p or vLLM's TP uses; `communicators`), and vLLM's residual:
+what it keeps beyond weights and KV cache, which sleeping does not release (CUDA graphs,
+buffers, workspaces, kernels; rollout.sleep_residual_gb, a run's measured
+rollout/sleep_residual_gb fed back, less vLLM's communicator, which has its own line).
+PyTorch's caching allocator keeps what a phase freed
 reserved for the next (`carry_cache`): the cache is emptied before each vLLM wake (sync,
 generate) and before a phase that needs the freed memory to fit; elsewhere the reserved-but-
 free bytes a phase carries in are a line of their own. The offloaded state's host copies are
@@ -48,7 +51,8 @@ from rlhf.engine.offload import offloaded_kinds, placement
 from rlhf.engine.zero import state_bytes
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.vocab_parallel import head_workspace
-from rlhf.plan.inputs import GIB, Hardware, RoleSpec, hardware, host_memory, role_specs
+from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, role_specs,
+                              vllm_residual)
 from rlhf.plan.shapes import stage_shapes
 from rlhf.rollout.residency import replica_sleeps
 
@@ -60,8 +64,7 @@ CUDA_CONTEXT_BYTES = 768 * MIB
 # Per NCCL communicator a rank joins: its channel buffers and proxy state (one-rank
 # communicators measured on an H100 are a lower bound: docs/benchmarks/2026-11-25-h100-bringup.md).
 NCCL_COMMUNICATOR_BYTES = 512 * MIB
-# vLLM's CUDA-graph memory pool (captured batch sizes up to max_num_seqs), unless enforce_eager.
-VLLM_GRAPH_POOL_BYTES = 1 * GIB
+VLLM_RESIDUAL = "vllm residual"  # the line of what vLLM keeps beyond weights and KV cache
 WAKE_PHASES = ("sync", "generate")  # vLLM wakes: the allocator cache is emptied first
 # Pinned memory cannot be swapped or shared; the rest of a node's RAM is the processes' own
 # (Python, the data loader, Ray's object store).
@@ -129,6 +132,7 @@ class MemoryPlan:
     roles: dict[str, RoleSpec]
     stages: dict[str, list[StageMemory]]
     vllm: dict[str, int]  # per actor rank: weights, kv_cache, sync_bucket
+    vllm_residual_source: str = ""  # where the `vllm residual` line's figure comes from
     devices: list[DeviceMemory] = field(default_factory=list)
     host: list[NodeHost] = field(default_factory=list)  # nodes holding pinned copies
     host_bytes: int = 0  # one node's RAM
@@ -493,13 +497,16 @@ def communicators(members: list[RoleSpec], *, pool_size: int,
 
 
 def rank_overheads(cfg: JobConfig, comms: list[str], *, has_vllm: bool) -> dict[str, int]:
-    """The CUDA context, a reserve per NCCL communicator, and vLLM's CUDA-graph pool."""
+    """The CUDA context, a reserve per NCCL communicator, and vLLM's residual."""
     out = {"cuda context": CUDA_CONTEXT_BYTES}
     for name in comms:
         key = f"nccl {name}"
         out[key] = out.get(key, 0) + NCCL_COMMUNICATOR_BYTES
-    if has_vllm and not cfg.rollout.enforce_eager:
-        out["vllm cuda graphs"] = VLLM_GRAPH_POOL_BYTES
+    if has_vllm:
+        # A measured residual holds vLLM's own tp communicator too: its line counts it once.
+        residual = vllm_residual(cfg)[0] - out.get("nccl vllm tp", 0)
+        if residual > 0:
+            out[VLLM_RESIDUAL] = residual
     return out
 
 
@@ -559,7 +566,8 @@ def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
         devices += _group_devices(pool, ranks, hw, emptied=emptied)
         host += _host_pinned(pool, by_rank, size, members, hw.ranks_per_node)
     return replace(plan, devices=devices, host=[n for n in host if n.total],
-                   host_bytes=host_bytes, host_source=host_source)
+                   host_bytes=host_bytes, host_source=host_source,
+                   vllm_residual_source=vllm_residual(cfg)[1])
 
 
 def _host_pinned(pool: str, by_rank: dict, size: int, members: list[RoleSpec],

@@ -148,7 +148,7 @@ def _role_lines(plan) -> list[str]:
 
 
 def _device_lines(plan) -> list[str]:
-    from rlhf.plan.memory import WAKE_PHASES
+    from rlhf.plan.memory import VLLM_RESIDUAL, WAKE_PHASES
 
     div, unit = _unit(d.peak for d in plan.devices)
 
@@ -169,10 +169,13 @@ def _device_lines(plan) -> list[str]:
     if plan.hardware.device_type != "cuda":
         return lines
     fixed = {k: v for k, v in worst.phases[worst.peak_phase].items()
-             if k == "cuda context" or k.startswith("nccl ") or k == "vllm cuda graphs"}
+             if k == "cuda context" or k.startswith("nccl ") or k == VLLM_RESIDUAL}
     lines += ["", f"outside the allocator on ranks {_ranks(worst.ranks)}, every phase: "
               + ", ".join(f"{k} {f(v)}" for k, v in fixed.items())
-              + f" ({sum(1 for k in fixed if k.startswith('nccl '))} NCCL communicators)"]
+              + f" ({sum(1 for k in fixed if k.startswith('nccl '))} NCCL communicators)"
+              + (f"; {VLLM_RESIDUAL} from {plan.vllm_residual_source}, less vLLM's own "
+                 "communicator (feed back a run's rollout/sleep_residual_gb)"
+                 if VLLM_RESIDUAL in fixed else "")]
     lines.append("allocator cache (reserved but free, carried from the previous phase):")
     for d in plan.devices:
         carried = {p: parts["allocator cache"] for p, parts in d.phases.items()
@@ -213,7 +216,9 @@ def verdict(plan, advice) -> str:
         host = (f"; pinned host memory {_gib(plan.host_peak)} GiB of "
                 f"{_gib(HOST_PINNED_SHARE * plan.host_bytes)} GiB allowed per node")
     if plan.fits:
-        return f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}{host}.\n"
+        spare = 1 - plan.peak / cap  # the least headroom of any phase on any device
+        return (f"fits: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per} "
+                f"({spare:.0%} headroom in its largest phase){host}.\n")
     text = f"does not fit: peak {_gib(plan.peak)} GiB of {_gib(cap)} GiB per {per}{host}.\n"
     if not plan.host_fits:
         text += ("The offloaded state's pinned host copies exceed the node's RAM: offload less, "
@@ -251,7 +256,7 @@ def to_json(plan, advice) -> dict:
                                     for s in plan.stages[name]]}
                   for name, spec in plan.roles.items()},
         "ref_from_actor": plan.ref_from_actor,
-        "vllm": plan.vllm,
+        "vllm": plan.vllm, "vllm_residual_source": plan.vllm_residual_source,
         "devices": [{"pool": d.pool, "ranks": list(d.ranks), "peak_bytes": d.peak,
                      "peak_phase": d.peak_phase, "phases": d.phases,
                      "cache_emptied_before": list(d.emptied)} for d in plan.devices],

@@ -65,7 +65,7 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
     text = format_plan(plan, advice, title=str(MULTIGPU))
     for line in ("head workspace by op (update, last stage): logits", "logits grad",
                  "softmax chunk", "nccl actor tp", "nccl vllm tp", "cuda context",
-                 "vllm cuda graphs", "allocator cache (reserved but free",
+                 "vllm residual", "allocator cache (reserved but free",
                  "pinned host memory per node", "critic optimizer"):
         assert line in text, line
     rank0 = next(d for d in plan.devices if 0 in d.ranks)
