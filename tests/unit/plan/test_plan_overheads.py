@@ -3,6 +3,8 @@ phases, pinned host memory per node, and the 7B config's `rlhf plan` output."""
 
 from pathlib import Path
 
+import pytest
+
 from rlhf.config import load_config
 from rlhf.config.schema import OffloadConfig, ParallelConfig
 from rlhf.models.config import ModelArgs
@@ -70,7 +72,7 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
         assert line in text, line
     rank0 = next(d for d in plan.devices if 0 in d.ranks)
     nccl = {k: v for k, v in rank0.phases["sync"].items() if k.startswith("nccl ")}
-    assert len(nccl) >= 8 and set(nccl.values()) == {NCCL_COMMUNICATOR_BYTES}
+    assert len(nccl) >= 6 and set(nccl.values()) == {NCCL_COMMUNICATOR_BYTES}
     # the critic's freed update is carried into the actor's (not emptied: it fits)
     assert rank0.phases["update actor"].get("allocator cache", 0) > GIB
     # the offloaded critic (params, grads, optimizer) and ref (params) pin their copies:
@@ -80,6 +82,22 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
     assert node.pinned["critic optimizer"] == 8 * critic["optimizer"]
     assert set(node.pinned) == {"critic weights", "critic grads", "critic masters",
                                 "critic optimizer", "ref weights"}
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_shipped_7b_config_leaves_a_tenth_of_every_gpu_free_in_every_phase(nodes):
+    """As shipped (8 GPUs) and on two nodes: every phase of every device within 90%."""
+    cfg = load_config(MULTIGPU, [f"trainer.nnodes={nodes}"])
+    assert cfg.trainer.pool_size == 8 * nodes and cfg.rollout.tp == 2
+    plan = plan_job(cfg, model_dirs=MODELS)
+    assert plan.host_fits
+    for device in plan.devices:
+        for phase in device.phases:
+            assert device.total(phase) <= 0.9 * plan.hardware.device_bytes, (device.ranks, phase)
+    # the KV cache holds the 512 sequences of 2,048 tokens it was sized for: 56 KiB a token
+    # (28 layers, K and V, 4 kv heads of 128, bf16), split over the replica's 2 ranks
+    need = 512 * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens) * 28 * 2 * 4 * 128 * 2
+    assert need / 2 <= plan.vllm["kv_cache"] <= 1.2 * need / 2
 
 
 def test_pinned_copies_beyond_a_nodes_ram_do_not_fit_and_advice_offloads_less():
