@@ -36,6 +36,7 @@ FINDINGS = {
     "sync incomplete": "a weight sync left a module without its receipt",
     "gap over limit": "vLLM's log-probs are too far from the trainer's after a sync",
     "memory over plan": "a phase used more device memory than the plan by more than the margin",
+    "vllm residual over plan": "vLLM keeps more beside weights and KV cache than the plan counts",
     "nccl over plan": "NCCL communicators hold more device memory than the plan counts",
 }
 # The role method whose memory/<method>/* the workers report -> the phase of `rlhf plan` it is
@@ -91,7 +92,7 @@ def build_report(records: list[dict], *, total_steps: int, max_logprob_gap: floa
     _sync(report, records)
     _gaps(report, records, limit=max_logprob_gap)
     _memory(report, records, plan=plan, plan_note=plan_note, device_gib=device_gib)
-    _sleep(report, records)
+    _sleep(report, records, plan=plan)
     _nccl(report, records, plan=plan)
     _pinned(report, records, plan=plan)
     _timings(report, records)
@@ -224,10 +225,32 @@ def _per_step(report: Report, records: list[dict], keys: tuple[str, ...], title:
         report.lines.append(f"  step {r['step']}: " + ("  ".join(values) or when_missing))
 
 
-def _sleep(report: Report, records: list[dict]) -> None:
-    _per_step(report, records, ("rollout/sleep_freed_gb", "rollout/sleep_residual_gb"),
-              "vLLM sleep (GiB freed by sleep, GiB it keeps while asleep)",
+def _plan_residual(plan) -> float | None:
+    """GiB the plan counts for what vLLM keeps beyond weights and KV cache on its fullest
+    device: its `vllm residual` line plus vLLM's own communicator, as the run measures it."""
+    from rlhf.plan.memory import VLLM_RESIDUAL
+
+    kept = [parts.get(VLLM_RESIDUAL, 0) + parts.get("nccl vllm tp", 0)
+            for device in (plan.devices if plan is not None else ())
+            for parts in list(device.phases.values())[:1] if VLLM_RESIDUAL in parts]
+    return max(kept) / GIB if kept else None
+
+
+def _sleep(report: Report, records: list[dict], *, plan) -> None:
+    planned = _plan_residual(plan)
+    title = "vLLM sleep (GiB freed by sleep, GiB it keeps while asleep)"
+    if planned is not None:
+        title += f" (plan: keeps {planned:.2f} GiB, {plan.vllm_residual_source})"
+    _per_step(report, records, ("rollout/sleep_freed_gb", "rollout/sleep_residual_gb"), title,
               f"{NOT_REPORTED} (vLLM on CPU does not sleep)")
+    for r in records:
+        measured = _number(r, "rollout/sleep_residual_gb")
+        if planned is not None and measured is not None and measured > planned * (
+                1 + MEMORY_MARGIN):
+            report.findings.append(Finding(
+                "vllm residual over plan", r["step"], f"rollout/sleep_residual_gb "
+                f"{measured:.2f} GiB against the plan's {planned:.2f} GiB: set "
+                f"rollout.sleep_residual_gb={measured:.1f} and run `rlhf plan` again"))
 
 
 def _plan_nccl(plan) -> tuple[float, int] | None:

@@ -62,6 +62,19 @@ def test_a_healthy_run_passes_and_shows_every_section(plan):
     assert "sync_weights" in text and "generate" in text
 
 
+def test_a_residual_above_the_plans_is_named_with_the_value_to_feed_back(plan):
+    """The plan counts rollout.sleep_residual_gb (3 GiB); a run that measures more says so."""
+    report = report_of(healthy(plan), plan)
+    assert "(plan: keeps 3.00 GiB, rollout.sleep_residual_gb=3)" in report.text()
+    records = healthy(plan)
+    records[1]["rollout/sleep_residual_gb"] = 4.2
+    report = report_of(records, plan)
+    (finding,) = report.findings
+    assert finding.kind == "vllm residual over plan" and finding.step == 2
+    assert "rollout.sleep_residual_gb=4.2" in finding.text and report.exit_code == 1
+    assert "rollout.sleep_residual_gb=4.2" in report.text()
+
+
 def test_a_run_that_stopped_shows_its_last_lines(plan):
     report = report_of(healthy(plan)[:1], plan, exit_code=1,
                        log_tail=["step 2 ...", "error: CUDA out of memory in update_actor"])
