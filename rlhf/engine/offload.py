@@ -38,8 +38,6 @@ emptied and restored, so a step with every switch on computes what it computes w
 from __future__ import annotations
 
 import functools
-import gc
-import os
 from collections.abc import Callable
 from typing import Literal
 
@@ -47,11 +45,13 @@ import torch
 from torch import Tensor
 
 from rlhf.config.schema import OffloadConfig
+from rlhf.engine.zero import STATE_KINDS
+from rlhf.parallel.memory_probes import (memory_now, release_cached_memory, reset_memory_peaks,
+                                         worst_memory)
 
 Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors
 
-KINDS = ("weights", "grads", "masters", "optimizer")
 # The kinds each phase computes with (the table of the module docstring). A memory planner
 # reads its per-phase peaks from this same table, through `placement`.
 NEEDS: dict[str, frozenset[str]] = {
@@ -59,22 +59,13 @@ NEEDS: dict[str, frozenset[str]] = {
     "generate": frozenset(),
     "sync": frozenset({"weights"}),
     "forward": frozenset({"weights"}),
-    "update": frozenset(KINDS),
+    "update": frozenset(STATE_KINDS),
     "checkpoint": frozenset({"weights", "masters", "optimizer"}),
 }
 PHASES = tuple(NEEDS)
 # Phases whose work needs the memory other phases left cached: vLLM wakes its weights (sync)
 # and its KV cache (generate) through its own allocator.
 RELEASE_BEFORE = frozenset({"generate", "sync"})
-
-
-def release_cached_memory(device_type: str) -> None:
-    """Hand the blocks PyTorch's caching allocator keeps reserved back to the driver, so that
-    another allocator (vLLM's) or the next phase can use them; a no-op off CUDA."""
-    if device_type != "cuda":
-        return
-    gc.collect()  # tensors that only reference cycles keep alive free their blocks first
-    torch.cuda.empty_cache()
 
 
 def offloaded_kinds(config: OffloadConfig) -> frozenset[str]:
@@ -93,41 +84,7 @@ def placement(phase: str, config: OffloadConfig) -> dict[str, Place]:
         raise ValueError(f"unknown offload phase {phase!r}; use one of {', '.join(PHASES)}")
     away = offloaded_kinds(config)
     return {kind: "host" if kind in away and kind not in NEEDS[phase] else "device"
-            for kind in KINDS}
-
-
-def memory_now(device_type: str) -> dict[str, float]:
-    """This process's memory in GB: on CUDA PyTorch's peak allocated and reserved bytes since
-    the last `reset_memory_peaks` and the device's free memory; on the CPU the host RSS."""
-    if device_type == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return {"allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
-                "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
-                "free_gb": free / 2**30}
-    return {"host_rss_gb": _host_rss_bytes() / 2**30}
-
-
-def worst_memory(reports: list[dict[str, float]]) -> dict[str, float]:
-    """The worst of several memory reports (calls, or ranks): the most used, the least free."""
-    keys = {k for report in reports for k in report}
-    return {k: (min if k.endswith("free_gb") else max)(r[k] for r in reports if k in r)
-            for k in sorted(keys)}
-
-
-def reset_memory_peaks(device_type: str) -> None:
-    """Start a new peak for `memory_now` (CUDA only: the host RSS has no resettable peak)."""
-    if device_type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _host_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux (macOS): the peak RSS, in bytes there
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            for kind in STATE_KINDS}
 
 
 class Offloader:

@@ -19,6 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 BUCKET_NUMEL = 2**24  # elements per bucket: 64 MiB of fp32 grads moved per collective
+# The kinds of state a training engine holds (`TrainEngine.state_tensors()`); the offloader
+# moves them and the memory planner counts them by these names.
+STATE_KINDS = ("weights", "grads", "masters", "optimizer")
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from rlhf.config import JobConfig, ref_from_actor
 from rlhf.engine.offload import offloaded_kinds, placement
-from rlhf.engine.zero import state_bytes
+from rlhf.engine.zero import STATE_KINDS, state_bytes
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.vocab_parallel import head_workspace
 from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, role_specs,
@@ -56,7 +56,6 @@ from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, ro
 from rlhf.plan.shapes import stage_shapes
 from rlhf.rollout.residency import replica_sleeps
 
-STATE_KINDS = ("weights", "grads", "masters", "optimizer")
 RECOMPUTE_MODES = ("none", "attention_block", "full")
 MIB = 2**20
 # Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.

@@ -33,9 +33,9 @@ from torch import Tensor
 
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
-from rlhf.engine.offload import release_cached_memory
 from rlhf.errors import ConfigError
 from rlhf.models.lora import peft_config, peft_key
+from rlhf.parallel.memory_probes import release_cached_memory
 from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import SleepLedger, SleepReport, replica_sleeps

@@ -40,8 +40,8 @@ from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
 from rlhf.data.ragged import Ragged
-from rlhf.engine.offload import worst_memory
 from rlhf.files import check_shared_folder
+from rlhf.parallel.memory_probes import worst_memory
 from rlhf.rewards import RewardRunner
 from rlhf.rewards.runner import combine_scores
 from rlhf.rollout import logprob_gap

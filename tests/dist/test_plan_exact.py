@@ -14,12 +14,12 @@ import torch
 from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine
-from rlhf.engine.zero import num_shards
+from rlhf.engine.zero import STATE_KINDS, num_shards
 from rlhf.models.config import ModelArgs
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.plan.inputs import RoleSpec
-from rlhf.plan.memory import STATE_KINDS, stage_memory
+from rlhf.plan.memory import stage_memory
 
 # 4 layers for pp2 x vpp2; vocab 387 is padded to 388 at tp 2 (and 4 is not a divisor of it).
 SPEC = dict(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,

@@ -6,7 +6,8 @@ import torch
 
 from rlhf.config.schema import OffloadConfig
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.engine.offload import KINDS, NEEDS, Offloader, in_phase, placement
+from rlhf.engine.offload import NEEDS, Offloader, in_phase, placement
+from rlhf.engine.zero import STATE_KINDS
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import OPTIM, actor_loss_fn, make_batch
 
@@ -35,7 +36,7 @@ def _assert_placed(offloader, engine, phase, config):
     held and the tensor's own storage is empty; on the device means it is whole."""
     where = placement(phase, config)
     state = engine.state_tensors()
-    for kind in KINDS:
+    for kind in STATE_KINDS:
         for t in state[kind]:
             if where[kind] == "host":
                 assert offloader.on_host(t) and t.numel() == 0, (phase, kind)
@@ -46,7 +47,7 @@ def _assert_placed(offloader, engine, phase, config):
 def test_the_table_read_through_the_switches():
     assert set(placement("update", ALL).values()) == {"device"}
     assert set(placement("generate", NONE).values()) == {"device"}
-    assert placement("generate", ALL) == dict.fromkeys(KINDS, "host")
+    assert placement("generate", ALL) == dict.fromkeys(STATE_KINDS, "host")
     assert placement("forward", ALL) == {"weights": "device", "grads": "host", "masters": "host",
                                          "optimizer": "host"}
     params_only = OffloadConfig(params=True)
@@ -237,7 +238,7 @@ def test_a_checkpoint_is_read_into_host_memory_then_copied(folder, world, tmp_pa
 
 
 def test_each_call_reports_its_memory_the_worst_call_and_rank_kept(monkeypatch):
-    from rlhf.engine.offload import worst_memory
+    from rlhf.parallel.memory_probes import worst_memory
 
     peaks = iter([3 * 2**30, 5 * 2**30, 4 * 2**30])
     free = iter([30 * 2**30, 10 * 2**30, 20 * 2**30])
