@@ -28,17 +28,27 @@ per method called since it was last asked, `memory/<method>/allocated_gb` and `r
 vLLM's share included) on CUDA, `memory/<method>/host_rss_gb` on the CPU; the worst call of
 each method, in GB.
 
-Moving a tensor keeps a host copy (pinned on CUDA, allocated once and reused) and replaces its
-`.data` by an empty tensor, so the device memory is really released; coming back assigns a
-fresh device copy to `.data`, so parameters, optimizer state and hooks keep their identity.
-On the CPU the same code runs: host and device are both the CPU, but the tensor really is
-emptied and restored, so a step with every switch on computes what it computes with none.
+Moving a tensor keeps a host copy and replaces its `.data` by an empty tensor, so the device
+memory is really released; coming back assigns a fresh device copy to `.data`, so parameters,
+optimizer state and hooks keep their identity. The host copies of one kind of state live in
+one flat buffer, allocated once at the size `host_layout` gives (each copy a view starting at
+a multiple of `HOST_ALIGN`), and on CUDA pinned by registering exactly those bytes: PyTorch's
+pinned allocator would round every block up to a power of two, up to twice what the memory
+planner counts from the same `host_layout`. `take_memory_metrics` also reports
+`memory/pinned_gb` (what this role pinned) and `timing/pin_s` (seconds spent allocating and
+pinning its buffers, at start). On the CPU the same code runs with unpinned buffers: host and
+device are both the CPU, but the tensor really is emptied and restored, so a step with every
+switch on computes what it computes with none.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -46,8 +56,8 @@ from torch import Tensor
 
 from rlhf.config.schema import OffloadConfig
 from rlhf.engine.zero import STATE_KINDS
-from rlhf.parallel.memory_probes import (memory_now, release_cached_memory, reset_memory_peaks,
-                                         worst_memory)
+from rlhf.parallel.memory_probes import (GB, memory_now, release_cached_memory,
+                                         reset_memory_peaks, worst_memory)
 
 Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors
@@ -66,6 +76,13 @@ PHASES = tuple(NEEDS)
 # Phases whose work needs the memory other phases left cached: vLLM wakes its weights (sync)
 # and its KV cache (generate) through its own allocator.
 RELEASE_BEFORE = frozenset({"generate", "sync"})
+# Every host copy starts at a multiple of this many bytes: a view of any dtype is aligned and
+# copies to and from the device run at full speed.
+HOST_ALIGN = 512
+# Registering host memory pins whole pages, so a buffer is a whole number of them.
+PAGE_BYTES = 4096
+# What each role reports once per call of `take_memory_metrics`, beside its methods' memory.
+PIN_METRICS = ("memory/pinned_gb", "timing/pin_s")
 
 
 def offloaded_kinds(config: OffloadConfig) -> frozenset[str]:
@@ -87,6 +104,66 @@ def placement(phase: str, config: OffloadConfig) -> dict[str, Place]:
             for kind in STATE_KINDS}
 
 
+@dataclass(frozen=True)
+class HostLayout:
+    """Where the host copies of one kind of a role's state sit in its flat buffer."""
+
+    offsets: tuple[int, ...]  # byte offset of each tensor's copy, in the kind's order
+    nbytes: int  # the buffer, alignment padding included: what is pinned on CUDA
+
+
+def host_layout(sizes: Sequence[int]) -> HostLayout:
+    """The flat host buffer for tensors of `sizes` bytes: each copy starts at a multiple of
+    `HOST_ALIGN`, the buffer is whole pages (an empty list needs no buffer). The offloader
+    allocates by it and the memory planner counts pinned memory by it."""
+    offsets, end = [], 0
+    for size in sizes:
+        offsets.append(end)
+        end += -(-int(size) // HOST_ALIGN) * HOST_ALIGN
+    return HostLayout(tuple(offsets), -(-end // PAGE_BYTES) * PAGE_BYTES)
+
+
+def pin_host_memory(buffer: Tensor) -> Callable[[], None]:
+    """Page-lock exactly `buffer`'s bytes for the CUDA driver (PyTorch's pinned allocator would
+    round them up to a power of two); returns the call that unpins them."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    status = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if status != cudart.cudaError.success:
+        raise RuntimeError(f"pinning {nbytes / GB:.2f} GB of host memory for offloaded state "
+                           f"failed ({status}); offload less (`<role>.offload.*`) or free "
+                           "host memory (`rlhf plan` shows the pinned bytes per node)")
+    return functools.partial(cudart.cudaHostUnregister, ptr)
+
+
+@dataclass
+class _HostBuffer:
+    """One kind's flat host buffer and the view each of its tensors is copied into."""
+
+    signature: tuple[tuple[tuple[int, ...], torch.dtype], ...]  # (shape, dtype) per tensor
+    views: list[Tensor]
+    nbytes: int
+    pinned: bool
+
+
+def _host_buffer(signature: tuple[tuple[tuple[int, ...], torch.dtype], ...], *,
+                 pin: bool) -> _HostBuffer:
+    """A flat host buffer laid out by `host_layout` for tensors of these (shape, dtype),
+    pinned if `pin`."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in signature]
+    layout = host_layout(sizes)
+    # One spare page lets the buffer start on a page, so registering pins `nbytes`, no more.
+    raw = torch.empty(layout.nbytes + (PAGE_BYTES if pin else 0), dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE_BYTES if pin else 0
+    flat = raw[start:start + layout.nbytes]
+    views = [flat[offset:offset + size].view(dtype).view(shape)
+             for offset, size, (shape, dtype) in zip(layout.offsets, sizes, signature)]
+    out = _HostBuffer(signature, views, layout.nbytes, pinned=pin and layout.nbytes > 0)
+    if out.pinned:  # unpinned when the offloader lets the buffer go, before its memory is freed
+        weakref.finalize(out, pin_host_memory(flat))
+    return out
+
+
 class Offloader:
     """Moves one engine's state between its device and host memory, phase by phase.
 
@@ -102,20 +179,29 @@ class Offloader:
         self.phase: str | None = None
         self.memory: dict[str, dict[str, float]] = {}  # method -> worst report, until taken
         self._away: dict[int, tuple[Tensor, Tensor, torch.device]] = {}  # id -> (t, host, device)
-        self._host: dict[tuple[str, int], Tensor] = {}  # reusable host buffers
+        self._buffers: dict[str, _HostBuffer] = {}  # kind -> its host copies
+        self.pin_seconds = 0.0  # spent allocating (and pinning) the buffers
         self.enter("idle")
+
+    @property
+    def pinned_bytes(self) -> dict[str, int]:
+        """Per kind of state, the host bytes this offloader has pinned (none off CUDA)."""
+        return {kind: b.nbytes for kind, b in self._buffers.items() if b.pinned}
 
     def enter(self, phase: str) -> None:
         """Move what `phase` needs onto the device and what it does not need (and may leave) to
         the host; nothing else moves."""
         where = placement(phase, self.config)
         listed: dict[int, Tensor] = {}
-        slot: dict[int, str] = {}  # names the reusable host buffer
+        members: dict[str, list[Tensor]] = {kind: [] for kind in STATE_KINDS}
+        slot: dict[int, tuple[str, int]] = {}  # (kind, index): the tensor's host copy
         host_ok: dict[int, bool] = {}
         for kind, items in self.state().items():
-            for index, t in enumerate(items):
-                listed[id(t)] = t
-                slot.setdefault(id(t), f"{kind}:{index}")
+            for t in items:
+                if id(t) not in listed:  # listed twice: one host copy, in its first kind
+                    listed[id(t)] = t
+                    slot[id(t)] = (kind, len(members[kind]))
+                    members[kind].append(t)
                 # A tensor listed under two kinds (an fp32 model is its own master) stays on
                 # the device when either kind needs it there.
                 host_ok[id(t)] = host_ok.get(id(t), True) and where[kind] == "host"
@@ -126,9 +212,11 @@ class Offloader:
             t.data = host.to(device, non_blocking=True, copy=True)
         for key in [key for key in self._away if key not in listed]:
             del self._away[key]  # the engine dropped it (a grad set to None) while on the host
+        for kind in {slot[key][0] for key in to_host}:
+            self._ensure_buffer(kind, members[kind])
         for key in to_host:
-            self._to_host(listed[key], slot[key])
-        moved = any(listed[key].is_cuda for key in to_host)
+            self._to_host(listed[key], *slot[key])
+        moved = bool(to_host) and self.device_type == "cuda"
         if moved:
             torch.cuda.synchronize()  # the host copies are complete before the blocks go back
         if moved or phase in RELEASE_BEFORE:
@@ -142,24 +230,38 @@ class Offloader:
         self.memory[method] = now if seen is None else worst_memory([seen, now])
 
     def take_memory_metrics(self) -> dict[str, float]:
-        """`memory/<method>/<stat>` of the calls measured since the last take; forgets them."""
+        """`memory/<method>/<stat>` of the calls measured since the last take (forgotten
+        then), and `memory/pinned_gb` and `timing/pin_s` (see the module docstring)."""
         out = {f"memory/{method}/{stat}": value for method, report in self.memory.items()
                for stat, value in report.items()}
         self.memory = {}
+        pinned_gb, pin_s = PIN_METRICS
+        out[pinned_gb] = sum(self.pinned_bytes.values()) / GB
+        out[pin_s] = self.pin_seconds
         return out
 
     def on_host(self, t: Tensor) -> bool:
         """Whether `t` is currently moved out (its device storage emptied)."""
         return id(t) in self._away
 
-    def _to_host(self, t: Tensor, slot: str) -> None:
-        if t._base is not None:  # emptying a view would free nothing: its base keeps the memory
-            raise ValueError(f"offload state {slot} is a view of another tensor; "
-                             "state_tensors() must list tensors that own their storage")
-        host = self._host.get(slot)
-        if host is None or host.shape != t.shape or host.dtype != t.dtype:
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-            self._host[slot] = host
+    def _ensure_buffer(self, kind: str, tensors: list[Tensor]) -> None:
+        """The kind's flat host buffer, allocated at its first move and again only if the
+        kind's tensors changed shape (copies still away keep the old buffer's memory)."""
+        for index, t in enumerate(tensors):
+            if t._base is not None:  # emptying a view frees nothing: its base keeps the memory
+                raise ValueError(f"offload state {kind}:{index} is a view of another tensor; "
+                                 "state_tensors() must list tensors that own their storage")
+        # a tensor already away is emptied: its host copy has its shape
+        signature = tuple((tuple(self._away[id(t)][1].shape if id(t) in self._away else t.shape),
+                           t.dtype) for t in tensors)
+        held = self._buffers.get(kind)
+        if held is None or held.signature != signature:
+            start = time.perf_counter()
+            self._buffers[kind] = _host_buffer(signature, pin=self.device_type == "cuda")
+            self.pin_seconds += time.perf_counter() - start
+
+    def _to_host(self, t: Tensor, kind: str, index: int) -> None:
+        host = self._buffers[kind].views[index]
         host.copy_(t.detach(), non_blocking=True)
         self._away[id(t)] = (t, host, t.device)
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)

@@ -137,7 +137,16 @@ def _bucket(start: int, filled: int, first: int, stop: int, shards: int) -> Buck
 
 def state_bytes(numels: Sequence[int], *, param_bytes: int, shards: int,
                 bucket_numel: int = BUCKET_NUMEL) -> dict[str, int]:
-    """Bytes of each `TrainEngine.state_tensors()` category on one rank of a training engine.
+    """Bytes of each `TrainEngine.state_tensors()` kind on one rank of a training engine: the
+    sums of `state_tensor_bytes`."""
+    sizes = state_tensor_bytes(numels, param_bytes=param_bytes, shards=shards,
+                               bucket_numel=bucket_numel)
+    return {kind: sum(sizes[kind]) for kind in STATE_KINDS}
+
+
+def state_tensor_bytes(numels: Sequence[int], *, param_bytes: int, shards: int,
+                       bucket_numel: int = BUCKET_NUMEL) -> dict[str, list[int]]:
+    """Bytes of each tensor of each `TrainEngine.state_tensors()` kind, in its order.
 
     `numels`: the rank's trainable parameter sizes in `model.parameters()` order;
     `param_bytes`: bytes per model parameter element (4 for fp32, 2 for bf16);
@@ -145,7 +154,7 @@ def state_bytes(numels: Sequence[int], *, param_bytes: int, shards: int,
     masters an fp32 copy of the shard unless the model is fp32; optimizer two fp32 moments.
     """
     part = partition(numels, shards, bucket_numel=bucket_numel)
-    return {"weights": sum(numels) * param_bytes,
-            "grads": part.total * 4,
-            "masters": 0 if param_bytes == 4 else part.shard_size * 4,
-            "optimizer": 2 * part.shard_size * 4}
+    return {"weights": [n * param_bytes for n in numels],
+            "grads": [part.total * 4],
+            "masters": [] if param_bytes == 4 else [part.shard_size * 4],
+            "optimizer": [part.shard_size * 4] * 2}

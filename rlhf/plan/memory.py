@@ -2,7 +2,7 @@
 
 State tensors are exact: the shapes come from the project's own build path on the meta device
 (`shapes.stage_shapes`) and the bytes of weights, grads, fp32 masters and AdamW moments from
-`rlhf.engine.zero.state_bytes`, the function the engine allocates by (ZeRO-1 or not). Under
+`rlhf.engine.zero.state_tensor_bytes`, the function the engine allocates by (ZeRO-1 or not). Under
 LoRA only the adapters are trainable: grads, masters and moments count the adapters alone.
 
 The LM head's log-prob/entropy workspace is counted op by op from the code that allocates it
@@ -47,8 +47,8 @@ from pathlib import Path
 
 
 from rlhf.config import JobConfig, ref_from_actor
-from rlhf.engine.offload import offloaded_kinds, placement
-from rlhf.engine.zero import STATE_KINDS, state_bytes
+from rlhf.engine.offload import host_layout, offloaded_kinds, placement
+from rlhf.engine.zero import STATE_KINDS, state_tensor_bytes
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.vocab_parallel import head_workspace
 from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, role_specs,
@@ -76,6 +76,9 @@ class StageMemory:
 
     pp_rank: int
     state: dict[str, int]  # STATE_KINDS -> bytes, exact
+    # STATE_KINDS -> bytes of the kind's flat host buffer when offloaded (host_layout: the
+    # copies and their alignment padding), pinned on CUDA; exact
+    host_buffer: dict[str, int]
     activations: int  # update: saved for backward over the in-flight micro-batches
     # update: what the LM head's log-prob/entropy workspace (`head`) adds to `activations`.
     # Backward starts at the head, before any layer is recomputed, so only the head's excess
@@ -226,12 +229,15 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     out = []
     for pp_rank, shapes in enumerate(stage_shapes(spec.args, parallel, head=spec.head,
                                                   dtype=spec.dtype, lora=spec.lora)):
-        no_state = {"weights": sum(p.nbytes for p in shapes), "grads": 0, "masters": 0,
-                    "optimizer": 0}
-        state = replicated = no_state
-        if spec.trains:  # weights: every parameter; the rest: the trainable ones (LoRA)
-            state, replicated = ({**_train_state(spec, shapes, shards=shards),
-                                  "weights": no_state["weights"]} for shards in (None, 1))
+        weights = [p.nbytes for p in shapes]
+        tensors = {kind: [] for kind in STATE_KINDS}
+        replicated = tensors
+        if spec.trains:  # the trainable ones (LoRA: the adapters) have the other kinds
+            tensors, replicated = (_train_state(spec, shapes, shards=shards)
+                                   for shards in (None, 1))
+        # weights: every parameter
+        tensors, replicated = ({**sizes, "weights": weights} for sizes in (tensors, replicated))
+        state = {kind: sum(tensors[kind]) for kind in STATE_KINDS}
         chunks = rank_chunks(spec.args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=pp_rank,
                              layers_per_stage=parallel.layers_per_stage)
         layers = sum(c.layer_range[1] - c.layer_range[0] for c in chunks)
@@ -243,26 +249,30 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
         # without grad a layer's intermediates are freed as it goes; the head runs after
         layer = int(tokens * layer_activation_bytes(spec, "none"))
         out.append(StageMemory(
-            pp_rank=pp_rank, state=state, activations=by_mode.get(spec.recompute, 0),
+            pp_rank=pp_rank, state=state,
+            host_buffer={kind: host_layout(tensors[kind]).nbytes for kind in STATE_KINDS},
+            activations=by_mode.get(spec.recompute, 0),
             logits=max(0, sum(head.values()) - recomputed) if spec.trains else 0,
             forward=max(layer, sum(head_forward.values())),
-            activations_by_recompute=by_mode, replicated_state=replicated, head=head,
+            activations_by_recompute=by_mode,
+            replicated_state={kind: sum(replicated[kind]) for kind in STATE_KINDS}, head=head,
             head_forward=head_forward))
     return out
 
 
-def _train_state(spec: RoleSpec, shapes, *, shards: int | None = None) -> dict[str, int]:
-    """A training rank's state bytes as the engine allocates them: at ep > 1 the routed experts
-    in their own buffers, ZeRO-1 split over the edp group (`spec.expert_shards`), the rest over
-    dp (`spec.shards`); `shards` forces both (1: the replicated state)."""
+def _train_state(spec: RoleSpec, shapes, *, shards: int | None = None) -> dict[str, list[int]]:
+    """A training rank's state tensors' bytes by kind, as the engine allocates them: at ep > 1
+    the routed experts in their own buffers, ZeRO-1 split over the edp group
+    (`spec.expert_shards`), the rest over dp (`spec.shards`); `shards` forces both (1: the
+    replicated state)."""
     split = spec.parallel.ep > 1
     dense = [p.numel for p in shapes if p.trainable and not (split and p.expert)]
     experts = [p.numel for p in shapes if p.trainable and split and p.expert]
-    state = state_bytes(dense, param_bytes=spec.dtype.itemsize,
-                        shards=spec.shards if shards is None else shards)
+    state = state_tensor_bytes(dense, param_bytes=spec.dtype.itemsize,
+                               shards=spec.shards if shards is None else shards)
     if experts:
-        more = state_bytes(experts, param_bytes=spec.dtype.itemsize,
-                           shards=spec.expert_shards if shards is None else shards)
+        more = state_tensor_bytes(experts, param_bytes=spec.dtype.itemsize,
+                                  shards=spec.expert_shards if shards is None else shards)
         state = {kind: state[kind] + more[kind] for kind in state}
     return state
 
@@ -352,10 +362,11 @@ def rank_phases(cfg: JobConfig, hw: Hardware, placed: list[tuple[RoleSpec, Stage
             where = placement(_offload_phase(phase, spec.name), spec.offload)
             away = offloaded_kinds(spec.offload)
             for kind in STATE_KINDS:
-                # on the CPU the host copy an offloader keeps is in the same RAM, always
-                copies = (where[kind] == "device") + (not on_cuda and kind in away)
-                if copies and stage.state[kind]:
-                    parts[f"{spec.name} {kind}"] = copies * stage.state[kind]
+                # on the CPU the host buffer an offloader keeps is in the same RAM, always
+                held = ((where[kind] == "device") * stage.state[kind]
+                        + (not on_cuda and kind in away) * stage.host_buffer[kind])
+                if held:
+                    parts[f"{spec.name} {kind}"] = held
             if phase == f"forward {spec.name}":
                 parts[f"{spec.name} forward"] = stage.forward
             if phase == f"update {spec.name}":
@@ -533,11 +544,6 @@ def carry_cache(phases: dict[str, dict[str, int]], *,
     return out, tuple(emptied)
 
 
-def _on_device_bytes(phases: dict[str, dict[str, int]], role: str, kind: str) -> int:
-    """Bytes of `role`'s `kind` state on one device, read from the phases that hold it."""
-    return max((parts.get(f"{role} {kind}", 0) for parts in phases.values()), default=0)
-
-
 def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
                     pools: dict[str, tuple[int, list[RoleSpec]]]) -> MemoryPlan:
     """On CUDA: every rank's overhead lines and allocator cache, regrouped; pinned host memory
@@ -563,24 +569,25 @@ def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
                 phases, emptied[r] = carry_cache(phases, device_bytes=hw.device_bytes)
             ranks[r] = phases
         devices += _group_devices(pool, ranks, hw, emptied=emptied)
-        host += _host_pinned(pool, by_rank, size, members, hw.ranks_per_node)
+        host += _host_pinned(pool, plan.stages, size, members, hw.ranks_per_node)
     return replace(plan, devices=devices, host=[n for n in host if n.total],
                    host_bytes=host_bytes, host_source=host_source,
                    vllm_residual_source=vllm_residual(cfg)[1])
 
 
-def _host_pinned(pool: str, by_rank: dict, size: int, members: list[RoleSpec],
-                 ranks_per_node: int) -> list[NodeHost]:
-    """Per node of `pool`: the pinned host copies of every offloaded kind of state (allocated
-    once when the state first moves, kept for the job; rlhf.engine.offload)."""
+def _host_pinned(pool: str, stages: dict[str, list[StageMemory]], size: int,
+                 members: list[RoleSpec], ranks_per_node: int) -> list[NodeHost]:
+    """Per node of `pool`: the pinned flat host buffer of every offloaded kind of each role's
+    state (`StageMemory.host_buffer`, allocated when the state first moves, kept for the job;
+    rlhf.engine.offload)."""
     out = []
     for node, start in enumerate(range(0, size, ranks_per_node)):
         node_ranks = tuple(range(start, min(size, start + ranks_per_node)))
         pinned: dict[str, int] = {}
         for spec in members:
             for kind in sorted(offloaded_kinds(spec.offload)):
-                key = f"{spec.name} {kind}"
-                pinned[key] = sum(_on_device_bytes(by_rank[(pool, r)], spec.name, kind)
-                                  for r in node_ranks)
+                pinned[f"{spec.name} {kind}"] = sum(
+                    stages[spec.name][spec.layout.stage_of(r)].host_buffer[kind]
+                    for r in node_ranks)
         out.append(NodeHost(pool, node, node_ranks, {k: v for k, v in pinned.items() if v}))
     return out

@@ -40,6 +40,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
 from rlhf.data.ragged import Ragged
+from rlhf.engine.offload import PIN_METRICS
 from rlhf.files import check_shared_folder
 from rlhf.parallel.memory_probes import worst_memory
 from rlhf.rewards import RewardRunner
@@ -401,7 +402,10 @@ class PPOTrainer:
         metrics["plan/imbalance"] = splits.imbalance
         for role in MEMORY_REPORTING_ROLES:  # each role method's worst rank, this step
             if role in views:
-                metrics.update(worst_memory(views[role].memory_metrics()))
+                report = worst_memory(views[role].memory_metrics())
+                # every role reports its pinned memory under one name: file it by role
+                metrics.update({f"{role}/{k}" if k in PIN_METRICS else k: v
+                                for k, v in report.items()})
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
         return metrics
 

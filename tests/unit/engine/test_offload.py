@@ -192,7 +192,8 @@ def test_cuda_offload_releases_device_memory_into_pinned_host_copies():
     before = torch.cuda.memory_allocated()
     offloader = Offloader(lambda: {"weights": [weight]}, config=OffloadConfig(params=True))
     assert torch.cuda.memory_allocated() <= before - weight.element_size() * 1024 * 1024
-    assert offloader._away[id(weight)][1].is_pinned()
+    assert offloader._away[id(weight)][1].is_pinned()  # registered with the driver
+    assert offloader.pinned_bytes == {"weights": 4 * 2**20}  # exactly: no power-of-two block
     offloader.enter("forward")
     assert weight.is_cuda and torch.equal(weight.cpu(), want)
 
@@ -270,8 +271,9 @@ def test_each_call_reports_its_memory_the_worst_call_and_rank_kept(monkeypatch):
     assert role.offload.take_memory_metrics() == {
         "memory/update_actor/allocated_gb": 4.0, "memory/update_actor/reserved_gb": 6.0,
         "memory/update_actor/free_gb": 20.0, "memory/generate/allocated_gb": 5.0,
-        "memory/generate/reserved_gb": 6.0, "memory/generate/free_gb": 10.0}
-    assert role.offload.take_memory_metrics() == {}
+        "memory/generate/reserved_gb": 6.0, "memory/generate/free_gb": 10.0,
+        "memory/pinned_gb": 0.0, "timing/pin_s": 0.0}  # nothing offloaded, nothing pinned
+    assert role.offload.take_memory_metrics() == {"memory/pinned_gb": 0.0, "timing/pin_s": 0.0}
     role.offload.device_type = "cpu"
     role.generate()
     assert role.offload.take_memory_metrics()["memory/generate/host_rss_gb"] > 0.01

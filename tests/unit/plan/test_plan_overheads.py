@@ -7,6 +7,7 @@ import pytest
 
 from rlhf.config import load_config
 from rlhf.config.schema import OffloadConfig, ParallelConfig
+from rlhf.engine.offload import HOST_ALIGN, PAGE_BYTES
 from rlhf.models.config import ModelArgs
 from rlhf.plan.advice import plan_with_advice
 from rlhf.plan.inputs import GIB, RoleSpec
@@ -78,8 +79,11 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
     # the offloaded critic (params, grads, optimizer) and ref (params) pin their copies:
     # 8 ranks a node, one rank's shard of each
     node = plan.host[0]
-    critic = plan.stages["critic"][0].state
-    assert node.pinned["critic optimizer"] == 8 * critic["optimizer"]
+    critic = plan.stages["critic"][0]
+    assert node.pinned["critic optimizer"] == 8 * critic.host_buffer["optimizer"]
+    # one flat buffer of the two moments, each aligned, in whole pages: the state and a page
+    extra = critic.host_buffer["optimizer"] - critic.state["optimizer"]
+    assert 0 <= extra < 2 * HOST_ALIGN + PAGE_BYTES
     assert set(node.pinned) == {"critic weights", "critic grads", "critic masters",
                                 "critic optimizer", "ref weights"}
 
