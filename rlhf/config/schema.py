@@ -831,6 +831,10 @@ class TrainerConfig:
     host_memory_gb: float | None = None
     """RAM of one node in GiB for `rlhf plan`'s check of the offloaded state's pinned host
     copies; null = this machine's RAM."""
+    nccl_nvls: bool = True
+    """Let NCCL use NVLink SHARP (NVLS) on NVSwitch machines (its default): faster all-reduce
+    within a node, about 1 GiB more device memory per communicator with two or more ranks on
+    one node, which `rlhf plan` counts. false starts the workers with NCCL_NVLS_ENABLE=0."""
     skip_memory_check: bool = False
     """Start `rlhf train` even when `rlhf plan` predicts the job does not fit (experts only)."""
     init_timeout_s: float = 600.0

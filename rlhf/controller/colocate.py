@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from rlhf.controller.device import worker_device
 from rlhf.parallel.layout import Layout
-from rlhf.parallel.mesh import ProcessGroupCache
+from rlhf.parallel.mesh import ProcessGroupCache, init_world
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class ColocatedWorker:
         self._store: dist.TCPStore | None = None
         self._rank = self._world_size = -1
         self._timeout: datetime.timedelta | None = None
+        self._world_nccl_bytes = 0
+        self._cache: ProcessGroupCache | None = None
 
     def __repr__(self) -> str:
         return self._name  # Ray prefixes this rank's log lines and error reports with it
@@ -76,14 +78,20 @@ class ColocatedWorker:
             store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
         if self._device.type == "cuda":
             torch.cuda.set_device(self._device)  # NCCL and unplaced CUDA calls use this GPU
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+        self._world_nccl_bytes = init_world(backend, store=store, rank=rank,
+                                            world_size=world_size, timeout=timeout,
+                                            device=self._device)
         self._rank, self._world_size, self._timeout = rank, world_size, timeout
 
     def build_roles(self) -> dict[str, Layout]:
         """Build every role object in the given order (the same on all ranks, as mesh building
         is collective); return each role's layout."""
-        cache = ProcessGroupCache(timeout=self._timeout)  # roles' groups time out like the world
+        # Roles' groups time out like the world; on a GPU each group's communicator is made
+        # and measured as the group is created (`communicator_metrics`).
+        on_gpu = self._device.type == "cuda"
+        cache = ProcessGroupCache(timeout=self._timeout, device=self._device if on_gpu else None,
+                                  world_bytes=self._world_nccl_bytes)
+        self._cache = cache
         layouts = {}
         for name, (role_cls, kwargs) in self._specs.items():
             ctx = WorkerContext(self._job_name, name, self._rank, self._world_size, self._device,
@@ -92,6 +100,11 @@ class ColocatedWorker:
             self._roles[name] = role
             layouts[name] = _layout_of(name, role, self._world_size)
         return layouts
+
+    def communicator_metrics(self) -> dict[str, float]:
+        """This rank's `memory/nccl_communicators` and `memory/nccl_gb` (its roles' groups and
+        the world, measured as each was created; rlhf.parallel.mesh), {} off the GPU."""
+        return self._cache.communicator_metrics() if self._cache is not None else {}
 
     def call(self, target: tuple[str, str, bool], *args: Any, **kwargs: Any) -> Any:
         """Run role `target[0]`'s method `target[1]`; return its result only if `target[2]`."""

@@ -168,6 +168,14 @@ class WorkerGroup:
                 raise ValueError(f"job '{self.job_name}': rank {rank} reports layouts "
                                  f"{per_rank[rank]} but rank 0 reports {per_rank[0]}; every rank "
                                  "must build its roles with the same parallel layout")
+        # per rank on a GPU, {} on the CPU: what its NCCL communicators took as they were made
+        self.communicator_metrics = self._wait(
+            {r: a.communicator_metrics.remote() for r, a in enumerate(self._actors)},
+            self._label, "communicator_metrics", timeout_s)
+        for rank, metrics in self.communicator_metrics.items():
+            if metrics:
+                logger.info("job '%s' group '%s' rank %d: %s", self.job_name, self._label, rank,
+                            ", ".join(f"{k}={v:g}" for k, v in metrics.items()))
         return per_rank[0]
 
     # ---- calls -------------------------------------------------------------------------------

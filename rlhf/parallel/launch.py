@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rlhf.parallel.mesh import init_world
+
 _POLL_S = 0.5  # how often the caller re-checks the deadline while nothing happens
 _PEER_GRACE_S = 2.0  # how long to wait for the cause once a rank reports a lost peer
 
@@ -101,16 +103,13 @@ def run_distributed(
 def _child(job, rank, world_size, init_method, backend, pg_timeout_s, conn: Connection):
     torch.set_num_threads(1)  # ranks share a few cores
     try:
+        device = torch.device("cpu")
         if backend == "nccl":  # one GPU per rank, current before NCCL binds to it
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
         fn, args = pickle.loads(job)
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        init_world(backend, init_method=init_method, rank=rank, world_size=world_size,
+                   timeout=datetime.timedelta(seconds=pg_timeout_s), device=device)
         result = fn(rank, world_size, *args)
         dist.barrier()  # rank 0 hosts the store: nobody tears down while others still use it
     except BaseException:

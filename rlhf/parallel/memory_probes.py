@@ -1,16 +1,21 @@
 """Memory probes of one process: what its device holds and has free, its host RSS, and the one
 action between two probes, handing PyTorch's cached device blocks back to the driver.
 
-The offloader, the vLLM sampler and the driver read them; they live in the lowest layer that
-does (the parallel layer, beside the other device helpers `host.py` and `timing.py`).
+They live here, below the engine, because the process-group cache measures what each NCCL
+communicator takes with them (`rlhf.parallel.mesh`); the offloader, the vLLM sampler and the
+driver read them too.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 GB = 2**30  # the metrics' "gb" is GiB
 
@@ -44,6 +49,20 @@ def free_device_bytes(device_type: str) -> int:
         return 0
     free, _ = torch.cuda.mem_get_info()
     return int(free)
+
+
+def device_bytes_taken(run: Callable[[], T], device_type: str) -> tuple[T, int]:
+    """`run()`'s result and the device bytes it took outside PyTorch's caching allocator (an
+    NCCL communicator's buffers): the drop in free memory less what the allocator reserved
+    meanwhile; 0 off CUDA."""
+    if device_type != "cuda":
+        return run(), 0
+    torch.cuda.synchronize()
+    free, reserved = free_device_bytes(device_type), torch.cuda.memory_reserved()
+    result = run()
+    torch.cuda.synchronize()
+    grown = torch.cuda.memory_reserved() - reserved
+    return result, max(0, free - free_device_bytes(device_type) - grown)
 
 
 def release_cached_memory(device_type: str) -> None:

@@ -20,6 +20,33 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from rlhf.parallel.layout import AXES, EXPERT_AXES, GROUP_AXES, Layout
+from rlhf.parallel.memory_probes import GB, device_bytes_taken
+
+WORLD = "world"  # the default group's name in `ProcessGroupCache.communicators`
+
+
+def init_world(backend: str, *, rank: int, world_size: int, timeout: datetime.timedelta,
+               device: torch.device, store: dist.Store | None = None,
+               init_method: str | None = None) -> int:
+    """Create the job's default process group; return the device bytes its NCCL communicator
+    took (0 off CUDA). On CUDA the group is bound to `device` (`device_id`): NCCL builds the
+    world communicator now, and every later `new_group` is split from it instead of being
+    initialised on its own at its first collective."""
+    kwargs = {"store": store} if store is not None else {"init_method": init_method}
+    if device.type == "cuda":
+        kwargs["device_id"] = device
+    _, taken = device_bytes_taken(lambda: (
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                                **kwargs),
+        _first_collective(dist.group.WORLD, device)), device.type)
+    return taken
+
+
+def _first_collective(group: ProcessGroup | None, device: torch.device) -> None:
+    """One tiny all-reduce, so that a communicator NCCL creates lazily exists (and is measured)
+    now rather than in the middle of a step."""
+    if device.type == "cuda":
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 class ProcessGroupCache:
@@ -29,11 +56,16 @@ class ProcessGroupCache:
     the tuple's order (group rank i is `ranks[i]`). The whole job reuses the default group.
     """
 
-    def __init__(self, *, timeout: datetime.timedelta | None = None, backend: str | None = None):
+    def __init__(self, *, timeout: datetime.timedelta | None = None, backend: str | None = None,
+                 device: torch.device | None = None, world_bytes: int = 0):
         self._timeout = timeout  # None: torch's default for new groups
         self._backend = backend  # None: the default group's backend
         self._groups: dict[tuple[int, ...], ProcessGroup | None] = {}
         self.num_created = 0  # new_group calls made, for tests and logs
+        # With a device, each group this process joins runs its first collective at creation
+        # and the communicator's device bytes are measured (`init_world` measures the world).
+        self._device = device
+        self.communicators: dict[str, int] = {} if device is None else {WORLD: world_bytes}
 
     def get(self, ranks: Sequence[int]) -> ProcessGroup | None:
         """The group over `ranks`, created on first use; None on a process outside it.
@@ -54,11 +86,30 @@ class ProcessGroupCache:
     def _create(self, key: tuple[int, ...]) -> ProcessGroup | None:
         if key == tuple(range(dist.get_world_size())):
             return dist.group.WORLD
+        member = dist.get_rank() in key
+        group, taken = device_bytes_taken(lambda: self._new_group(key, member),
+                                          self._device.type if self._device else "cpu")
+        self.num_created += 1
+        if member and self._device is not None:
+            self.communicators[",".join(map(str, key))] = taken
+        return group if member else None
+
+    def _new_group(self, key: tuple[int, ...], member: bool) -> ProcessGroup:
         group = dist.new_group(
             list(key), timeout=self._timeout, backend=self._backend, sort_ranks=False
         )
-        self.num_created += 1
-        return group if dist.get_rank() in key else None
+        if member and self._device is not None:
+            _first_collective(group, self._device)
+        return group
+
+    def communicator_metrics(self) -> dict[str, float]:
+        """`memory/nccl_communicators` (this process's, the world's included) and
+        `memory/nccl_gb` (the device memory they took as each was created); {} when the
+        cache measures nothing (no device given)."""
+        if self._device is None:
+            return {}
+        return {"memory/nccl_communicators": len(self.communicators),
+                "memory/nccl_gb": sum(self.communicators.values()) / GB}
 
 
 class ParallelMesh:

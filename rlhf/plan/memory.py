@@ -28,12 +28,12 @@ With rollout.placement separate, vLLM lives on the rollout pool's ranks instead 
 every phase, no training state) and the actor's ranks hold none.
 
 On CUDA every rank also holds, in every phase, named overheads (`rank_overheads`): its CUDA
-context, one reserve per NCCL communicator its process joins (every group of size > 1 that a
-role's mesh, ZeRO-1, pipeline p2p or vLLM's TP uses; `communicators`), and vLLM's residual:
-what it keeps beyond weights and KV cache, which sleeping does not release (CUDA graphs,
-buffers, workspaces, kernels; rollout.sleep_residual_gb, a run's measured
-rollout/sleep_residual_gb fed back, less vLLM's communicator, which has its own line).
-PyTorch's caching allocator keeps what a phase freed
+context, each NCCL communicator its process holds (the world's and one per group the roles'
+meshes create, split from it, and vLLM's tp group; `communicators`), sized by kind, peers and
+NVLS (`communicator_bytes`), and vLLM's residual: what it keeps beyond weights and KV cache,
+which sleeping does not release (CUDA graphs, buffers, workspaces, kernels;
+rollout.sleep_residual_gb, a run's measured rollout/sleep_residual_gb fed back, less vLLM's
+communicator, which has its own line). PyTorch's caching allocator keeps what a phase freed
 reserved for the next (`carry_cache`): the cache is emptied before each vLLM wake (sync,
 generate) and before a phase that needs the freed memory to fit; elsewhere the reserved-but-
 free bytes a phase carries in are a line of their own. The offloaded state's host copies are
@@ -42,6 +42,7 @@ pinned host memory, counted per node against its RAM (`_host_pinned`).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -49,6 +50,7 @@ from pathlib import Path
 from rlhf.config import JobConfig, ref_from_actor
 from rlhf.engine.offload import host_layout, offloaded_kinds, placement
 from rlhf.engine.zero import STATE_KINDS, state_tensor_bytes
+from rlhf.parallel.layout import EXPERT_AXES, GROUP_AXES, Layout
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.vocab_parallel import head_workspace
 from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, role_specs,
@@ -60,9 +62,18 @@ RECOMPUTE_MODES = ("none", "attention_block", "full")
 MIB = 2**20
 # Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.
 CUDA_CONTEXT_BYTES = 768 * MIB
-# Per NCCL communicator a rank joins: its channel buffers and proxy state (one-rank
-# communicators measured on an H100 are a lower bound: docs/benchmarks/2026-11-25-h100-bringup.md).
-NCCL_COMMUNICATOR_BYTES = 512 * MIB
+# Device memory of one NCCL communicator on each of its ranks, by kind (`communicator_bytes`).
+# Where each figure comes from, and which are measured: docs/benchmarks/2026-11-27-gpu-memory.md.
+# The world's communicator, and any other NCCL initialises on its own (vLLM's tp group):
+NCCL_WORLD_BYTES = 563 * MIB
+# A group's communicator split from the world's (ncclCommSplit, what `device_id` gives):
+NCCL_SPLIT_BYTES = 389 * MIB
+# Added on a communicator with peers: its channels' buffers to them (NVLS off, or no two of
+# its ranks on one node).
+NCCL_PEER_BYTES = 320 * MIB
+# Added instead where NVLS is on (trainer.nccl_nvls, NCCL's default) and two or more of its
+# ranks share a node: NVLink SHARP multicast buffers on NVSwitch machines.
+NCCL_NVLS_BYTES = 1136 * MIB
 VLLM_RESIDUAL = "vllm residual"  # the line of what vLLM keeps beyond weights and KV cache
 WAKE_PHASES = ("sync", "generate")  # vLLM wakes: the allocator cache is emptied first
 # Pinned memory cannot be swapped or shared; the rest of a node's RAM is the processes' own
@@ -140,6 +151,7 @@ class MemoryPlan:
     host_bytes: int = 0  # one node's RAM
     host_source: str = ""  # where host_bytes comes from, for the report
     ref_from_actor: bool = False  # LoRA: the actor's base gives the ref log-probs, no ref role
+    nccl_nvls: bool = True  # trainer.nccl_nvls: NVLS buffers counted on communicators
 
     @property
     def peak(self) -> int:
@@ -462,56 +474,69 @@ def _group_devices(pool: str, ranks: dict[int, dict], hw: Hardware, *,
 # ---- CUDA overheads, the allocator cache, pinned host memory -----------------------------------
 
 
-def communicators(members: list[RoleSpec], *, pool_size: int,
-                  vllm_tp: int = 1) -> dict[int, list[str]]:
-    """Per rank of a pool, the NCCL communicators its process joins, by name.
+@dataclass(frozen=True)
+class Communicator:
+    """One NCCL communicator a rank's process holds: its line in the plan, its global ranks,
+    and whether it is split from the world's (the rest NCCL initialises on their own)."""
 
-    Every process builds every mesh over one `ProcessGroupCache`, so roles share a group when
-    they have the same ranks; NCCL creates a group's communicator at its first collective, so
-    only groups that communicate count: tp, pp and the p2p pairs of the pipeline (send/recv
-    between two stages gets a communicator of its own), and for a training role dp (grad sync,
-    ZeRO-1), mp (grad norm) and the tied-embedding pair. The job's world group counts once;
-    vLLM builds its own communicator for its tp group.
+    name: str
+    ranks: tuple[int, ...]
+    split: bool = True
+
+
+def communicators(members: list[RoleSpec], *, pool_size: int,
+                  vllm_tp: int = 1) -> dict[int, list[Communicator]]:
+    """Per rank of a pool, the NCCL communicators its process holds.
+
+    The world group is bound to the rank's GPU (`rlhf.parallel.mesh.init_world`), so NCCL
+    creates its communicator at init and one for every later group at its creation, split
+    from the world's, whether the group ever communicates or not. Every process builds every
+    role's mesh over one `ProcessGroupCache`, which keys groups by their ranks: each distinct
+    group of every axis of every mesh (`ParallelMesh`: dp, pp, tp, mp, embedding, and ep, edp
+    at ep > 1) is one communicator, a group over one rank included ("one-rank"). The
+    pipeline's send/recv are batched on the pp group, so they add no communicator. vLLM
+    initialises its own communicator for its tp group.
     """
     groups: dict[tuple[int, ...], str] = {}
-
-    def add(name: str, ranks) -> None:
-        ranks = tuple(int(r) for r in ranks)
-        if len(ranks) > 1:
-            groups.setdefault(ranks, name)
-
-    add("world", range(pool_size))
     for spec in members:
-        layout, parallel = spec.layout, spec.parallel
-        for axis in ("tp", "pp") + (("dp", "mp") if spec.trains else ()):
-            for ranks in layout.groups(axis):
-                add(f"{spec.name} {axis}", ranks)
-        if parallel.pp > 1:
-            wrap = parallel.vpp > 1  # interleaved: the last stage sends to the first
-            for line in layout.groups("pp"):  # one (dp, tp) line of stages
-                pairs = list(zip(line, line[1:])) + ([(line[-1], line[0])] if wrap else [])
-                for a, b in pairs:  # a communicator per pair, beside any group's own
-                    groups.setdefault(("p2p", *sorted((a, b))), f"{spec.name} p2p")
-            if spec.trains and spec.args.tie_word_embeddings:
-                for ranks in layout.groups("embedding"):
-                    add(f"{spec.name} embedding", ranks)
-    out: dict[int, list[str]] = {r: [] for r in range(pool_size)}
+        axes = GROUP_AXES + (EXPERT_AXES if spec.parallel.ep > 1 else ())
+        for axis in axes:
+            for ranks in spec.layout.groups(axis):
+                ranks = tuple(int(r) for r in ranks)
+                groups.setdefault(ranks, "one-rank" if len(ranks) == 1
+                                  else f"{spec.name} {axis}")
+    world = tuple(range(pool_size))
+    groups.pop(world, None)  # the cache hands out the world group itself
+    out = {r: [Communicator("world", world, split=False)] for r in range(pool_size)}
     for ranks, name in groups.items():
         for r in ranks:
-            if r != "p2p":
-                out[r].append(name)
+            out[r].append(Communicator(name, ranks))
     if vllm_tp > 1:
-        for r in range(pool_size):
-            out[r].append("vllm tp")
+        for ranks in Layout.over(pool_size, tp=vllm_tp).groups("tp"):
+            for r in ranks:
+                out[r].append(Communicator("vllm tp", ranks, split=False))
     return out
 
 
-def rank_overheads(cfg: JobConfig, comms: list[str], *, has_vllm: bool) -> dict[str, int]:
-    """The CUDA context, a reserve per NCCL communicator, and vLLM's residual."""
+def communicator_bytes(comm: Communicator, *, ranks_per_node: int, nvls: bool) -> int:
+    """Device bytes `comm` takes on each of its ranks (the NCCL_* figures above): its own
+    state, plus buffers to its peers when it has any, NVLS buffers where NVLS is on and a node
+    holds two or more of its ranks."""
+    out = NCCL_SPLIT_BYTES if comm.split else NCCL_WORLD_BYTES
+    if len(comm.ranks) == 1:
+        return out
+    on_one_node = max(Counter(r // ranks_per_node for r in comm.ranks).values()) > 1
+    return out + (NCCL_NVLS_BYTES if nvls and on_one_node else NCCL_PEER_BYTES)
+
+
+def rank_overheads(cfg: JobConfig, comms: list[Communicator], *, has_vllm: bool,
+                   ranks_per_node: int) -> dict[str, int]:
+    """The CUDA context, each NCCL communicator, and vLLM's residual."""
     out = {"cuda context": CUDA_CONTEXT_BYTES}
-    for name in comms:
-        key = f"nccl {name}"
-        out[key] = out.get(key, 0) + NCCL_COMMUNICATOR_BYTES
+    for comm in comms:
+        key = f"nccl {comm.name}"
+        out[key] = out.get(key, 0) + communicator_bytes(
+            comm, ranks_per_node=ranks_per_node, nvls=cfg.trainer.nccl_nvls)
     if has_vllm:
         # A measured residual holds vLLM's own tp communicator too: its line counts it once.
         residual = vllm_residual(cfg)[0] - out.get("nccl vllm tp", 0)
@@ -563,7 +588,8 @@ def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
                               vllm_tp=cfg.rollout.tp if has_vllm else 1)
         ranks, emptied = {}, {}
         for r in range(size):
-            extra = rank_overheads(cfg, comms[r], has_vllm=has_vllm)
+            extra = rank_overheads(cfg, comms[r], has_vllm=has_vllm,
+                                   ranks_per_node=hw.ranks_per_node)
             phases = {p: {**parts, **extra} for p, parts in by_rank[(pool, r)].items()}
             if pool != "rollout":  # a resident vLLM's rank holds nothing PyTorch caches
                 phases, emptied[r] = carry_cache(phases, device_bytes=hw.device_bytes)
@@ -572,7 +598,8 @@ def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
         host += _host_pinned(pool, plan.stages, size, members, hw.ranks_per_node)
     return replace(plan, devices=devices, host=[n for n in host if n.total],
                    host_bytes=host_bytes, host_source=host_source,
-                   vllm_residual_source=vllm_residual(cfg)[1])
+                   vllm_residual_source=vllm_residual(cfg)[1],
+                   nccl_nvls=cfg.trainer.nccl_nvls)
 
 
 def _host_pinned(pool: str, stages: dict[str, list[StageMemory]], size: int,

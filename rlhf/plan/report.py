@@ -172,7 +172,8 @@ def _device_lines(plan) -> list[str]:
              if k == "cuda context" or k.startswith("nccl ") or k == VLLM_RESIDUAL}
     lines += ["", f"outside the allocator on ranks {_ranks(worst.ranks)}, every phase: "
               + ", ".join(f"{k} {f(v)}" for k, v in fixed.items())
-              + f" ({sum(1 for k in fixed if k.startswith('nccl '))} NCCL communicators)"
+              + f" ({sum(1 for k in fixed if k.startswith('nccl '))} NCCL communicators, NVLS "
+              f"{'on' if plan.nccl_nvls else 'off'}: trainer.nccl_nvls)"
               + (f"; {VLLM_RESIDUAL} from {plan.vllm_residual_source}, less vLLM's own "
                  "communicator (feed back a run's rollout/sleep_residual_gb)"
                  if VLLM_RESIDUAL in fixed else "")]

@@ -45,7 +45,7 @@ def init_ray(cfg: JobConfig, *, env_address: str | None) -> None:
                            cfg.ray.num_cpus, address)
         try:
             ray.init(address=address, namespace=cfg.ray.namespace, logging_level="WARNING",
-                     runtime_env={"env_vars": _WORKER_ENV})
+                     runtime_env={"env_vars": worker_env(cfg)})
         except ConnectionError as e:
             raise RLHFError(f"could not join the Ray cluster at {address} (ray.address or "
                             f"RAY_ADDRESS): {e}; start it, or unset both to run a local Ray") \
@@ -53,7 +53,17 @@ def init_ray(cfg: JobConfig, *, env_address: str | None) -> None:
         return
     ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
              dashboard_port=cfg.ray.dashboard_port, namespace=cfg.ray.namespace,
-             logging_level="WARNING", runtime_env={"env_vars": _WORKER_ENV})
+             logging_level="WARNING", runtime_env={"env_vars": worker_env(cfg)})
+
+
+def worker_env(cfg: JobConfig) -> dict[str, str]:
+    """The environment every worker of the job starts with: one OpenMP thread (see above), and
+    NCCL_NVLS_ENABLE=0 when `trainer.nccl_nvls` is off (the launcher edge sets it, the memory
+    planner reads the same key)."""
+    env = dict(_WORKER_ENV)
+    if not cfg.trainer.nccl_nvls:
+        env["NCCL_NVLS_ENABLE"] = "0"
+    return env
 
 
 def cpus_per_rank(*, node_cpus: float, ranks_on_node: int, local_cores: int | None) -> int:

@@ -176,3 +176,55 @@ def test_mesh_needs_an_initialised_process_group():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="init_process_group"):
         ParallelMesh([0], cache=ProcessGroupCache())
+
+
+# Roles of one colocated pool of 4 ranks: (name, tp, pp, trains); the planner's count of
+# each rank's communicators must be what the cache creates and measures.
+COMM_ROLES = [("actor", 2, 2, True), ("critic", 1, 2, True), ("ref", 2, 1, False)]
+
+
+def _measured_communicators(rank, world_size):
+    import rlhf.parallel.mesh as mesh
+
+    made = []
+    real_new_group = mesh.dist.new_group
+
+    def new_group(ranks, **kwargs):
+        made.append(tuple(ranks))
+        return real_new_group(ranks, **kwargs)
+
+    mesh.dist.new_group = new_group
+    # The CUDA measurement, faked: the n-th group made reads n MiB taken.
+    taken = iter(range(1, 100))
+    mesh.device_bytes_taken = lambda run, device_type: (run(), next(taken) * 2**20)
+    cache = ProcessGroupCache(device=torch.device("cpu"), world_bytes=5 * 2**20)
+    for _, tp, pp, _ in COMM_ROLES:
+        ParallelMesh(range(world_size), tp=tp, pp=pp, cache=cache)
+    return {"communicators": dict(cache.communicators), "metrics": cache.communicator_metrics(),
+            "made": made}
+
+
+def test_the_cache_measures_each_communicator_the_planner_counts():
+    from rlhf.config.schema import OffloadConfig, ParallelConfig
+    from rlhf.models.config import ModelArgs
+    from rlhf.plan.inputs import RoleSpec
+    from rlhf.plan.memory import communicators
+
+    per_rank = run_distributed(_measured_communicators, WORLD, timeout_s=60)
+    args = ModelArgs.from_hf_config(dict(
+        model_type="llama", vocab_size=64, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    specs = [RoleSpec(name=name, head="lm", args=args, parallel=ParallelConfig(tp=tp, pp=pp),
+                      world_size=WORLD, colocated=True, dtype=None, trains=trains,
+                      recompute="none", tokens=16, shards=1, offload=OffloadConfig())
+             for name, tp, pp, trains in COMM_ROLES]
+    planned = communicators(specs, pool_size=WORLD)
+    for rank, got in enumerate(per_rank):
+        joined = [k for k in got["communicators"] if k != "world"]
+        want = sorted(",".join(map(str, c.ranks)) for c in planned[rank] if c.name != "world")
+        assert sorted(joined) == want, rank
+        metrics = got["metrics"]
+        assert metrics["memory/nccl_communicators"] == len(planned[rank]) == len(joined) + 1
+        # the world's 5 MiB and, per group made on this rank, the fake's reading as it was made
+        readings = [got["made"].index(tuple(map(int, k.split(",")))) + 1 for k in joined]
+        assert metrics["memory/nccl_gb"] == (5 + sum(readings)) * 2**20 / 2**30

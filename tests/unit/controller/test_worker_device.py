@@ -67,7 +67,8 @@ def test_colocated_worker_ships_the_resolved_device_to_every_role(monkeypatch):
     monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(colocate.torch.cuda, "set_device", current.append)
-    monkeypatch.setattr(colocate.dist, "init_process_group", lambda *a, **k: None)
+    inits = []
+    monkeypatch.setattr(colocate, "init_world", lambda *a, **k: inits.append(k) or 0)
     monkeypatch.setattr(colocate.dist, "TCPStore", lambda *a, **k: object())
     worker = colocate.ColocatedWorker("job", {"actor": (Role, {}), "ref": (Role, {})},
                                       name="job/actor+ref:5", num_threads=1, use_gpu=True)
@@ -76,3 +77,4 @@ def test_colocated_worker_ships_the_resolved_device_to_every_role(monkeypatch):
     worker.build_roles()
     assert seen == {"actor": torch.device("cuda", 5), "ref": torch.device("cuda", 5)}
     assert current == [torch.device("cuda", 5)]
+    assert inits[0]["device"] == torch.device("cuda", 5)  # the world is bound to that GPU

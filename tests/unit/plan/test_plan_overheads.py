@@ -11,7 +11,9 @@ from rlhf.engine.offload import HOST_ALIGN, PAGE_BYTES
 from rlhf.models.config import ModelArgs
 from rlhf.plan.advice import plan_with_advice
 from rlhf.plan.inputs import GIB, RoleSpec
-from rlhf.plan.memory import (NCCL_COMMUNICATOR_BYTES, carry_cache, communicators, plan_job)
+from rlhf.plan.memory import (NCCL_NVLS_BYTES, NCCL_PEER_BYTES, NCCL_SPLIT_BYTES,
+                              NCCL_WORLD_BYTES, Communicator, carry_cache, communicator_bytes,
+                              communicators, plan_job)
 from rlhf.plan.report import format_plan
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -29,19 +31,39 @@ def _spec(name, *, tp=1, pp=1, world=8, trains=True, tied=False, vpp=1):
                     recompute="none", tokens=16, shards=1, offload=OffloadConfig())
 
 
-def test_communicators_of_a_rank_are_the_groups_of_size_above_one_it_uses():
+def test_a_rank_holds_a_communicator_for_every_distinct_group_its_meshes_create():
     actor = _spec("actor", tp=2, pp=2, tied=True)  # dp 2 over 8 ranks
-    ref = _spec("ref", tp=2, trains=False)  # tp pairs shared with the actor's; no dp group
+    ref = _spec("ref", tp=2, trains=False)  # dp 4; its tp (and mp) pairs are the actor's tp
     comms = communicators([actor, ref], pool_size=8, vllm_tp=2)
-    # rank 0: tp (0,1), pp (0,2), dp (0,4), mp (0,1,2,3), tied embedding (0,2) is the pp pair,
-    # a p2p pair (0,2), the world, vLLM's own tp
-    assert sorted(comms[0]) == sorted(["world", "actor tp", "actor pp", "actor dp", "actor mp",
-                                       "actor p2p", "vllm tp"])
-    assert len(comms) == 8 and all(len(c) == 7 for c in comms.values())
-    alone = communicators([_spec("actor", world=1)], pool_size=1)
-    assert alone == {0: []}  # a one-rank job creates no communicator
+    # rank 0: tp (0,1), pp (0,2) (the tied-embedding pair is the same ranks), dp (0,4),
+    # mp (0,1,2,3), the ref's dp (0,2,4,6) and its one-rank pp group, the world, vLLM's tp
+    names = {c.name: c.ranks for c in comms[0]}
+    assert names == {"world": tuple(range(8)), "actor tp": (0, 1), "actor pp": (0, 2),
+                     "actor dp": (0, 4), "actor mp": (0, 1, 2, 3), "ref dp": (0, 2, 4, 6),
+                     "one-rank": (0,), "vllm tp": (0, 1)}
+    assert len(comms) == 8 and all(len(c) == 8 for c in comms.values())
+    assert [c.name for c in comms[0] if not c.split] == ["world", "vllm tp"]
+    (alone,) = communicators([_spec("actor", world=1)], pool_size=1)[0]
+    assert alone == Communicator("world", (0,), split=False)  # bound to the GPU at init
     interleaved = communicators([_spec("actor", pp=4, world=4, vpp=2)], pool_size=4)
-    assert interleaved[0].count("actor p2p") == 2  # stage 0 talks to 1 and, wrapping, to 3
+    # the pipeline's send/recv go over the pp group (here the world): no pair of their own;
+    # the first and last stage's embedding group exists, tied or not
+    assert [(c.name, c.ranks) for c in interleaved[0]] == [
+        ("world", (0, 1, 2, 3)), ("one-rank", (0,)), ("actor embedding", (0, 3))]
+
+
+def test_a_communicator_takes_its_own_state_plus_peer_or_nvls_buffers():
+    def size(ranks, *, split=True, nvls=True, ranks_per_node=8):
+        return communicator_bytes(Communicator("x", ranks, split=split),
+                                  ranks_per_node=ranks_per_node, nvls=nvls)
+
+    assert size((0,)) == NCCL_SPLIT_BYTES and size((0,), split=False) == NCCL_WORLD_BYTES
+    assert size((0, 1)) == NCCL_SPLIT_BYTES + NCCL_NVLS_BYTES
+    assert size((0, 1), nvls=False) == NCCL_SPLIT_BYTES + NCCL_PEER_BYTES
+    # one rank on each node: NVLS has nothing to multicast within a node
+    assert size((0, 8)) == NCCL_SPLIT_BYTES + NCCL_PEER_BYTES
+    assert size((0, 4, 8, 12), split=False) == NCCL_WORLD_BYTES + NCCL_NVLS_BYTES
+    assert NCCL_PEER_BYTES < NCCL_NVLS_BYTES
 
 
 def test_the_allocator_cache_is_carried_until_a_wake_or_a_phase_that_needs_it():
@@ -73,7 +95,16 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
         assert line in text, line
     rank0 = next(d for d in plan.devices if 0 in d.ranks)
     nccl = {k: v for k, v in rank0.phases["sync"].items() if k.startswith("nccl ")}
-    assert len(nccl) >= 6 and set(nccl.values()) == {NCCL_COMMUNICATOR_BYTES}
+    # 2 nodes of 8: the actor's dp pair (0, 8) spans both, its tp four share node 0 (NVLS)
+    assert nccl["nccl actor dp"] == NCCL_SPLIT_BYTES + NCCL_PEER_BYTES
+    assert nccl["nccl actor tp"] == NCCL_SPLIT_BYTES + NCCL_NVLS_BYTES
+    assert nccl["nccl world"] == NCCL_WORLD_BYTES + NCCL_NVLS_BYTES
+    assert nccl["nccl one-rank"] == NCCL_SPLIT_BYTES and len(nccl) >= 9
+    off = plan_job(load_config(MULTIGPU, ["trainer.nccl_nvls=false"]), model_dirs=MODELS)
+    rank0_off = next(d for d in off.devices if 0 in d.ranks)
+    saved = rank0.total("sync") - rank0_off.total("sync")
+    local = sum(1 for k, v in nccl.items() if v > NCCL_WORLD_BYTES + NCCL_PEER_BYTES)
+    assert saved == local * (NCCL_NVLS_BYTES - NCCL_PEER_BYTES) > 0
     # the critic's freed update is carried into the actor's (not emptied: it fits)
     assert rank0.phases["update actor"].get("allocator cache", 0) > GIB
     # the offloaded critic (params, grads, optimizer) and ref (params) pin their copies:
