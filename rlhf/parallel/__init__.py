@@ -7,6 +7,7 @@
 - `stages.py`: pipeline stage layout (even or uneven layers, virtual stages for interleaving).
 - `p2p.py`: activation and gradient transfer between stages, shapes from the micro-batch assignment.
 - `launch.py`: run a function on N local processes (tests, `rlhf verify-model`).
+- `memory_probes.py`: a process's device and host memory, and what an NCCL communicator took.
 """
 
 from rlhf.parallel.collectives import (copy_to_tp, gather_from_sequence, gather_from_tp,
