@@ -404,7 +404,7 @@ class PPOTrainer:
             if role in views:
                 report = worst_memory(views[role].memory_metrics())
                 # every role reports its pinned memory under one name: file it by role
-                metrics.update({f"{role}/{k}" if k in PIN_METRICS else k: v
+                metrics.update({f"{k}/{role}" if k in PIN_METRICS else k: v
                                 for k, v in report.items()})
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
         return metrics
