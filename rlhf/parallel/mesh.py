@@ -13,7 +13,8 @@ same arguments, members or not (torch's `new_group` requires all processes to en
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -40,6 +41,25 @@ def init_world(backend: str, *, rank: int, world_size: int, timeout: datetime.ti
                                 **kwargs),
         _first_collective(dist.group.WORLD, device)), device.type)
     return taken
+
+
+@contextmanager
+def world_unbound() -> Iterator[None]:
+    """The default group not bound to its device while another library (vLLM) makes its own
+    groups, restored after. Bound, torch splits the world's NCCL communicator at every
+    `new_group`, on non-members too, but not for a gloo group's members: vLLM's gloo groups
+    over some of the ranks would leave the ranks' splits out of step (pytorch#145376). Unbound,
+    vLLM's groups are made as before this project bound the world: each at its first use."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    bound = None if world is None else world.bound_device_id
+    if bound is None:
+        yield
+        return
+    world.bound_device_id = None
+    try:
+        yield
+    finally:
+        world.bound_device_id = bound
 
 
 def _first_collective(group: ProcessGroup | None, device: torch.device) -> None:

@@ -25,6 +25,7 @@ from rlhf.data.ragged import Ragged
 from rlhf.data.routes import ROUTES
 from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
+from rlhf.parallel.mesh import world_unbound
 from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
 from rlhf.rollout.multiturn import EpisodeRunner, env_metrics
 from rlhf.rollout.residency import SleepReport
@@ -67,7 +68,7 @@ class RolloutReplica:
             spread = spec.config.tp > 1  # vLLM's external launcher: the job's ranks
             with vllm_environment(device_type=spec.device.type,
                                   launcher_rank=spec.rank if spread else None,
-                                  device_index=spec.device.index or 0):
+                                  device_index=spec.device.index or 0), world_unbound():
                 self.sampler = VllmSampler(spec.model_path, config=spec.config,
                                            device_type=spec.device.type, dtype=spec.dtype,
                                            max_model_len=spec.max_model_len, lora=spec.lora)

@@ -49,3 +49,27 @@ def test_init_world_binds_the_default_group_to_the_gpu_and_measures_it(monkeypat
     assert taken == 7 and collectives == [cuda]
     taken, calls, _ = _init_world(monkeypatch, torch.device("cpu"))
     assert "device_id" not in calls[0][1] and taken == 0
+
+
+def test_vllm_builds_its_groups_with_the_world_unbound_then_bound_again():
+    """vLLM's gloo groups over some ranks must not meet a device-bound world (torch would
+    split NCCL on their non-members only); the binding comes back, even after an error."""
+    import pytest
+
+    from tests.unit.engine.reference import GlooWorld
+
+    with GlooWorld():
+        world = mesh.dist.group.WORLD
+        world.bound_device_id = torch.device("cuda", 2)  # as init_world leaves it on a GPU
+        try:
+            with mesh.world_unbound():
+                assert world.bound_device_id is None
+            assert world.bound_device_id == torch.device("cuda", 2)
+            with pytest.raises(RuntimeError, match="vLLM failed"):
+                with mesh.world_unbound():
+                    raise RuntimeError("vLLM failed")
+            assert world.bound_device_id == torch.device("cuda", 2)
+        finally:
+            world.bound_device_id = None
+        with mesh.world_unbound():  # nothing bound (the CPU): nothing changes
+            assert world.bound_device_id is None
