@@ -37,7 +37,8 @@ communicator, which has its own line). PyTorch's caching allocator keeps what a 
 reserved for the next (`carry_cache`): the cache is emptied before each vLLM wake (sync,
 generate) and before a phase that needs the freed memory to fit; elsewhere the reserved-but-
 free bytes a phase carries in are a line of their own. The offloaded state's host copies are
-pinned host memory, counted per node against its RAM (`_host_pinned`).
+pinned host memory, one flat buffer per role and kind (`StageMemory.host_buffer`), counted per
+node against its RAM (`_host_pinned`).
 """
 
 from __future__ import annotations
