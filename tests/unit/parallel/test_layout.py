@@ -130,7 +130,7 @@ def test_dispatch_sends_each_rank_its_dp_groups_rows_and_keeps_the_layouts_outpu
 
 
 def test_planner_puts_each_rank_on_the_layouts_stage(monkeypatch):
-    """The shipped multi-GPU config: actor tp=4 pp=2 on 16 ranks; rank r holds stage
+    """The shipped multi-GPU config on two nodes: actor tp=4 pp=2 on 16 ranks; rank r holds stage
     (r // 4) % 2 written out by hand, and the critic (tp=4, pp=1) stage 0 everywhere."""
     import rlhf.plan.memory as memory
     from rlhf.plan.inputs import hardware, role_specs
@@ -141,7 +141,7 @@ def test_planner_puts_each_rank_on_the_layouts_stage(monkeypatch):
     monkeypatch.setattr(memory, "rank_phases",
                         lambda cfg, hw, placed, **kw: calls.append(placed) or real(
                             cfg, hw, placed, **kw))
-    cfg = load_config(MULTIGPU, [])
+    cfg = load_config(MULTIGPU, ["trainer.nnodes=2"])
     hw = hardware(cfg)
     specs = role_specs(cfg, hw, model_dirs=MODELS)
     plan = memory.plan_memory(cfg, hw, specs)

@@ -84,7 +84,7 @@ def test_the_allocator_cache_is_carried_until_a_wake_or_a_phase_that_needs_it():
 
 
 def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
-    cfg = load_config(MULTIGPU)
+    cfg = load_config(MULTIGPU, ["trainer.nnodes=2"])  # a dp group that spans two nodes
     plan, advice = plan_with_advice(cfg, model_dirs=MODELS)
     assert plan.fits and plan.host_source == "trainer.host_memory_gb"
     text = format_plan(plan, advice, title=str(MULTIGPU))
@@ -100,10 +100,14 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
     assert nccl["nccl actor tp"] == NCCL_SPLIT_BYTES + NCCL_NVLS_BYTES
     assert nccl["nccl world"] == NCCL_WORLD_BYTES + NCCL_NVLS_BYTES
     assert nccl["nccl one-rank"] == NCCL_SPLIT_BYTES and len(nccl) >= 9
-    off = plan_job(load_config(MULTIGPU, ["trainer.nccl_nvls=false"]), model_dirs=MODELS)
+    off = plan_job(load_config(MULTIGPU, ["trainer.nnodes=2", "trainer.nccl_nvls=false"]),
+                   model_dirs=MODELS)
     rank0_off = next(d for d in off.devices if 0 in d.ranks)
     saved = rank0.total("sync") - rank0_off.total("sync")
-    local = sum(1 for k, v in nccl.items() if v > NCCL_WORLD_BYTES + NCCL_PEER_BYTES)
+    # vLLM's tp communicator is inside its measured residual (rollout.sleep_residual_gb), so
+    # what NVLS adds there only moves bytes from the residual's line to the communicator's
+    local = sum(1 for k, v in nccl.items()
+                if v > NCCL_WORLD_BYTES + NCCL_PEER_BYTES and k != "nccl vllm tp")
     assert saved == local * (NCCL_NVLS_BYTES - NCCL_PEER_BYTES) > 0
     # the critic's freed update is carried into the actor's (not emptied: it fits)
     assert rank0.phases["update actor"].get("allocator cache", 0) > GIB
