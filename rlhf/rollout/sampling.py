@@ -8,6 +8,8 @@ given (resumable), else `derive_seed(rollout.seed, k)` for the k-th call of this
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -52,12 +54,9 @@ def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int],
             for seed, limit in zip(seeds, limits, strict=True)]
 
 
-def logprob_gap(old_log_probs: Ragged, rollout_log_probs: Ragged,
-                mask: Ragged | None = None) -> dict[str, float]:
-    """Mean and max |trainer - sampler| log-prob over the (masked) response tokens.
-
-    Near zero right after a weight sync when top_p = 1 and top_k = -1; with either set, vLLM's
-    log-probs are those of the truncated, renormalised distribution it sampled from."""
+def token_gaps(old_log_probs: Ragged, rollout_log_probs: Ragged,
+               mask: Ragged | None = None) -> torch.Tensor:
+    """|trainer - sampler| log-prob of every (masked) response token, float64 (T,)."""
     if not torch.equal(old_log_probs.offsets, rollout_log_probs.offsets):
         raise ValueError("old_log_probs and rollout_log_probs have different row lengths "
                          f"({old_log_probs.lengths.tolist()[:8]}... vs "
@@ -69,10 +68,49 @@ def logprob_gap(old_log_probs: Ragged, rollout_log_probs: Ragged,
             raise ValueError("mask has different row lengths than the log-probs; pass the "
                              "batch's response_mask")
         gap_T = gap_T[mask.values.bool()]
+    return gap_T
+
+
+# The statistic the post-sync check stops on: the gap that 99% of tokens stay within. A
+# broken sync moves the bulk of the tokens; dtype noise moves a few, and the largest of
+# 0.3M tokens is far in that tail (figures: docs/benchmarks/2026-11-27-logprob-gap.md).
+GAP_QUANTILE = 0.99
+GAP_STATISTIC = "p99"
+# rollout.max_logprob_gap_p99 when null, by the engine's dtype (figures: the page above):
+# well above a healthy sync's p99 in that dtype and under the planted faults'; fp32's noise
+# is orders of magnitude below bf16's, so its limit also catches faults bf16 noise hides.
+DEFAULT_GAP_LIMITS = {torch.float32: 0.1, torch.bfloat16: 1.0, torch.float16: 1.0}
+
+
+def gap_quantile(gap_T: torch.Tensor, q: float = GAP_QUANTILE) -> float:
+    """The smallest token gap that at least a fraction `q` of the tokens do not exceed
+    (nearest rank: the ceil(q * T)-th smallest); 0 without tokens."""
     if gap_T.numel() == 0:
-        return {"rollout/logprob_gap_mean": 0.0, "rollout/logprob_gap_max": 0.0}
-    return {"rollout/logprob_gap_mean": float(gap_T.mean()),
-            "rollout/logprob_gap_max": float(gap_T.max())}
+        return 0.0
+    rank = max(math.ceil(q * gap_T.numel()), 1)
+    return float(torch.kthvalue(gap_T.flatten().cpu(), rank).values)
+
+
+def logprob_gap(old_log_probs: Ragged, rollout_log_probs: Ragged,
+                mask: Ragged | None = None) -> dict[str, float]:
+    """Mean, p99 (the check's statistic) and max |trainer - sampler| log-prob over the
+    (masked) response tokens.
+
+    Near zero right after a weight sync when top_p = 1 and top_k = -1; with either set, vLLM's
+    log-probs are those of the truncated, renormalised distribution it sampled from."""
+    gap_T = token_gaps(old_log_probs, rollout_log_probs, mask)
+    empty = gap_T.numel() == 0
+    return {"rollout/logprob_gap_mean": 0.0 if empty else float(gap_T.mean()),
+            f"rollout/logprob_gap_{GAP_STATISTIC}": gap_quantile(gap_T),
+            "rollout/logprob_gap_max": 0.0 if empty else float(gap_T.max())}
+
+
+def logprob_gap_limit(config: RolloutConfig, dtype: torch.dtype) -> float:
+    """The check's limit: rollout.max_logprob_gap_p99, or when null the default for the
+    engine's `dtype`."""
+    if config.max_logprob_gap_p99 is not None:
+        return config.max_logprob_gap_p99
+    return DEFAULT_GAP_LIMITS[dtype]
 
 
 class LogprobGapError(RuntimeError):
@@ -80,16 +118,20 @@ class LogprobGapError(RuntimeError):
     trainer's: the engine is not running the policy."""
 
 
-def check_logprob_gap(gap_max: float, *, limit: float | None) -> None:
-    """LogprobGapError naming the gap, the limit and rollout.max_logprob_gap when `gap_max`
-    (rollout/logprob_gap_max of samples a synced engine drew) exceeds `limit` (None: off); a
-    NaN gap, which a half-initialised engine gives, exceeds every limit."""
-    if limit is None or gap_max <= limit:
+def check_logprob_gap(gap: float, *, limit: float, dtype: torch.dtype) -> None:
+    """LogprobGapError naming the statistic, its value, the limit and the setting when `gap`
+    (rollout/logprob_gap_p99 of samples a synced engine drew) exceeds `limit`; a NaN gap,
+    which a half-initialised engine gives, exceeds every limit."""
+    if gap <= limit:
         return
+    name = str(dtype).removeprefix("torch.")
     raise LogprobGapError(
-        f"rollout/logprob_gap_max is {gap_max:.4g} after a weight sync, above "
-        f"rollout.max_logprob_gap={limit:g}: vLLM's log-probs of the tokens it sampled are "
-        "that far from the trainer's for the same policy, so the rollout sampler does not run "
-        "the policy (weights missed or corrupted by the sync, or a model vLLM computes "
-        "differently). Stopping instead of training on its samples; raise "
-        "rollout.max_logprob_gap (null turns the check off) only if such a gap is expected")
+        f"rollout/logprob_gap_{GAP_STATISTIC} is {gap:.4g} after a weight sync, above the "
+        f"limit {limit:g} (rollout.max_logprob_gap_{GAP_STATISTIC}; null picks "
+        f"{DEFAULT_GAP_LIMITS[dtype]:g} for {name}): for 1% or more of the sampled tokens, "
+        "vLLM's log-prob is that far from the trainer's for the same policy, so the rollout "
+        "sampler does not run the policy (weights missed or corrupted by the sync, or a model "
+        "vLLM computes differently). Stopping instead of training on its samples. Check the "
+        "sync (sync/* metrics, a model family vLLM maps differently); raise "
+        f"rollout.max_logprob_gap_{GAP_STATISTIC} only if your kernels and dtype are known to "
+        "give such a gap on a healthy engine (1e9 turns the check off)")

@@ -40,6 +40,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
 from rlhf.data.ragged import Ragged
+from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import PIN_METRICS
 from rlhf.files import check_shared_folder
 from rlhf.parallel.memory_probes import worst_memory
@@ -47,9 +48,10 @@ from rlhf.rewards import RewardRunner
 from rlhf.rewards.runner import combine_scores
 from rlhf.rollout import logprob_gap
 from rlhf.rollout.routing import replays_routes
-from rlhf.rollout.sampling import check_logprob_gap
+from rlhf.rollout.sampling import GAP_STATISTIC, check_logprob_gap, logprob_gap_limit
 from rlhf.trainer import routing_replay
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlhf.trainer.device import use_gpu
 from rlhf.trainer.metrics import MetricsLogger, SectionTimer
 from rlhf.trainer.preemption import Preempted, StopRequests
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
@@ -444,10 +446,11 @@ class PPOTrainer:
         return batch, {**metrics, **sync}
 
     def _logprob_gap(self, batch: Batch, *, version: int) -> dict[str, float]:
-        """rollout/logprob_gap_* over the batch; stops the job (rollout.max_logprob_gap) when
-        the samples a synced engine drew with `version`, the policy whose old log-probs they
-        carry, are too far from them. Version 0 is model.path, which vLLM loaded itself, and
-        older samples (async) differ by the policy's own updates, so neither is checked."""
+        """rollout/logprob_gap_* over the batch; stops the job when the p99 gap of the samples
+        a synced engine drew with `version`, the policy whose old log-probs they carry, is
+        above rollout.max_logprob_gap_p99 (by the actor's dtype when null). Version 0 is
+        model.path, which vLLM loaded itself, and older samples (async) differ by the policy's
+        own updates, so neither is checked."""
         if "rollout_log_probs" not in batch:
             return {}
         metrics = dict(logprob_gap(batch["old_log_probs"], batch["rollout_log_probs"],
@@ -459,8 +462,9 @@ class PPOTrainer:
             part = batch if len(rows) == len(batch) else batch.select(rows)
             gap = metrics if part is batch else logprob_gap(
                 part["old_log_probs"], part["rollout_log_probs"], mask=response_mask(part))
-            check_logprob_gap(gap["rollout/logprob_gap_max"],
-                              limit=self.cfg.rollout.max_logprob_gap)
+            dtype = resolve_dtype(self.cfg.actor.dtype, "cuda" if use_gpu(self.cfg) else "cpu")
+            check_logprob_gap(gap[f"rollout/logprob_gap_{GAP_STATISTIC}"],
+                              limit=logprob_gap_limit(self.cfg.rollout, dtype), dtype=dtype)
         return metrics
 
     def _update(self, batch: Batch, splits: StepSplits, timer: SectionTimer, *, step: int,

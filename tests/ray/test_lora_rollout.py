@@ -58,7 +58,7 @@ def test_lora_job_syncs_the_adapter_only_and_a_withheld_adapter_stops_it(ray_clu
         assets, tmp_path / "lora-run",
         actor={"lora": {"r": RANK, "lora_alpha": 16.0}, "optim": {"lr": 5.0e-2}},
         algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
-        rollout={"n": 4, "max_logprob_gap": GAP},
+        rollout={"n": 4, "max_logprob_gap_p99": GAP},
         reward={"functions": [{"path": f"{tmp_path / 'length_reward.py'}:length"}]},
         trainer={"total_steps": 3, "ranks_per_node": 1})
     roles, role_configs = job_workers(cfg)
@@ -72,7 +72,7 @@ def test_lora_job_syncs_the_adapter_only_and_a_withheld_adapter_stops_it(ray_clu
             if step == 2:  # steps 1-2 synced for real; step 3 gets the base
                 groups.views["actor"].withhold_adapter()
 
-        with pytest.raises(LogprobGapError, match="max_logprob_gap"):
+        with pytest.raises(LogprobGapError, match="max_logprob_gap_p99"):
             trainer.fit(after_step=after)
     finally:
         groups.shutdown()

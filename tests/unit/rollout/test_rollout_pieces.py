@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.config import RolloutConfig
+from rlhf.config import RolloutConfig, config_from_dict
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
 from rlhf.models.export import ExportStream
@@ -17,6 +17,7 @@ from rlhf.parallel.mesh import ProcessGroupCache
 from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, derive_seed, vllm_args,
                           logprob_gap, request_seeds, sampling_params)
 from rlhf.rollout import replica as replica_module
+from rlhf.rollout.sampling import gap_quantile, logprob_gap_limit
 from rlhf.rollout.vllm_sampler import vllm_environment, vllm_settings
 
 ROOT = str(Path(__file__).resolve().parents[3])
@@ -65,13 +66,47 @@ def test_temperatures_outside_vllms_range_are_refused():
 def test_logprob_gap_by_hand():
     old = Ragged.from_list([torch.tensor([-1.0, -2.0]), torch.tensor([-0.5])])
     new = Ragged.from_list([torch.tensor([-1.5, -2.0]), torch.tensor([-0.25])])
+    # gaps 0.5, 0, 0.25: under 100 tokens the p99 (rank ceil(0.99 * 3) = 3) is the largest
     assert logprob_gap(old, new) == pytest.approx(
-        {"rollout/logprob_gap_mean": 0.75 / 3, "rollout/logprob_gap_max": 0.5})
+        {"rollout/logprob_gap_mean": 0.75 / 3, "rollout/logprob_gap_p99": 0.5,
+         "rollout/logprob_gap_max": 0.5})
     mask = Ragged.from_list([torch.tensor([False, True]), torch.tensor([True])])
     assert logprob_gap(old, new, mask) == pytest.approx(
-        {"rollout/logprob_gap_mean": 0.125, "rollout/logprob_gap_max": 0.25})
+        {"rollout/logprob_gap_mean": 0.125, "rollout/logprob_gap_p99": 0.25,
+         "rollout/logprob_gap_max": 0.25})
     empty = Ragged.from_list([torch.empty(0)])
-    assert logprob_gap(empty, empty)["rollout/logprob_gap_max"] == 0.0
+    assert logprob_gap(empty, empty) == {"rollout/logprob_gap_mean": 0.0,
+                                         "rollout/logprob_gap_p99": 0.0,
+                                         "rollout/logprob_gap_max": 0.0}
+
+
+def test_the_p99_gap_leaves_out_the_largest_one_percent():
+    # 1,000 tokens: 990 at 0.05 and 10 far out (1%): the 990th smallest is still 0.05
+    gaps = torch.cat([torch.full((990,), 0.05), torch.full((10,), 5.0)])
+    gaps = gaps[torch.randperm(1000, generator=torch.Generator().manual_seed(0))]
+    assert gap_quantile(gaps) == pytest.approx(0.05)
+    eleven = torch.cat([torch.full((989,), 0.05), torch.full((11,), 5.0)])  # 1.1% far out
+    assert gap_quantile(eleven) == 5.0
+    steps = torch.arange(1, 201, dtype=torch.float64) / 100  # 0.01 .. 2.00
+    assert gap_quantile(steps) == pytest.approx(1.98)  # rank ceil(0.99 * 200) = 198
+    assert gap_quantile(steps, 0.5) == pytest.approx(1.00)  # rank 100
+    assert gap_quantile(torch.empty(0)) == 0.0
+
+
+def test_the_gap_limit_is_the_setting_or_the_default_of_the_dtype():
+    assert logprob_gap_limit(RolloutConfig(), torch.float32) == 0.1
+    assert logprob_gap_limit(RolloutConfig(), torch.bfloat16) == 1.0
+    assert logprob_gap_limit(RolloutConfig(), torch.float16) == 1.0
+    assert logprob_gap_limit(RolloutConfig(max_logprob_gap_p99=0.3), torch.bfloat16) == 0.3
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ConfigError, match="max_logprob_gap_p99 must be positive"):
+            RolloutConfig(max_logprob_gap_p99=bad)
+
+
+def test_the_old_gap_key_points_to_the_new_one():
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout\.max_logprob_gap'; did you mean "
+                                          r"'rollout\.max_logprob_gap_p99'"):
+        config_from_dict({"rollout": {"max_logprob_gap": 1.0}})
 
 
 def test_logprob_gap_refuses_rows_that_do_not_match():
