@@ -76,7 +76,7 @@ CASES: dict[str, Callable[[Weights, int], Weights]] = {
     "healthy": healthy, "withheld": withheld, "swapped": swapped, "bias_dropped": bias_dropped}
 
 
-def planted(buckets: Buckets, case: str, layer: int) -> Buckets:
+def planted(buckets: Buckets, case: str, layer: int | None) -> Buckets:
     """The export's tensors with `case`'s fault planted, as one bucket (a swap needs both
     partners, which may sit in different buckets; the models measured here are small)."""
     weights = {name: t.clone() for bucket in buckets for name, t in bucket}
@@ -90,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated")
     parser.add_argument("--cases", default=",".join(CASES),
                         help="comma-separated; bias_dropped is skipped for a model without biases")
-    parser.add_argument("--layer", type=int, default=None,
-                        help="the layer a fault is planted in (default: the middle one)")
+    parser.add_argument("--layers", default=None,
+                        help="comma-separated layers to plant each fault in, one at a time "
+                             "(default: the middle one)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per case")
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
     parser.add_argument("--new-tokens", type=int, default=48, help="most tokens per sample")
@@ -111,14 +112,18 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = model_folder(args.model, Path(tmp))
         info = json.loads((Path(folder) / "config.json").read_text())
-        layer = args.layer if args.layer is not None else info["num_hidden_layers"] // 2
+        middle = str(info["num_hidden_layers"] // 2)
+        layers = [int(x) for x in (args.layers or middle).split(",") if x]
         if not _has_qkv_bias(info):
             cases = [c for c in cases if c != "bias_dropped"]
+        # (case, layer) pairs; a healthy sync plants nothing, so it runs once
+        runs = [(case, None if case == "healthy" else layer)
+                for case in cases for layer in ([0] if case == "healthy" else layers)]
         prompts = prompt_ids(folder, args.prompts, tiny=args.model == "tiny")
         for dtype in dtypes:
-            (rows,) = run_distributed(_measure_rank, 1, folder, dtype, cases, layer, prompts,
-                                      vars(args), timeout_s=900.0)
-            for case, gaps in rows.items():
+            (rows,) = run_distributed(_measure_rank, 1, folder, dtype, runs, prompts,
+                                      vars(args), timeout_s=1800.0)
+            for (case, layer), gaps in zip(runs, rows, strict=True):
                 row = {"bench": "gap", "model": args.model, "dtype": dtype, "case": case,
                        "layer": layer, **describe(gaps, dtype)}
                 print(json.dumps(row), flush=True)
@@ -191,9 +196,11 @@ def prompt_ids(folder: str, count: int, *, tiny: bool) -> list[list[int]]:
             for q in (QUESTIONS * (count // len(QUESTIONS) + 1))[:count]]
 
 
-def _measure_rank(rank: int, world: int, folder: str, dtype: str, cases: list[str], layer: int,
-                  prompts: list[list[int]], args: dict) -> dict[str, Tensor]:
-    """Per case: the gap of every response token between the trainer and the synced vLLM."""
+def _measure_rank(rank: int, world: int, folder: str, dtype: str,
+                  runs: list[tuple[str, int | None]], prompts: list[list[int]],
+                  args: dict) -> list[Tensor]:
+    """Per (case, layer): the gap of every response token between the trainer and the synced
+    vLLM."""
     import torch.distributed as dist
 
     from rlhf.data.batch import Batch
@@ -201,7 +208,7 @@ def _measure_rank(rank: int, world: int, folder: str, dtype: str, cases: list[st
     from rlhf.engine import TrainEngine
     from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
     from rlhf.rollout import ReplicaSpec, RolloutReplica
-    from rlhf.rollout.sampling import token_gaps
+    from rlhf.rollout.sampling import sampling_temperature, token_gaps
     from workers.micro_batches import build_micro_batches, response_fields
 
     mesh = ParallelMesh(range(world), cache=ProcessGroupCache())
@@ -215,18 +222,18 @@ def _measure_rank(rank: int, world: int, folder: str, dtype: str, cases: list[st
         dtype=getattr(torch, dtype), max_model_len=longest, world_group=dist.group.WORLD,
         replica_group=None))
     prompt_rows = Ragged.from_list([torch.tensor(p) for p in prompts], dtype=torch.int64)
-    out = {}
-    for i, case in enumerate(cases):
+    out = []
+    for i, (case, layer) in enumerate(runs):
         replica.mark_stale()
-        replica.sync(lambda: planted(engine.export_hf_weights(bucket_bytes=64 << 20), case, layer))
+        replica.sync(lambda: planted(engine.export_hf_weights(bucket_bytes=64 << 20),
+                                     case, layer))
         sampled = replica.generate(prompt_rows, greedy=False, seed=i)
         batch = Batch({"prompt_ids": prompt_rows}).repeat_interleave(config.n).union(
             Batch({k: sampled[k] for k in sampled.keys()}))
         rows = list(range(len(batch)))
         mbs = build_micro_batches(batch, [rows[j:j + 16] for j in range(0, len(rows), 16)])
-        scored = response_fields(engine.forward(mbs, outputs=("log_probs",),
-                                                temperature=config.temperature
-                                                if config.temperature > 0 else 1.0),
-                                 mbs, {"old_log_probs": "log_probs"})
-        out[case] = token_gaps(scored["old_log_probs"], batch["rollout_log_probs"])
+        outputs = engine.forward(mbs, outputs=("log_probs",),
+                                 temperature=sampling_temperature(config))
+        scored = response_fields(outputs, mbs, {"old_log_probs": "log_probs"})
+        out.append(token_gaps(scored["old_log_probs"], batch["rollout_log_probs"]))
     return out
