@@ -186,8 +186,9 @@ class RolloutConfig:
     """Stop the job when, after a weight sync, the 99th percentile of |log-prob| differences
     between vLLM's sampled tokens and the trainer's (rollout/logprob_gap_p99) exceeds this: a
     broken or half-synced engine. null = by the engine's dtype: 0.1 in float32, 1.0 in
-    bfloat16 and float16. Healthy p99 on CPU: 3e-5 (float32) and 0.22 (bfloat16) on
-    SmolLM2-135M; a layer withheld gives 3.2, k/v swapped 9.6 (docs/benchmarks)."""
+    bfloat16 and float16. 1e9 turns the check off. p99 of a healthy sync of SmolLM2-135M on
+    the CPU: 3e-5 (float32), 0.22 (bfloat16); one layer's weights missing: 3.3 to 14; k/v
+    swapped in one layer: 2.5 to 14 (docs/benchmarks/2026-11-27-logprob-gap.md)."""
     tis_cap: float | None = None
     """Truncated importance sampling: weight tokens by min(pi_train / pi_vllm, cap); null = off."""
     seq_tis_cap: float | None = None
