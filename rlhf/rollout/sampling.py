@@ -75,7 +75,7 @@ def token_gaps(old_log_probs: Ragged, rollout_log_probs: Ragged,
 # broken sync moves the bulk of the tokens; dtype noise moves a few, and the largest of
 # 0.3M tokens is far in that tail (figures: docs/benchmarks/2026-11-27-logprob-gap.md).
 GAP_QUANTILE = 0.99
-GAP_STATISTIC = "p99"
+GAP_STATISTIC = f"p{round(GAP_QUANTILE * 100)}"
 # rollout.max_logprob_gap_p99 when null, by the engine's dtype (figures: the page above):
 # well above a healthy sync's p99 in that dtype and under the planted faults'; fp32's noise
 # is orders of magnitude below bf16's, so its limit also catches faults bf16 noise hides.
@@ -84,9 +84,12 @@ DEFAULT_GAP_LIMITS = {torch.float32: 0.1, torch.bfloat16: 1.0, torch.float16: 1.
 
 def gap_quantile(gap_T: torch.Tensor, q: float = GAP_QUANTILE) -> float:
     """The smallest token gap that at least a fraction `q` of the tokens do not exceed
-    (nearest rank: the ceil(q * T)-th smallest); 0 without tokens."""
+    (nearest rank: the ceil(q * T)-th smallest); 0 without tokens, NaN when any gap is NaN
+    (a broken engine's log-prob, however few)."""
     if gap_T.numel() == 0:
         return 0.0
+    if bool(gap_T.isnan().any()):
+        return math.nan
     rank = max(math.ceil(q * gap_T.numel()), 1)
     return float(torch.kthvalue(gap_T.flatten().cpu(), rank).values)
 

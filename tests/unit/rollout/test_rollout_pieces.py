@@ -1,6 +1,7 @@
 """The rollout package without an engine: seeds, sampling settings, the log-prob gap, engine
 arguments per device, the process edge, and RolloutReplica's bookkeeping over a fake engine."""
 
+import math
 import os
 import subprocess
 import sys
@@ -91,6 +92,8 @@ def test_the_p99_gap_leaves_out_the_largest_one_percent():
     assert gap_quantile(steps) == pytest.approx(1.98)  # rank ceil(0.99 * 200) = 198
     assert gap_quantile(steps, 0.5) == pytest.approx(1.00)  # rank 100
     assert gap_quantile(torch.empty(0)) == 0.0
+    with_nan = torch.cat([torch.zeros(999), torch.tensor([float("nan")])])
+    assert math.isnan(gap_quantile(with_nan))  # one NaN log-prob: a broken engine, never ignored
 
 
 def test_the_gap_limit_is_the_setting_or_the_default_of_the_dtype():
