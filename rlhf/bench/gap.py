@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
