@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIG = "configs/qwen2.5-7b_ppo_multigpu.yaml"  # in the checkout (ROOT)
 CPU_CONFIG = "configs/first_run_cpu.yaml"
@@ -80,7 +82,8 @@ class Report:
 
 # ---- the report ----------------------------------------------------------------------------------
 
-def build_report(records: list[dict], *, total_steps: int, max_logprob_gap: float | None,
+def build_report(records: list[dict], *, total_steps: int, gap_limit: float,
+                 gap_dtype: torch.dtype,
                  plan=None, plan_note: str = "", log_tail: list[str] = (),
                  exit_code: int | None = None, device_gib: float | None = None) -> Report:
     """The report of a run's metric records (one per step), its planned steps and gap limit,
@@ -90,7 +93,7 @@ def build_report(records: list[dict], *, total_steps: int, max_logprob_gap: floa
     records = [r for r in records if r.get("step", 0) >= 1]
     _steps(report, records, total_steps=total_steps, log_tail=log_tail, exit_code=exit_code)
     _sync(report, records)
-    _gaps(report, records, limit=max_logprob_gap)
+    _gaps(report, records, limit=gap_limit, dtype=gap_dtype)
     _memory(report, records, plan=plan, plan_note=plan_note, device_gib=device_gib)
     _sleep(report, records, plan=plan)
     _nccl(report, records, plan=plan)
@@ -140,22 +143,23 @@ def _sync(report: Report, records: list[dict]) -> None:
                     "did not receive every tensor (sync/receipts_complete < sync/receipts)"))
 
 
-def gap_problem(record: dict, *, limit: float | None) -> str | None:
+def gap_problem(record: dict, *, limit: float, dtype: torch.dtype) -> str | None:
     """Why the trainer's own check (rlhf.rollout.sampling) refuses this step's gap, or None."""
-    from rlhf.rollout.sampling import LogprobGapError, check_logprob_gap
+    from rlhf.rollout.sampling import GAP_STATISTIC, LogprobGapError, check_logprob_gap
 
-    value = _number(record, "rollout/logprob_gap_max")
+    value = _number(record, f"rollout/logprob_gap_{GAP_STATISTIC}")
     if value is None:
         return None
     try:
-        check_logprob_gap(value, limit=limit)
+        check_logprob_gap(value, limit=limit, dtype=dtype)
     except LogprobGapError as e:
         return str(e)
     return None
 
 
-def _gaps(report: Report, records: list[dict], *, limit: float | None) -> None:
-    report.lines += ["", f"log-prob gap after sync (rollout.max_logprob_gap={limit}):"]
+def _gaps(report: Report, records: list[dict], *, limit: float, dtype: torch.dtype) -> None:
+    report.lines += ["", f"log-prob gap after sync (stops above p99 {limit:g}: "
+                     "rollout.max_logprob_gap_p99):"]
     for r in records:
         gaps = {k.removeprefix("rollout/logprob_gap_"): v for k, v in r.items()
                 if k.startswith("rollout/logprob_gap_")}
@@ -163,7 +167,7 @@ def _gaps(report: Report, records: list[dict], *, limit: float | None) -> None:
         synced = not _number(r, "sync/skipped")
         report.lines.append(f"  step {r['step']}: {text}"
                             + ("" if synced or not gaps else " (no sync before it: not checked)"))
-        if synced and (problem := gap_problem(r, limit=limit)):
+        if synced and (problem := gap_problem(r, limit=limit, dtype=dtype)):
             report.findings.append(Finding("gap over limit", r["step"], problem))
 
 
@@ -335,8 +339,13 @@ def report_run(run_dir: str | Path, *, log: Path | None = None,
         log = next((p for p in (run / LOG_FILE, run / "logs" / "driver.log") if p.is_file()),
                    None)
     tail = log.read_text(errors="replace").splitlines()[-LOG_LINES:] if log else []
+    from rlhf.rollout.sampling import logprob_gap_limit
+    from rlhf.trainer.device import actor_dtype
+
+    dtype = actor_dtype(cfg)
     return build_report(read_metrics(run), total_steps=cfg.trainer.total_steps,
-                        max_logprob_gap=cfg.rollout.max_logprob_gap, plan=plan, plan_note=note,
+                        gap_limit=logprob_gap_limit(cfg.rollout, dtype), gap_dtype=dtype,
+                        plan=plan, plan_note=note,
                         log_tail=tail, exit_code=exit_code, device_gib=_local_device_gib())
 
 

@@ -32,3 +32,11 @@ def _joined_ray():
     except ImportError:
         return None
     return ray if ray.is_initialized() else None
+
+
+def actor_dtype(cfg: JobConfig) -> torch.dtype:
+    """The dtype the actor's engine computes in on the device this job takes (actor.dtype
+    resolved): the post-sync gap check picks its default limit by it."""
+    from rlhf.engine.engine import resolve_dtype
+
+    return resolve_dtype(cfg.actor.dtype, torch.device("cuda" if use_gpu(cfg) else "cpu"))

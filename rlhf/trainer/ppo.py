@@ -40,7 +40,6 @@ from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask
 from rlhf.data.ragged import Ragged
-from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import PIN_METRICS
 from rlhf.files import check_shared_folder
 from rlhf.parallel.memory_probes import worst_memory
@@ -51,7 +50,7 @@ from rlhf.rollout.routing import replays_routes
 from rlhf.rollout.sampling import GAP_STATISTIC, check_logprob_gap, logprob_gap_limit
 from rlhf.trainer import routing_replay
 from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
-from rlhf.trainer.device import use_gpu
+from rlhf.trainer.device import actor_dtype
 from rlhf.trainer.metrics import MetricsLogger, SectionTimer
 from rlhf.trainer.preemption import Preempted, StopRequests
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
@@ -462,7 +461,7 @@ class PPOTrainer:
             part = batch if len(rows) == len(batch) else batch.select(rows)
             gap = metrics if part is batch else logprob_gap(
                 part["old_log_probs"], part["rollout_log_probs"], mask=response_mask(part))
-            dtype = resolve_dtype(self.cfg.actor.dtype, "cuda" if use_gpu(self.cfg) else "cpu")
+            dtype = actor_dtype(self.cfg)
             check_logprob_gap(gap[f"rollout/logprob_gap_{GAP_STATISTIC}"],
                               limit=logprob_gap_limit(self.cfg.rollout, dtype), dtype=dtype)
         return metrics

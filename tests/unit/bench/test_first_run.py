@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlhf.bench import first_run
 from rlhf.bench.first_run import FINDINGS, GIB, MEMORY_MARGIN, build_report, report_run
@@ -46,7 +47,8 @@ def healthy(plan, steps=2) -> list[dict]:
 
 
 def report_of(records, plan, **kw):
-    return build_report(records, total_steps=2, max_logprob_gap=1.0, plan=plan, **kw)
+    return build_report(records, total_steps=2, gap_limit=1.0, gap_dtype=torch.bfloat16,
+                        plan=plan, **kw)
 
 
 def test_a_healthy_run_passes_and_shows_every_section(plan):
@@ -99,13 +101,16 @@ def test_an_incomplete_receipt_is_named(plan):
 
 def test_a_gap_over_the_limit_is_named_but_not_before_the_first_sync(plan):
     records = healthy(plan)
-    records[0]["rollout/logprob_gap_max"] = 5.0  # step 1: vLLM loaded the model itself
+    records[0]["rollout/logprob_gap_p99"] = 5.0  # step 1: vLLM loaded the model itself
     assert report_of(records, plan).exit_code == 0
-    records[1]["rollout/logprob_gap_max"] = 1.7
+    records[1]["rollout/logprob_gap_max"] = 4.0  # the single worst token alone does not stop
+    assert report_of(records, plan).exit_code == 0
+    records[1]["rollout/logprob_gap_p99"] = 1.7
     (finding,) = report_of(records, plan).findings
     assert (finding.kind, finding.step) == ("gap over limit", 2)
-    assert "1.7" in finding.text and "rollout.max_logprob_gap=1" in finding.text
-    assert build_report(records, total_steps=2, max_logprob_gap=None, plan=plan).exit_code == 0
+    assert "1.7" in finding.text and "rollout.max_logprob_gap_p99" in finding.text
+    assert build_report(records, total_steps=2, gap_limit=2.0, gap_dtype=torch.bfloat16,
+                        plan=plan).exit_code == 0
 
 
 def test_memory_over_the_plan_by_more_than_the_margin_is_named(plan):
@@ -133,7 +138,7 @@ def test_nccl_memory_over_the_plan_is_named(plan):
 
 def test_the_first_thing_that_went_wrong_leads(plan):
     records = healthy(plan)
-    records[1]["rollout/logprob_gap_max"] = 3.0
+    records[1]["rollout/logprob_gap_p99"] = 3.0
     records[1]["sync/receipts_complete"] = 300.0
     records[0]["memory/generate/free_gb"] = 0.0
     report = report_of(records, plan)
@@ -146,7 +151,8 @@ def test_the_first_thing_that_went_wrong_leads(plan):
 
 def test_missing_metrics_are_reported_as_such_never_an_error():
     records = [{"step": 1}, {"step": 2, "timing/step": 3.0}]
-    report = build_report(records, total_steps=2, max_logprob_gap=1.0, plan=None,
+    report = build_report(records, total_steps=2, gap_limit=1.0, gap_dtype=torch.bfloat16,
+                          plan=None,
                           plan_note="UnknownArchitecture: no config.json")
     text = report.text()
     assert report.exit_code == 0
@@ -164,7 +170,7 @@ def test_report_of_a_run_folder_and_its_command(tmp_path, capsys):
     (run / "config.yaml").write_text((CONFIGS / "first_run_cpu.yaml").read_text())
     records = [{"step": 1, "sync/skipped": 1.0, "rollout/logprob_gap_max": 1e-6,
                 "memory/generate/host_rss_gb": 0.8, "timing/step": 5.0},
-               {"step": 2, "sync/skipped": 0.0, "rollout/logprob_gap_max": 2.5,
+               {"step": 2, "sync/skipped": 0.0, "rollout/logprob_gap_p99": 2.5,
                 "timing/step": 4.0}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run / "first_run.log").write_text("line 1\nerror: the last line\n")
