@@ -9,6 +9,7 @@ from rlhf.bench import cli as bench_cli
 from rlhf.bench import first_run
 from rlhf.config.loader import add_job_arguments
 from rlhf.errors import RLHFError
+from rlhf.families import FAMILIES, FAMILY_NAMES
 from rlhf.plan import report as plan_report
 from rlhf.trainer.preemption import EXIT_PREEMPTED
 
@@ -286,8 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init Hugging Face model folder and its tokenizer")
     tiny.add_argument("out", help="folder to create")
-    tiny.add_argument("--arch", default="llama",
-                      choices=["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"])
+    tiny.add_argument("--arch", default="llama", choices=FAMILY_NAMES,
+                      help="model family: " + "; ".join(f"{f.name}: {f.summary}"
+                                                        for f in FAMILIES))
     tiny.add_argument("--layers", type=int, default=4)
     tiny.add_argument("--hidden", type=int, default=128)
     tiny.add_argument("--heads", type=int, default=4)
@@ -297,9 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--max-position", type=int, default=512)
     tiny.add_argument("--tie-embeddings", action="store_true")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--experts", type=int, help="qwen3_moe: routed experts per layer")
-    tiny.add_argument("--experts-per-token", type=int, help="qwen3_moe: top-k experts per token")
-    tiny.add_argument("--moe-intermediate", type=int, help="qwen3_moe: width of each expert")
+    tiny.add_argument("--experts", type=int, help="MoE families: routed experts per layer")
+    tiny.add_argument("--experts-per-token", type=int, help="MoE families: top-k experts per token")
+    tiny.add_argument("--moe-intermediate", type=int, help="MoE families: width of each expert")
     tiny.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     tiny.set_defaults(run=_make_tiny_model)
 

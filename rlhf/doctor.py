@@ -14,11 +14,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlhf.families import FAMILIES
+
 # One causal-LM class per family the engine supports, plus the classes reward models load from.
-MODEL_CLASSES = (
-    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-    "LlamaForSequenceClassification", "Qwen2ForTokenClassification", "AutoModelForCausalLM",
-)
+MODEL_CLASSES = (*(f.causal_lm_class for f in FAMILIES), "LlamaForSequenceClassification",
+                 "Qwen2ForTokenClassification", "AutoModelForCausalLM")
 # Written into the environment by examples/install.sh when flash-attn did not build or load.
 FLASH_ATTN_FAILED = ".rlhf-flash-attn-failed"
 # bf16 output of the same attention through two kernels; a broken kernel is off by O(1).

@@ -20,6 +20,7 @@ from rlhf.config.schema import (
     job_roles,
 )
 from rlhf.errors import ConfigError
+from rlhf.families import find_family, model_family
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,7 +53,7 @@ def read_model_facts(path: str | None, tiny: TinyModelConfig | None, key: str) -
                       num_kv_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
                       intermediate_size=tiny.intermediate_size,
                       max_position_embeddings=tiny.max_position_embeddings,
-                      num_experts=tiny.num_experts if tiny.arch == "qwen3_moe" else 0)
+                      num_experts=tiny.num_experts if model_family(tiny.arch).is_moe else 0)
 
 
 def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
@@ -70,13 +71,17 @@ def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
         raise ConfigError(f"{key}: {str(config_json)!r} lacks integer {', '.join(missing)}; "
                           f"is it a Llama-family model?")
     heads = hf["num_attention_heads"]
+    family = find_family(hf.get("model_type"))  # None: refused when the model is built
+    head_dim = hf.get("head_dim")
+    if "head_dim" not in hf and family is not None:
+        head_dim = family.head_dim  # the config class's default (None: hidden / heads)
     return ModelFacts(source=str(config_json), num_layers=hf["num_hidden_layers"],
                       num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-                      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+                      head_dim=head_dim or hf["hidden_size"] // heads,
                       intermediate_size=hf["intermediate_size"],
                       max_position_embeddings=hf["max_position_embeddings"],
                       num_experts=(hf.get("num_experts") or hf.get("num_local_experts") or 0)
-                      if hf.get("model_type") == "qwen3_moe" else 0)
+                      if family is not None and family.is_moe else 0)
 
 
 def check_config(cfg: JobConfig) -> None:

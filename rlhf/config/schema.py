@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlhf.errors import ConfigError
+from rlhf.families import model_family
 
 
 def require_min(obj, low: float, *names: str) -> None:
@@ -64,9 +65,9 @@ MIN_TINY_VOCAB = 320
 class TinyModelConfig:
     """A Llama-family model small enough to train on two CPU cores."""
 
-    arch: Literal["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"] = "llama"
-    """Model family: llama, qwen2 (qkv bias), qwen3 (q/k norm), mistral or qwen3_moe (qwen3 with
-    mixture-of-experts MLPs)."""
+    arch: str = "llama"
+    """Model family: a model_type registered in `rlhf.families` (`rlhf make-tiny-model --help`
+    lists each with what sets it apart)."""
     num_layers: int = 4
     """Number of transformer layers."""
     hidden_size: int = 128
@@ -76,7 +77,7 @@ class TinyModelConfig:
     num_kv_heads: int = 2
     """Key/value heads (grouped-query attention); must divide num_heads."""
     intermediate_size: int = 256
-    """Width of the SwiGLU MLP."""
+    """Width of the gated MLP."""
     vocab_size: int = 512
     """Embedding rows; the trained tokenizer has at most this many tokens."""
     tie_embeddings: bool = False
@@ -86,11 +87,11 @@ class TinyModelConfig:
     seed: int = 0
     """Seed of the random weights and of the tokenizer's training text."""
     num_experts: int = 8
-    """qwen3_moe: routed experts per layer."""
+    """MoE families (qwen3_moe): routed experts per layer."""
     num_experts_per_tok: int = 2
-    """qwen3_moe: experts each token is routed to (top-k; probabilities renormalised)."""
+    """MoE families: experts each token is routed to (top-k; probabilities renormalised)."""
     moe_intermediate_size: int = 64
-    """qwen3_moe: width of each expert's SwiGLU MLP."""
+    """MoE families: width of each expert's gated MLP."""
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads",
@@ -98,9 +99,7 @@ class TinyModelConfig:
                      "num_experts_per_tok", "moe_intermediate_size"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.arch not in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe"):
-            raise ConfigError(f"arch must be one of llama, qwen2, qwen3, mistral, qwen3_moe; got "
-                              f"{self.arch!r}")
+        model_family(self.arch, what="arch", error=ConfigError)
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed "
                               f"num_experts ({self.num_experts})")

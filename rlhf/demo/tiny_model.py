@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import (AutoModelForCausalLM, GenerationConfig, LlamaConfig, MistralConfig,
-                          PretrainedConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
+import transformers
+from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from rlhf.config.schema import VLLM_CPU_HEAD_SIZES, TinyModelConfig
 from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.errors import RLHFError
+from rlhf.families import model_family
 from rlhf.files import atomic_folder
 from rlhf.models.moe import split_fused_experts
 
@@ -28,36 +29,26 @@ NORM_JITTER = 0.1
 def tiny_hf_config(spec: TinyModelConfig, *, bos_id: int, eos_id: int,
                    pad_id: int) -> PretrainedConfig:
     """The transformers config `make_tiny_model` writes for `spec` (also read by the planner)."""
-    common = dict(
+    family = model_family(spec.arch)
+    keys = dict(
         vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_embeddings, rms_norm_eps=1e-6, hidden_act="silu",
-        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32")
-    if spec.arch == "llama":
-        return LlamaConfig(**common, head_dim=spec.head_dim, attention_bias=False, mlp_bias=False)
-    if spec.arch == "qwen2":
-        # Qwen2 always has q/k/v biases; its head size is implied by hidden / heads.
-        return Qwen2Config(**common, use_sliding_window=False, sliding_window=None)
-    if spec.arch == "qwen3":
-        # Real Qwen3 models decouple head_dim from hidden / heads, so it is always written.
-        return Qwen3Config(**common, head_dim=spec.head_dim, attention_bias=False,
-                           use_sliding_window=False, sliding_window=None)
-    if spec.arch == "mistral":
-        return MistralConfig(**common, head_dim=spec.head_dim, sliding_window=None)
-    if spec.arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, head_dim=spec.head_dim, attention_bias=False,
-                              use_sliding_window=False, sliding_window=None,
-                              num_experts=spec.num_experts,
-                              num_experts_per_tok=spec.num_experts_per_tok,
-                              moe_intermediate_size=spec.moe_intermediate_size,
-                              norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-    raise AssertionError(f"unhandled arch {spec.arch!r}")  # TinyModelConfig validates arch
+        tie_word_embeddings=spec.tie_embeddings, rms_norm_eps=1e-6, hidden_act=family.hidden_act,
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32",
+        **family.tiny_config)
+    if family.tiny_writes_head_dim:
+        # Written even where it equals hidden / heads: real Qwen3 and Gemma decouple the two.
+        keys["head_dim"] = spec.head_dim
+    if family.is_moe:
+        keys.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                    moe_intermediate_size=spec.moe_intermediate_size)
+    return getattr(transformers, f"{family.hf_prefix}Config")(**keys)
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, *, norm_center: float = 1.0) -> None:
     # Our own init with a private generator: independent of transformers' init code and of
     # the global RNG, so the weights depend on the spec alone.
     gen = torch.Generator().manual_seed(seed)
@@ -65,7 +56,7 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
         if name.endswith(".bias"):
             param.normal_(0.0, INIT_STD, generator=gen)
         elif param.dim() == 1:  # RMSNorm scales
-            param.normal_(1.0, NORM_JITTER, generator=gen)
+            param.normal_(norm_center, NORM_JITTER, generator=gen)
         else:
             param.normal_(0.0, INIT_STD, generator=gen)
 
@@ -77,7 +68,7 @@ def _write_model(spec: TinyModelConfig, folder: Path) -> None:
                pad_id=tokenizer.pad_token_id)
     config = tiny_hf_config(spec, **ids)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _init_weights(model, spec.seed)
+    _init_weights(model, spec.seed, norm_center=model_family(spec.arch).norm_weight_center)
     # Written by hand rather than with model.save_pretrained, which draws a progress bar.
     state_dict = split_fused_experts({name: tensor.contiguous()
                                       for name, tensor in model.state_dict().items()})

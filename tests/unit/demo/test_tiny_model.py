@@ -11,8 +11,9 @@ from rlhf.demo import tiny_model
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.demo.tiny_tokenizer import ROLE_TOKENS, train_tiny_tokenizer
 from rlhf.errors import RLHFError
+from rlhf.families import FAMILIES, model_family
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = [f.name for f in FAMILIES if not f.is_moe]  # MoE folders: tests/unit/models/test_moe.py
 # Head size 16 is fine for transformers; only vLLM on CPU needs >= 32.
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
              vocab_size=384, max_position_embeddings=64)
@@ -54,12 +55,13 @@ def test_folder_loads_and_matches_spec(folders, tokenizer, arch, tied):
     assert attn.q_proj.weight.shape == (spec.num_heads * spec.head_dim, spec.hidden_size)
     assert attn.k_proj.weight.shape == (spec.num_kv_heads * spec.head_dim, spec.hidden_size)
     assert model.model.embed_tokens.weight.shape == (spec.vocab_size, spec.hidden_size)
-    if arch != "qwen2":  # Qwen2 has no head_dim field: its head size is hidden / heads
+    family = model_family(arch)
+    if family.tiny_writes_head_dim:  # Qwen2 has no head_dim field: its head size is hidden / heads
         assert config.head_dim == spec.head_dim
-    has_bias = arch == "qwen2"
+    has_bias = family.attention_bias == "qkv"  # the others' biases follow attention_bias: off
     for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
         assert (proj.bias is not None) == has_bias
-    assert hasattr(attn, "q_norm") == hasattr(attn, "k_norm") == (arch == "qwen3")
+    assert hasattr(attn, "q_norm") == hasattr(attn, "k_norm") == family.qk_norm
     shared = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert shared == tied
     if not tied:

@@ -10,13 +10,14 @@ from safetensors.torch import save_file
 from rlhf.config.schema import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
 from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.families import FAMILIES
 from rlhf.models import attention
 from rlhf.models.attention import flash_varlen, pick_kernel, sdpa_split, sdpa_varlen, varlen_attention
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.transformer import Attention, CausalLM, rope_inv_freq
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = [f.name for f in FAMILIES if not f.is_moe]  # MoE: tests/unit/models/test_moe.py
 # Head size 16: fine for transformers (only vLLM on CPU needs >= 32).
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
              vocab_size=384, max_position_embeddings=64)
