@@ -47,6 +47,8 @@ class ModelFamily:
     """transformers' default of tie_word_embeddings."""
     hidden_act: str = "silu"
     """transformers' default of hidden_act (the gated MLP's activation)."""
+    hidden_act_aliases: Mapping[str, str] = field(default_factory=_frozen)
+    """hidden_act values the config class replaces when it loads (Gemma: legacy "gelu")."""
     attention_bias: Literal["none", "qkv", "config"] = "none"
     """Attention biases: none; "qkv": q/k/v always, o_proj never (Qwen2); "config": q/k/v/o
     all follow config.json's attention_bias."""

@@ -10,16 +10,21 @@ implement is refused with the key named.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
+
+import torch.nn.functional as F
 
 from rlhf.errors import RLHFError
 from rlhf.families import ModelFamily, model_family
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-# The gated MLP's activations the decoder implements (transformers' ACT2FN names).
-SUPPORTED_ACTIVATIONS = ("silu",)
+# The gated MLP's activations the decoder implements, by transformers' ACT2FN names.
+ACTIVATIONS: dict[str, Callable] = {"silu": F.silu, "gelu": F.gelu,
+                                    "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_SLIDING_WINDOW = 4096  # Mistral/Qwen config classes default to a 4096-token window
 _DEFAULT_MAX_WINDOW_LAYERS = 28  # Qwen2/Qwen3: layers from this index on use the window
@@ -99,9 +104,9 @@ class ModelArgs:
 
     def __post_init__(self):
         model_family(self.model_type)
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+        if self.hidden_act not in ACTIVATIONS:
             raise RLHFError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
-                            f"{', '.join(SUPPORTED_ACTIVATIONS)}")
+                            f"{', '.join(ACTIVATIONS)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) < 1:
@@ -170,7 +175,7 @@ class ModelArgs:
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
             head_dim=_head_dim(config, family, hidden, heads),
-            hidden_act=config.get("hidden_act", family.hidden_act),
+            hidden_act=_hidden_act(config, family),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -186,6 +191,11 @@ class ModelArgs:
             **(_moe_fields(config, family.moe_defaults) if family.moe_defaults is not None
                else {}),
         )
+
+
+def _hidden_act(config: dict[str, Any], family: ModelFamily) -> str:
+    act = config.get("hidden_act", family.hidden_act)
+    return family.hidden_act_aliases.get(act, act)  # what its config class turns it into
 
 
 def _moe_fields(config: dict[str, Any], defaults) -> dict[str, Any]:

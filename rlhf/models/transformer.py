@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE) over packed sequences (THD layout).
+"""Llama-family decoder (every family in `rlhf.families`) over packed sequences (THD layout).
 
 Reads like a single-device model. Tensor parallelism is applied afterwards by `apply_tp`,
 which swaps the nn.Linear / nn.Embedding modules for parallel ones and divides each
@@ -15,12 +15,11 @@ import math
 from collections.abc import Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
-from rlhf.models.config import ModelArgs
+from rlhf.models.config import ACTIVATIONS, ModelArgs
 from rlhf.models.moe import Routing, SparseMoeBlock
 from rlhf.models.varlen_layout import VarlenLayout
 
@@ -73,16 +72,20 @@ def apply_rope(x_THD: Tensor, cos_TD: Tensor, sin_TD: Tensor) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as transformers computes it: normalise in fp32, cast back, then scale."""
+    """RMSNorm as transformers computes it for the family: "llama" normalises in fp32, casts
+    back, then scales; "gemma" scales by (1 + weight) in fp32, then casts."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, style: str = "llama"):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim) if style == "llama" else torch.zeros(dim))
         self.eps = eps
+        self.offset = style == "gemma"
 
     def forward(self, x: Tensor) -> Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -101,8 +104,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.q_norm = _norm(args, args.head_dim) if args.qk_norm else None
+        self.k_norm = _norm(args, args.head_dim) if args.qk_norm else None
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, prefix: SharedPrefix | None = None,
@@ -121,17 +124,22 @@ class Attention(nn.Module):
         return self.o_proj(out_THD.reshape(out_THD.shape[0], -1))
 
 
+def _norm(args: ModelArgs, dim: int) -> RMSNorm:
+    return RMSNorm(dim, args.rms_norm_eps, args.family.rms_norm)
+
+
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU with silu, GeGLU with gelu."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.act = ACTIVATIONS[args.hidden_act]
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+        return self.down_proj(self.act(self.gate_proj(x_TH)) * self.up_proj(x_TH))
 
 
 class DecoderLayer(nn.Module):
@@ -139,9 +147,9 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = _norm(args, args.hidden_size)
         self.self_attn = Attention(args)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = _norm(args, args.hidden_size)
         self.mlp = SparseMoeBlock(args, layer=layer) if args.is_moe_layer(layer) else MLP(args)
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
@@ -182,8 +190,10 @@ class Transformer(nn.Module):
         self.embed_tokens = (nn.Embedding(args.vocab_size, args.hidden_size) if has_embedding
                              else None)
         self.layers = nn.ModuleDict({str(i): DecoderLayer(args, i) for i in sorted(ids)})
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps) if has_norm else None
+        self.norm = _norm(args, args.hidden_size) if has_norm else None
         self.rotary_emb = RotaryEmbedding(args)
+        # Gemma's embedding multiplier sqrt(hidden), rounded to each dtype as transformers does.
+        self.embed_scale = args.hidden_size ** 0.5 if args.family.embed_scale else None
 
     def forward(self, inputs: Tensor, position_ids_T: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, *, prefix: SharedPrefix | None = None,
@@ -207,11 +217,19 @@ class Transformer(nn.Module):
         """The embedding (if `embed`), the named `layers` in order, the norm (if `norm`):
         one pipeline chunk of this part."""
         hidden_TH = self.embed_tokens(inputs) if embed else inputs
+        if embed and self.embed_scale is not None:
+            hidden_TH = hidden_TH * _rounded(self.embed_scale, hidden_TH.dtype)
         cos_TD, sin_TD = self.rotary_emb(position_ids_T, hidden_TH.dtype)
         for name in layers:
             hidden_TH = self.layers[name](hidden_TH, cos_TD, sin_TD, cu_seqlens, max_seqlen,
                                           prefix, layout, routing)
         return self.norm(hidden_TH) if norm else hidden_TH
+
+
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` as an fp32 scalar cast to `dtype` (transformers' rounding), on the host: a
+    Python number, so multiplying by it copies nothing to the device."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
 
 
 class _WithBody(nn.Module):

@@ -45,7 +45,7 @@ def test_option_fields():
 
 @pytest.mark.parametrize("overrides, match", [
     (dict(model_type="gpt2"), "model_type 'gpt2' is not supported"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (dict(hidden_act="relu2"), "hidden_act 'relu2'"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "low_freq_factor"),
     (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
