@@ -122,6 +122,15 @@ FAMILIES: tuple[ModelFamily, ...] = (
                              router_aux_loss_coef=0.001),
         tiny_config=_frozen(attention_bias=False, norm_topk_prob=True, decoder_sparse_step=1,
                             mlp_only_layers=[], **_NO_QWEN_WINDOW)),
+    ModelFamily(
+        name="gemma", hf_prefix="Gemma",
+        summary="Gemma (GeGLU, (1 + w) RMSNorm, sqrt(hidden) embedding scale, tied)",
+        max_position_embeddings=8192, head_dim=256, tie_word_embeddings=True,
+        hidden_act="gelu_pytorch_tanh", hidden_act_aliases=_frozen(gelu="gelu_pytorch_tanh"),
+        # No gguf_architecture: transformers reads Gemma 2 and 3 GGUF files, not Gemma's.
+        attention_bias="config", rms_norm="gemma", embed_scale=True,
+        # vLLM reads hidden_activation (hidden_act alone makes it warn, then use the same tanh).
+        tiny_config=_frozen(attention_bias=False, hidden_activation="gelu_pytorch_tanh")),
 )
 FAMILY_NAMES: tuple[str, ...] = tuple(f.name for f in FAMILIES)
 _BY_NAME = {f.name: f for f in FAMILIES}

@@ -37,6 +37,7 @@ VARIANTS = {
     "qwen2-untied": ("qwen2", False, 4, 384), "qwen2-tied": ("qwen2", True, 2, 384),
     "qwen3-untied": ("qwen3", False, 4, 384), "qwen3-tied": ("qwen3", True, 2, 384),
     "llama-v515-untied": ("llama", False, 4, 515), "qwen3-v515-tied": ("qwen3", True, 4, 515),
+    "gemma-v515-tied": ("gemma", True, 4, 515),  # scaled embedding, (1 + w) norms, GeGLU
 }
 # Token counts 47, 46, 43: never a multiple of 4, sometimes not of 2; a length-1 sequence each.
 LENGTHS = [[1, 13, 7, 22, 4], [5, 1, 18, 11, 3, 8], [30, 2, 9, 1, 1]]

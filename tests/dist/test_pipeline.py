@@ -28,7 +28,8 @@ BUCKET_BYTES = 40_000  # an embedding (98 kB) goes alone; a few layer matrices s
 CHECKPOINTED = {"pp2-vpp2-m3-tied", "tp2-pp2-sp-tied"}
 SEED = 5
 LAYERS = 4
-MODELS = {"llama": ("llama", False), "qwen3-tied": ("qwen3", True), "qwen2-tied": ("qwen2", True)}
+MODELS = {"llama": ("llama", False), "qwen3-tied": ("qwen3", True), "qwen2-tied": ("qwen2", True),
+          "gemma-tied": ("gemma", True)}
 # case -> model, head, ParallelConfig kwargs, samples, max_seqs per micro-batch (sets m)
 # [, samples per prompt: > 1 packs them with shared prompts]
 CASES_2 = {
@@ -39,6 +40,7 @@ CASES_2 = {
     "pp2-vpp2-m4": ("llama", "lm", dict(pp=2, vpp=2), 8, 2),  # paired exchanges (Megatron)
     "pp2-vpp2-m3-tied": ("qwen3-tied", "lm", dict(pp=2, vpp=2), 6, 2),  # longer warmup
     "pp2-m2-shared": ("llama", "lm", dict(pp=2), 6, 3, 3),
+    "pp2-vpp2-m3-gemma": ("gemma-tied", "lm", dict(pp=2, vpp=2), 6, 2),
 }
 CASES_4 = {
     "pp4-m2": ("llama", "lm", dict(pp=4), 6, 3),
@@ -48,6 +50,7 @@ CASES_4 = {
     "tp2-pp2-critic": ("llama", "value", dict(tp=2, pp=2, sequence_parallel=True), 6, 1),
     "pp2-dp2": ("llama", "lm", dict(pp=2), 8, 2),
     "tp2-pp2-sp-shared": ("qwen2-tied", "lm", dict(tp=2, pp=2, sequence_parallel=True), 6, 3, 3),
+    "tp2-pp2-sp-gemma": ("gemma-tied", "lm", dict(tp=2, pp=2, sequence_parallel=True), 6, 2),
 }
 # Also run untagged: the messages matched in posting order, as NCCL (which ignores tags) does.
 UNTAGGED = "-untagged"

@@ -44,6 +44,25 @@ def test_model_args_read_the_spec(family):
     assert args.qk_norm == family.qk_norm and args.is_moe == family.is_moe
 
 
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f.hidden_act_aliases],
+                         ids=lambda f: f.name)
+def test_activation_aliases_are_what_the_config_class_does(family):
+    config_cls = getattr(transformers, f"{family.hf_prefix}Config")
+    for legacy, act in family.hidden_act_aliases.items():
+        assert config_cls(hidden_act=legacy).hidden_act == act
+        config = {"model_type": family.name, "vocab_size": 8, "hidden_size": 8,
+                  "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                  "head_dim": 4, "hidden_act": legacy}
+        assert ModelArgs.from_hf_config(config).hidden_act == act
+
+
+def test_gguf_architectures_are_ones_transformers_reads():
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    named = [f.gguf_architecture for f in FAMILIES if f.gguf_architecture]
+    assert named and set(named) <= set(GGUF_SUPPORTED_ARCHITECTURES)
+
+
 def test_cli_choices_are_the_registry():
     parser = build_parser()
     tiny = parser._subparsers._group_actions[0].choices["make-tiny-model"]

@@ -62,12 +62,12 @@ def _hf_greedy(model, prompt_ids):
     return ids[len(prompt_ids):], logprobs, gaps
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
 def test_vllm_greedy_matches_transformers(arch, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = make_tiny_model(TinyModelConfig(arch=arch, tie_embeddings=arch == "qwen3"),
+    folder = make_tiny_model(TinyModelConfig(arch=arch, tie_embeddings=arch != "llama"),
                              tmp_path / arch)
     vllm_out = _run_vllm(folder, PROMPTS)
 

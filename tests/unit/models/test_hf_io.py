@@ -21,7 +21,7 @@ SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermed
              vocab_size=384, max_position_embeddings=64)
 # One tie setting per arch keeps the build short; test_transformer covers all combinations.
 ARCH_TIED = [("llama", False), ("qwen2", True), ("qwen3", False), ("mistral", True),
-             ("llama", True)]
+             ("llama", True), ("gemma", True)]
 TOL = 1e-5
 
 
