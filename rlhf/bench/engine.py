@@ -386,6 +386,11 @@ def offload_round_trip(engine: TrainEngine, device: torch.device, *,
             "first_to_device_gb_per_s": _rate(total, trips[0][1]),
             "to_host_gb_per_s": _rate(total, trips[1][0]),
             "to_device_gb_per_s": _rate(total, trips[1][1])}
+    # Bytes pinned (one flat buffer per kind, CUDA only) against the state, and the seconds
+    # spent allocating and pinning them: the first trip's cost.
+    pinned_bytes = sum(offloader.pinned_bytes.values())
+    line.update({"pinned_bytes": pinned_bytes, "pinned_vs_state": pinned_bytes / total,
+                 "pin_s": offloader.pin_seconds})
     line.update(plain_copy_rates(device, min(total, baseline_bytes)))
     return line
 
