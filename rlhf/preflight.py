@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from rlhf.config import JobConfig, job_roles, sft_output_path
+from rlhf.algorithms import algorithm_needs
+from rlhf.config import AlgorithmNeeds, JobConfig, job_roles, sft_output_path
 from rlhf.data.dataset import SUFFIXES, _jsonl_records, _parquet_records, check_row
 from rlhf.envs.worker import load_env_class
 from rlhf.errors import ConfigError, RLHFError
@@ -52,7 +53,8 @@ def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> P
     launcher's RAY_ADDRESS); None with no ray.address means a local Ray sized by ray.num_cpus.
     """
     result = Preflight()
-    problems = list(_check_models(cfg, command))
+    needs = algorithm_needs(cfg)  # the config's own problems first, as load_config's are
+    problems = list(_check_models(cfg, command, needs))
     if command in ("show", "train"):
         problems += _check_data(cfg.data.train_files, "data.train_files", cfg.data.prompt_key,
                                 cfg.data.ground_truth_key)
@@ -80,7 +82,7 @@ def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> P
 
 # ---- models and tokenizers -------------------------------------------------------------------
 
-def _check_models(cfg: JobConfig, command: Command) -> Iterator[str]:
+def _check_models(cfg: JobConfig, command: Command, needs: AlgorithmNeeds) -> Iterator[str]:
     if command in ("show", "train"):
         written_by_sft = (cfg.sft.total_steps > 0
                           and Path(cfg.model.path) == sft_output_path(cfg))
@@ -90,7 +92,7 @@ def _check_models(cfg: JobConfig, command: Command) -> Iterator[str]:
         elif not written_by_sft:
             yield from _model_folder(cfg.model.path, "model.path", buildable=cfg.model.tiny,
                                      tokenizer=cfg.model.tokenizer_path is None)
-        if cfg.algorithm.use_critic and cfg.critic.model_path is not None:
+        if needs.critic and cfg.critic.model_path is not None:
             yield from _model_folder(cfg.critic.model_path, "critic.model_path")
         if cfg.reward.model_path is not None:
             yield from _model_folder(cfg.reward.model_path, "reward.model_path", value_head=True)
@@ -252,7 +254,7 @@ def pool_problems(cfg: JobConfig, command: Command, *, cpus: float, gpus: float 
 def _jobs(cfg: JobConfig, command: Command):
     jobs = []
     if command in ("show", "train"):
-        jobs.append(("the training job", job_roles(cfg)))
+        jobs.append(("the training job", job_roles(cfg, algorithm_needs(cfg))))
     if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
         jobs.append(("rlhf sft", {"sft": cfg.sft}))
     return jobs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlhf.algorithms import aggregate, value_loss
+from rlhf.algorithms import aggregate, algorithm_needs, value_loss
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
@@ -31,10 +31,10 @@ class CriticWorker(CheckpointMixin, MemoryReportMixin, Worker):
 
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
-        if not config.algorithm.use_critic:
+        if not algorithm_needs(config).critic:
             raise ConfigError(f"critic: algorithm.adv_estimator={config.algorithm.adv_estimator} "
-                              "trains no critic (only gae does); do not create a CriticWorker, "
-                              "or set algorithm.adv_estimator=gae")
+                              "takes no values, so no critic is trained; do not create a "
+                              "CriticWorker, or use an estimator that takes values_T (gae)")
         self.config = config
         self.engine = build_engine(self, config, "critic",
                                    path=config.critic.model_path or config.model.path,

@@ -1,7 +1,10 @@
 """Advantage estimators on packed response tokens; each returns `(advantages_T, returns_T)`.
 
 Estimators run on the driver after rollout, without autograd. Both outputs are 0 at masked
-tokens. Register a new one with `@register_advantage("name")`.
+tokens. Register a new one with `@register_advantage("name")`, or name a function of your own
+in `algorithm.adv_estimator` ('package.module:function' or 'path/to/file.py:function').
+What an estimator needs is read from its parameters: one that takes `values_T` gets a critic,
+one that takes `group_ids` compares the rollout.n responses of each prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ from rlhf.algorithms.segments import (Segments, check_tokens, last_valid_index, 
 
 _ADVANTAGES: dict[str, Callable] = {}
 
+# Everything the driver can hand an estimator, by keyword; each takes the subset it names.
+ADVANTAGE_INPUTS = ("token_rewards_T", "values_T", "scores_N", "group_ids", "cu_seqlens",
+                    "mask_T", "gamma", "lam", "norm_adv_by_std")
+CRITIC_INPUT = "values_T"  # an estimator taking it needs a trained critic
+GROUP_INPUT = "group_ids"  # an estimator taking it compares the responses of one prompt
+
 
 def register_advantage(name: str):
     """Decorator: make an estimator available as `adv_estimator: name`."""
@@ -26,26 +35,40 @@ def register_advantage(name: str):
 
 
 def get_advantage(name: str) -> Callable:
-    """The estimator registered under `name` (ValueError listing the known names otherwise)."""
+    """The estimator registered under `name`, or the user function a 'module:function' names
+    (ValueError with the registered names otherwise)."""
     return lookup(_ADVANTAGES, "advantage estimator", name)
+
+
+def advantage_inputs(name: str) -> tuple[set[str], set[str]]:
+    """(inputs estimator `name` takes, of those the ones it requires); a ValueError when it
+    requires one the driver never passes (not in ADVANTAGE_INPUTS)."""
+    params = inspect.signature(get_advantage(name)).parameters.values()
+    takes = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    required = {p.name for p in params if p.default is p.empty
+                and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    foreign = sorted(required - set(ADVANTAGE_INPUTS))
+    if foreign:
+        raise ValueError(f"advantage estimator {name!r} requires {foreign}, which the trainer "
+                         f"never passes; it may take any of {list(ADVANTAGE_INPUTS)} (give "
+                         f"other parameters a default)")
+    return takes & set(ADVANTAGE_INPUTS), required
 
 
 def compute_advantage(name: str, **inputs) -> tuple[Tensor, Tensor]:
     """Call estimator `name` with the subset of `inputs` it takes, so one call site fits all.
 
-    Inputs no registered estimator takes are rejected (a misspelt name is not silently dropped).
+    Inputs outside ADVANTAGE_INPUTS are rejected (a misspelt name is not silently dropped).
     """
-    fn = get_advantage(name)
-    known = {p for f in _ADVANTAGES.values() for p in inspect.signature(f).parameters}
-    unknown = sorted(set(inputs) - known)
+    unknown = sorted(set(inputs) - set(ADVANTAGE_INPUTS))
     if unknown:
-        raise ValueError(f"no advantage estimator takes {unknown}; known inputs: {sorted(known)}")
-    params = inspect.signature(fn).parameters
-    missing = [p.name for p in params.values()
-               if p.default is inspect.Parameter.empty and p.name not in inputs]
+        raise ValueError(f"no advantage estimator takes {unknown}; known inputs: "
+                         f"{sorted(ADVANTAGE_INPUTS)}")
+    takes, required = advantage_inputs(name)
+    missing = sorted(required - set(inputs))
     if missing:
         raise ValueError(f"advantage estimator {name!r} needs {missing}")
-    return fn(**{k: v for k, v in inputs.items() if k in params})
+    return get_advantage(name)(**{k: v for k, v in inputs.items() if k in takes})
 
 
 # ---------------------------------------------------------------------------------- helpers

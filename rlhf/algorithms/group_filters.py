@@ -2,7 +2,9 @@
 
 A filter takes the (n,) scores of a batch whose groups are `group_size` consecutive samples
 (prompt-major, as the rollout returns them) and returns a (n // group_size,) bool, True = keep.
-Registered under the name `algorithm.dynamic_sampling` uses.
+Registered under the name `algorithm.dynamic_sampling` uses, or named there as
+'package.module:function' / 'path/to/file.py:function'; a filter whose `std_threshold` has no
+default needs a positive `algorithm.dynamic_sampling_std`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import Tensor
 from rlhf.algorithms.registry import lookup, register
 
 _FILTERS: dict[str, Callable[..., Tensor]] = {}
+NO_FILTER = "off"  # algorithm.dynamic_sampling's value for no filter (keep every group)
 
 
 def register_group_filter(name: str):
@@ -23,7 +26,8 @@ def register_group_filter(name: str):
 
 
 def get_group_filter(name: str) -> Callable[..., Tensor]:
-    """The filter registered under `name` (ValueError listing the known names otherwise)."""
+    """The filter registered under `name`, or the user function a 'module:function' names
+    (ValueError listing the registered names otherwise)."""
     return lookup(_FILTERS, "group filter", name)
 
 

@@ -30,7 +30,8 @@ def register_kl(name: str):
 
 
 def get_kl(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    """The KL estimator registered under `name` (ValueError listing the known names otherwise)."""
+    """The KL estimator registered under `name`, or the user function a 'module:function'
+    names (ValueError listing the registered names otherwise)."""
     return lookup(_KL, "KL estimator", name)
 
 

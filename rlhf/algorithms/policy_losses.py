@@ -21,6 +21,10 @@ from rlhf.algorithms.registry import lookup, register
 from rlhf.algorithms.segments import count_per_sample, segment_sum, segments, to_tokens
 
 _POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {}
+# The keywords the actor passes every policy loss after its five tensors (logp_T, old_logp_T,
+# advantages_T, mask_T, cu_seqlens); a loss of your own must accept them all.
+POLICY_LOSS_KEYWORDS = ("clip_low", "clip_high", "clip_c", "is_weights_T", "agg_mode",
+                        "global_tokens", "global_seqs", "max_response_length")
 
 
 def register_policy_loss(name: str):
@@ -29,7 +33,8 @@ def register_policy_loss(name: str):
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
-    """The policy loss registered under `name` (ValueError listing the known names otherwise)."""
+    """The policy loss registered under `name`, or the user function a 'module:function'
+    names (ValueError listing the registered names otherwise)."""
     return lookup(_POLICY_LOSSES, "policy loss", name)
 
 

@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlhf.config.roles import CRITIC, REWARD, ROLLOUT, AlgorithmNeeds, job_roles
 from rlhf.config.schema import (
-    GROUP_ESTIMATORS,
     VLLM_CPU_HEAD_SIZES,
     ForwardRoleConfig,
     JobConfig,
     TinyModelConfig,
     TrainRoleConfig,
-    job_roles,
 )
 from rlhf.errors import ConfigError
 from rlhf.families import find_family, model_family
@@ -85,16 +84,18 @@ def _facts_from_json(config_json: Path, key: str) -> ModelFacts:
 
 
 def check_config(cfg: JobConfig) -> None:
-    """Raise one ConfigError listing every cross-section problem of `cfg`; return if none."""
+    """Raise one ConfigError listing every cross-section problem of `cfg`; return if none.
+
+    The roles the algorithm's registry entries call for (the critic) are checked by
+    `rlhf.algorithms.algorithm_needs` through `role_problems`: this leaf cannot ask them."""
     policy = read_model_facts(cfg.model.path, cfg.model.tiny, "model.path")
-    problems = [
-        *_check_inputs(cfg),
-        *_check_rollout(cfg, policy),
-        *_check_training(cfg),
-    ]
-    for name, role, facts in _active_roles(cfg, policy):
-        problems += _check_role(cfg, name, role, facts)
-        problems += _check_role_batches(cfg, name, role)
+    problems = [*_check_inputs(cfg), *_check_rollout(cfg, policy)]
+    problems += role_problems(cfg, job_roles(cfg, AlgorithmNeeds()))
+    raise_problems(problems)
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One ConfigError listing every problem; nothing when there is none."""
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:
@@ -102,20 +103,23 @@ def check_config(cfg: JobConfig) -> None:
                           + "\n".join(f"  - {p}" for p in problems))
 
 
-def _active_roles(cfg: JobConfig, policy: ModelFacts | None):
-    """(name, role config, model facts) of every model role this job will create (job_roles
-    without the rollout pool, which _check_rollout checks)."""
-    roles = []
-    for name, role in job_roles(cfg).items():
-        facts = policy
-        if name == "critic" and cfg.critic.model_path is not None:
-            facts = read_model_facts(cfg.critic.model_path, None, "critic.model_path")
-        elif name == "reward":
-            facts = read_model_facts(cfg.reward.model_path, None, "reward.model_path")
-        elif name == "rollout":
+def role_problems(cfg: JobConfig, roles: dict) -> list[str]:
+    """Problems of the model roles in `roles` (name -> section, as job_roles gives them; the
+    rollout pool is _check_rollout's): layout against ranks and model, batches, warmup."""
+    policy = read_model_facts(cfg.model.path, cfg.model.tiny, "model.path")
+    problems = []
+    for name, role in roles.items():
+        if name == ROLLOUT:
             continue
-        roles.append((name, role, facts))
-    return roles
+        facts = policy
+        if name == CRITIC and cfg.critic.model_path is not None:
+            facts = read_model_facts(cfg.critic.model_path, None, "critic.model_path")
+        elif name == REWARD:
+            facts = read_model_facts(cfg.reward.model_path, None, "reward.model_path")
+        problems += _check_warmup(cfg, name, role)
+        problems += _check_role(cfg, name, role, facts)
+        problems += _check_role_batches(cfg, name, role)
+    return problems
 
 
 def _check_inputs(cfg: JobConfig) -> Iterator[str]:
@@ -135,16 +139,6 @@ def _check_rollout(cfg: JobConfig, policy: ModelFacts | None) -> Iterator[str]:
     yield from _check_rollout_placement(cfg)
     if cfg.trainer.device == "cpu" and rollout.tp != 1:
         yield f"rollout.tp={rollout.tp} but trainer.device is cpu, where vLLM runs with tp 1"
-    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.n < 2:
-        yield (f"algorithm.adv_estimator={algo.adv_estimator} compares responses of the same "
-               f"prompt: set rollout.n to at least 2 (got {rollout.n})")
-    if algo.adv_estimator in GROUP_ESTIMATORS and rollout.temperature == 0 and rollout.n > 1:
-        yield ("rollout.temperature=0 (greedy) makes the rollout.n responses of a prompt "
-               "identical, so group advantages are all zero; use a temperature above 0")
-    if algo.dynamic_sampling != "off" and algo.adv_estimator not in GROUP_ESTIMATORS:
-        yield (f"algorithm.dynamic_sampling={algo.dynamic_sampling} filters prompt groups by "
-               f"their reward spread; use a group estimator ({', '.join(GROUP_ESTIMATORS)}) "
-               f"for algorithm.adv_estimator, or set algorithm.dynamic_sampling=off")
     if rollout.routing_replay == "rollout" and cfg.trainer.device == "cpu":
         yield ("rollout.routing_replay=rollout takes the routes from vLLM, which returns them "
                "only on CUDA (trainer.device is cpu); use rollout.routing_replay=trainer")
@@ -204,12 +198,10 @@ def _check_rollout_placement(cfg: JobConfig) -> Iterator[str]:
                "trainer.async_mode=bounded; set async_mode=bounded or remove max_staleness")
 
 
-def _check_training(cfg: JobConfig) -> Iterator[str]:
-    roles = [("actor", cfg.actor)] + ([("critic", cfg.critic)] if cfg.algorithm.use_critic else [])
-    for name, role in roles:
-        if role.optim.warmup_steps >= cfg.trainer.total_steps:
-            yield (f"{name}.optim.warmup_steps={role.optim.warmup_steps} must be below "
-                   f"trainer.total_steps={cfg.trainer.total_steps}; shorten the warmup")
+def _check_warmup(cfg: JobConfig, name: str, role: ForwardRoleConfig) -> Iterator[str]:
+    if isinstance(role, TrainRoleConfig) and role.optim.warmup_steps >= cfg.trainer.total_steps:
+        yield (f"{name}.optim.warmup_steps={role.optim.warmup_steps} must be below "
+               f"trainer.total_steps={cfg.trainer.total_steps}; shorten the warmup")
 
 
 def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,

@@ -11,7 +11,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from rlhf.config.schema import JobConfig
+from rlhf.config.schema import ALGORITHM_ENTRIES, JobConfig
 
 # Keys holding a file or folder (a list of them for the *_files keys).
 PATH_KEYS = (
@@ -20,7 +20,8 @@ PATH_KEYS = (
     "trainer.output_dir", "trainer.resume",
 )
 # Keys holding 'package.module:name' or 'path/to/file.py:name'; only the file form is a path.
-OBJECT_KEYS = ("reward.functions[].path", "rollout.env.path")
+OBJECT_KEYS = ("reward.functions[].path", "rollout.env.path",
+               *(f"algorithm.{name}" for name in ALGORITHM_ENTRIES))
 # trainer.resume's words that name no folder.
 RESUME_WORDS = ("auto", "never")
 
@@ -57,6 +58,8 @@ def resolve_paths(cfg: JobConfig, *, base: Path) -> JobConfig:
                                                      if isinstance(v, tuple) else one(v, key)))
     functions = tuple(dataclasses.replace(fn, path=spec(fn.path)) for fn in cfg.reward.functions)
     cfg = _update(cfg, "reward.functions", lambda _: functions)
+    for name in ALGORITHM_ENTRIES:  # a registered name has no ':' and stays as it is
+        cfg = _update(cfg, f"algorithm.{name}", spec)
     return _update(cfg, "rollout.env.path", spec)
 
 

@@ -1,5 +1,5 @@
-"""The job configuration: one frozen `JobConfig` made of per-section dataclasses, and
-`job_roles`, which roles a job creates.
+"""The job configuration: one frozen `JobConfig` made of per-section dataclasses (which roles
+a job creates is `rlhf.config.roles`).
 
 Defaults live here and only here. Relative paths are relative to the working directory.
 Checks that involve one section run in `__post_init__` (the small range checks they share come
@@ -269,6 +269,13 @@ _MODULE_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 
 
+def is_function_spec(spec: str) -> bool:
+    """Whether `spec` looks like 'package.module:function' or 'path/to/file.py:function'."""
+    target, sep, function = spec.rpartition(":")
+    module_ok = target.endswith(".py") or _MODULE_TARGET.fullmatch(target)
+    return bool(sep and module_ok and _IDENTIFIER.fullmatch(function))
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """How one role's model is split over its ranks; data parallelism takes the remaining ranks."""
@@ -502,9 +509,7 @@ class RewardFunctionConfig:
     """Multiplier of this function's score in the summed reward."""
 
     def __post_init__(self):
-        target, sep, function = self.path.rpartition(":")
-        module_ok = target.endswith(".py") or _MODULE_TARGET.fullmatch(target)
-        if not (sep and module_ok and _IDENTIFIER.fullmatch(function)):
+        if not is_function_spec(self.path):
             raise ConfigError(f"path must look like 'package.module:function' or "
                               f"'path/to/file.py:function', got {self.path!r}")
 
@@ -542,35 +547,10 @@ class RewardConfig(ForwardRoleConfig):
         require_min(self, 0, "num_workers")
 
 
-TRAINED_ROLES = ("actor", "critic")  # the roles with an optimizer, whose state a checkpoint holds
-
-
 def sft_output_path(cfg: "JobConfig") -> Path:
     """Where `rlhf sft` writes the fine-tuned HF folder."""
     return Path(cfg.sft.output_path or Path(cfg.trainer.output_dir) / "sft_model")
 
-
-def ref_from_actor(cfg: "JobConfig") -> bool:
-    """Whether the actor computes the reference log-probs itself: with actor.lora on, its frozen
-    base (adapters disabled) is the reference policy (model.path), so no reference role is built."""
-    return cfg.algorithm.use_ref and cfg.actor.lora.enabled
-
-
-def job_roles(cfg: "JobConfig") -> dict[str, "ForwardRoleConfig | RolloutConfig"]:
-    """The roles a PPO job creates, in build order, each with its config section: the actor;
-    the critic when algorithm.use_critic; the reference when algorithm.use_ref (unless
-    `ref_from_actor`); the reward model when reward.model_path is set; the rollout pool when
-    rollout.placement is separate."""
-    roles: dict[str, ForwardRoleConfig | RolloutConfig] = {"actor": cfg.actor}
-    if cfg.algorithm.use_critic:
-        roles["critic"] = cfg.critic
-    if cfg.algorithm.use_ref and not ref_from_actor(cfg):
-        roles["ref"] = cfg.ref
-    if cfg.reward.model_path is not None:
-        roles["reward"] = cfg.reward
-    if cfg.rollout.placement == "separate":
-        roles["rollout"] = cfg.rollout
-    return roles
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -612,10 +592,26 @@ class SFTConfig(ForwardRoleConfig):
                 raise ConfigError(f"{key} must not be empty; use null for the default")
 
 
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-KLEstimator = Literal["k1", "k2", "k3", "abs"]
-# Estimators that compare the rollout.n responses of one prompt with each other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+# AlgorithmConfig's fields that name a registry entry (or a user function, 'module:function').
+ALGORITHM_ENTRIES = ("adv_estimator", "policy_loss", "kl_penalty", "kl_loss_type",
+                     "dynamic_sampling")
+
+
+def require_entry(obj, *names: str) -> None:
+    """Every named field is a registry entry's name or 'package.module:function' /
+    'path/to/file.py:function'. Which names exist is the registries' business: the check at
+    the algorithms layer (rlhf.algorithms.algorithm_needs) looks them up before the job starts."""
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{name} must be a registered name or 'package.module:function', "
+                              f"got {value!r}")
+        if ":" in value and not is_function_spec(value):
+            raise ConfigError(f"{name} must look like 'package.module:function' or "
+                              f"'path/to/file.py:function', got {value!r}")
+        if ":" not in value and not _IDENTIFIER.fullmatch(value.replace("-", "_")):
+            raise ConfigError(f"{name} must be a registered name (letters, digits, _ and -) or "
+                              f"'package.module:function', got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -634,8 +630,10 @@ class ModelConfig:
 class AlgorithmConfig:
     """Advantage estimation, KL regularisation and the clipped policy/value losses."""
 
-    adv_estimator: AdvEstimator = "gae"
-    """gae trains a critic; grpo, rloo and reinforce_plus_plus_baseline compare responses."""
+    adv_estimator: str = "gae"
+    """Advantage estimator: gae (trains a critic), grpo, rloo, reinforce_plus_plus_baseline
+    (these three compare the rollout.n responses of a prompt), reinforce_plus_plus, or your
+    own as 'package.module:function' / 'path/to/file.py:function' (see the algorithms guide)."""
     gamma: float = 1.0
     """Discount factor of GAE and REINFORCE++ returns."""
     lam: float = 1.0
@@ -644,8 +642,8 @@ class AlgorithmConfig:
     """GRPO: divide group-centred rewards by the group std (false = Dr. GRPO)."""
     kl_in_reward: bool = False
     """Subtract kl_coef * KL(policy || ref) from the token rewards."""
-    kl_penalty: KLEstimator = "k1"
-    """KL estimator of the in-reward penalty."""
+    kl_penalty: str = "k1"
+    """KL estimator of the in-reward penalty: k1, k2, k3, abs, or 'package.module:function'."""
     kl_coef: float = 0.001
     """Coefficient of the in-reward KL penalty (initial value when kl_ctrl is adaptive)."""
     kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
@@ -658,8 +656,8 @@ class AlgorithmConfig:
     """Add kl_loss_coef * KL(policy || ref) to the actor loss (GRPO style)."""
     kl_loss_coef: float = 0.001
     """Coefficient of the KL loss."""
-    kl_loss_type: KLEstimator = "k3"
-    """KL estimator of the KL loss."""
+    kl_loss_type: str = "k3"
+    """KL estimator of the KL loss: k1, k2, k3, abs, or 'package.module:function'."""
     clip_ratio_low: float = 0.2
     """PPO clip: the ratio is kept above 1 - clip_ratio_low."""
     clip_ratio_high: float = 0.2
@@ -675,8 +673,9 @@ class AlgorithmConfig:
     """How token losses are reduced to one number."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
-    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
-    """Policy loss: ppo (token ratio), gspo (sequence ratio), cispo (clipped IS weight)."""
+    policy_loss: str = "ppo"
+    """Policy loss: ppo (token ratio), gspo (sequence ratio), cispo (clipped IS weight), or
+    your own as 'package.module:function' / 'path/to/file.py:function'."""
     gspo_clip_low: float = 3e-4
     """GSPO: the sequence ratio is kept above 1 - gspo_clip_low."""
     gspo_clip_high: float = 4e-4
@@ -687,10 +686,13 @@ class AlgorithmConfig:
     """Score penalty at max_new_tokens, reached linearly across overlong_buffer."""
     mask_truncated: bool = False
     """Leave responses cut at max_new_tokens (no EOS) out of the loss."""
-    dynamic_sampling: Literal["off", "all_equal", "std_below"] = "off"
-    """Drop prompt groups without reward spread and refill the batch with fresh prompts."""
+    dynamic_sampling: str = "off"
+    """Drop prompt groups without reward spread and refill the batch with fresh prompts: off,
+    all_equal, std_below (needs dynamic_sampling_std), or a group filter of your own as
+    'package.module:function'."""
     dynamic_sampling_std: float = 0.0
-    """std_below: drop groups whose reward std is below this (must be positive)."""
+    """std_below (any filter that requires std_threshold): drop groups whose reward std is
+    below this (must be positive)."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: most generate-and-score rounds per step (round 1 included)."""
 
@@ -710,10 +712,7 @@ class AlgorithmConfig:
         require_min(self, 1, "max_sampling_rounds")
         if self.gspo_clip_high <= 0:
             raise ConfigError(f"gspo_clip_high must be positive, got {self.gspo_clip_high}")
-        if self.dynamic_sampling == "std_below" and self.dynamic_sampling_std <= 0:
-            raise ConfigError("dynamic_sampling 'std_below' needs a positive "
-                              f"dynamic_sampling_std, got {self.dynamic_sampling_std}; set one "
-                              "(e.g. 0.1) or use dynamic_sampling 'all_equal'")
+        require_entry(self, *ALGORITHM_ENTRIES)
         if self.kl_ctrl == "adaptive":
             if self.kl_target is None or self.kl_target <= 0:
                 raise ConfigError(f"kl_ctrl 'adaptive' needs a positive kl_target, got "
@@ -732,11 +731,6 @@ class AlgorithmConfig:
         if self.policy_loss == "gspo":
             return self.gspo_clip_low, self.gspo_clip_high
         return self.clip_ratio_low, self.clip_ratio_high
-
-    @property
-    def use_critic(self) -> bool:
-        """Whether a critic is trained (exactly for GAE)."""
-        return self.adv_estimator == "gae"
 
     @property
     def use_ref(self) -> bool:

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from rlhf.config import JobConfig
 from rlhf.config.paths import is_file_target
+from rlhf.config.schema import ALGORITHM_ENTRIES
 from rlhf.errors import RLHFError
 from rlhf.rewards.loader import load_object
 
@@ -70,8 +71,10 @@ def run_on_nodes(fn: Callable[..., Any], node_ids: Iterable[str], *args: Any,
 # ---- code given by file path must import on every node hosting ranks ----
 
 def user_files(cfg: JobConfig) -> dict[str, str]:
-    """{config key: spec} of the reward functions and environment given by file path."""
+    """{config key: spec} of the reward functions, environment and algorithm entries given by
+    file path."""
     specs = {f"reward.functions[{i}].path": fn.path for i, fn in enumerate(cfg.reward.functions)}
+    specs |= {f"algorithm.{name}": getattr(cfg.algorithm, name) for name in ALGORITHM_ENTRIES}
     if cfg.rollout.env.path is not None:
         specs["rollout.env.path"] = cfg.rollout.env.path
     return {key: spec for key, spec in specs.items() if is_file_target(spec.rpartition(":")[0])}
@@ -89,7 +92,7 @@ def check_user_files(specs: dict[str, str], views: Mapping[str, Any], *,
     problems = [f"on {node_label(node, table)}: {key}: {text}"
                 for node, errors in found.items() for key, text in errors.items()]
     if problems:
-        raise RLHFError("reward or environment code given by file path does not import on "
+        raise RLHFError("reward, environment or algorithm code given by file path does not import on "
                         "every node that runs the job; put the file on a file system every node "
                         "mounts at the same path, or ship it with `ray job submit "
                         "--working-dir`:\n" + "\n".join(problems))
@@ -103,7 +106,7 @@ def _import_each(specs: dict[str, str]) -> dict[str, str]:
     for key, spec in specs.items():
         try:
             load_object(spec, what="environment" if key.startswith("rollout") else
-                        "reward function")
+                        key if key.startswith("algorithm") else "reward function")
         except RLHFError as e:
             errors[key] = str(e)
     return errors

@@ -40,7 +40,7 @@ One PPO step, from the driver (each call reads the fields listed above and takes
     batch |= rm.compute_rm_score(batch)           if reward.model_path (rm_scores)
     batch |= actor.compute_log_prob(batch)        old_log_probs, entropy (unless fused)
     batch |= ref.compute_ref_log_prob(batch)      if algorithm.use_ref
-    batch |= critic.compute_values(batch)         if algorithm.use_critic
+    batch |= critic.compute_values(batch)         if the estimator takes values (gae)
     advantages, returns: on the driver (KL penalty, estimator)
     critic.update_critic(batch); actor.update_actor(batch)   -> {"critic/...": x}, {"actor/...": x}
     (fused: actor.update_actor -> ({"actor/...": x}, Batch of old_log_probs, entropy))

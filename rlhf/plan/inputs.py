@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
+from rlhf.algorithms import algorithm_needs
 from rlhf.config import JobConfig
-from rlhf.config.schema import (TRAINED_ROLES, LoraConfig, OffloadConfig, ParallelConfig,
-                               job_roles)
+from rlhf.config.roles import TRAINED_ROLES, job_roles
+from rlhf.config.schema import LoraConfig, OffloadConfig, ParallelConfig
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.zero import num_shards
 from rlhf.errors import ConfigError
@@ -107,7 +108,7 @@ def role_specs(cfg: JobConfig, hw: Hardware, *,
     """
     policy = model_args(cfg.model.path, cfg=cfg, key="model.path", model_dirs=model_dirs)
     specs = []
-    for name, role in job_roles(cfg).items():
+    for name, role in job_roles(cfg, algorithm_needs(cfg)).items():
         head, args = "lm", policy
         if name == "critic":
             head = "value"

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import ray
 
+from rlhf.algorithms import algorithm_needs
 from rlhf.config import ForwardRoleConfig, JobConfig, TinyModelConfig, job_roles
+from rlhf.config.roles import ACTOR, CRITIC, REF, REWARD, ROLLOUT
 from rlhf.controller import ResourcePool, RoleView, WorkerGroup
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.files import atomic_folder
@@ -165,9 +167,9 @@ def job_workers(cfg: JobConfig) -> tuple[dict[str, tuple[type, dict]], dict[str,
     from workers.reward_model import RewardModelWorker
     from workers.rollout import RolloutWorker
 
-    classes = {"actor": ActorWorker, "critic": CriticWorker, "ref": ReferenceWorker,
-               "reward": RewardModelWorker, "rollout": RolloutWorker}
-    sections = job_roles(cfg)
+    classes = {ACTOR: ActorWorker, CRITIC: CriticWorker, REF: ReferenceWorker,
+               REWARD: RewardModelWorker, ROLLOUT: RolloutWorker}
+    sections = job_roles(cfg, algorithm_needs(cfg))
     return {name: (classes[name], {"config": cfg}) for name in sections}, sections
 
 

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rlhf.algorithms import (apply_kl_penalty, build_kl_controller, compute_advantage,
-                             scores_to_token_rewards, sequence_scores)
-from rlhf.algorithms.group_filters import get_group_filter
+from rlhf.algorithms import (algorithm_needs, apply_kl_penalty, build_kl_controller,
+                             compute_advantage, scores_to_token_rewards, sequence_scores)
+from rlhf.algorithms.group_filters import NO_FILTER, get_group_filter
 from rlhf.algorithms.overlong import overlong_penalty, truncated
 from rlhf.algorithms.rollout_correction import (reject_outside_band, rollout_correction_metrics,
                                                 seq_tis_weights)
@@ -91,7 +91,8 @@ def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *
 def compute_advantages(batch: Batch, scores_N: Tensor, cfg: JobConfig,
                        kl_ctrl) -> tuple[Batch, dict[str, float]]:
     """`advantages` and `returns` (Ragged like response_ids) by algorithm.adv_estimator, with
-    the in-reward KL penalty when algorithm.kl_in_reward (which also updates `kl_ctrl`)."""
+    the in-reward KL penalty when algorithm.kl_in_reward (which also updates `kl_ctrl`).
+    The estimator takes what it names of everything the step has (values when a critic ran)."""
     algo, responses = cfg.algorithm, batch["response_ids"]
     cu, mask_T = responses.offsets, response_mask(batch).values
     token_rewards_T = scores_to_token_rewards(scores_N.double(), cu, mask_T)
@@ -104,19 +105,13 @@ def compute_advantages(batch: Batch, scores_N: Tensor, cfg: JobConfig,
         metrics["actor/kl_coef"] = kl_ctrl.coef
         metrics["reward/kl_penalty_mean"] = (kl_ctrl.coef * kl_N).mean().item()
         kl_ctrl.update(kl_N.mean().item(), len(batch))
-    inputs = dict(token_rewards_T=token_rewards_T, cu_seqlens=cu, mask_T=mask_T)
-    if algo.use_critic:
+    inputs = dict(token_rewards_T=token_rewards_T, cu_seqlens=cu, mask_T=mask_T,
+                  scores_N=sequence_scores(token_rewards_T, cu, mask_T),  # KL folded in
+                  group_ids=torch.arange(len(batch) // cfg.rollout.n).repeat_interleave(
+                      cfg.rollout.n),
+                  gamma=algo.gamma, lam=algo.lam, norm_adv_by_std=algo.norm_adv_by_std)
+    if "values" in batch:
         inputs["values_T"] = batch["values"].values.double()
-        inputs.update(gamma=algo.gamma, lam=algo.lam)
-    elif algo.adv_estimator == "reinforce_plus_plus":
-        inputs["gamma"] = algo.gamma
-    else:  # group estimators score whole samples
-        inputs["scores_N"] = sequence_scores(token_rewards_T, cu, mask_T)
-        inputs["group_ids"] = torch.arange(len(batch) // cfg.rollout.n).repeat_interleave(
-            cfg.rollout.n)
-        if algo.adv_estimator == "grpo":
-            inputs["norm_adv_by_std"] = algo.norm_adv_by_std
-        del inputs["token_rewards_T"]
     advantages_T, returns_T = compute_advantage(algo.adv_estimator, **inputs)
     valid = mask_T.bool()
     if valid.any():
@@ -243,7 +238,7 @@ def fill_batch(draw: Callable[[int], Batch], sample: SampleFn,
     ds/batch_groups counts the groups with a reward spread. Reward metrics are round 1's,
     an unfiltered sample of the policy."""
     algo, n = cfg.algorithm, cfg.rollout.n
-    if algo.dynamic_sampling == "off":
+    if algo.dynamic_sampling == NO_FILTER:
         return sample(draw(0))
     keep_fn = get_group_filter(algo.dynamic_sampling)
     wanted = cfg.data.train_batch_size
@@ -293,6 +288,7 @@ class PPOTrainer:
         self.val_data = (build_prompt_dataset(data.val_files, tokenizer, data)
                          if data.val_files else None)
         algo = cfg.algorithm
+        self.needs = algorithm_needs(cfg)  # what the estimator's registry entry needs
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl, coef=algo.kl_coef, target=algo.kl_target,
                                            horizon=algo.kl_horizon)
         self.ckpt = CheckpointManager(self.output_dir, max_keep=cfg.trainer.max_keep)
@@ -365,7 +361,7 @@ class PPOTrainer:
                     lambda r: next(self.loader).with_meta(seed=round_seed(seed, r)),
                     lambda prompts: self._generate_and_score(prompts, timer), cfg)
             splits = StepSplits(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
-            fused = fuse_old_log_probs(cfg, step=step)
+            fused = fuse_old_log_probs(cfg, self.needs, step=step)
             if not fused and "old_log_probs" not in batch:  # async: may be the rollout's
                 with timer("old_log_prob"):
                     batch = batch.union(views["actor"].compute_log_prob(
@@ -379,7 +375,7 @@ class PPOTrainer:
                     ref = "actor" if ref_from_actor(cfg) else "ref"  # LoRA: the base is the ref
                     batch = batch.union(views[ref].compute_ref_log_prob(
                         batch, split=splits.forward(ref)))
-            if cfg.algorithm.use_critic:
+            if self.needs.critic:
                 with timer("values"):
                     batch = batch.union(views["critic"].compute_values(
                         batch, split=splits.forward("critic")))
@@ -471,7 +467,7 @@ class PPOTrainer:
         """Critic then actor updates; returns their metrics and the batch, with the old
         log-probs and entropy the actor's update computed when `fused`."""
         metrics = {}
-        if self.cfg.algorithm.use_critic:
+        if self.needs.critic:
             with timer("update_critic"):
                 metrics.update(self.views["critic"].update_critic(
                     batch, split=splits.update("critic")))
@@ -537,4 +533,4 @@ class PPOTrainer:
         return folder
 
     def _trained_roles(self) -> list[str]:
-        return [role for role in job_roles(self.cfg) if role in TRAINED_ROLES]
+        return [role for role in job_roles(self.cfg, self.needs) if role in TRAINED_ROLES]

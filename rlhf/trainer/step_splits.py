@@ -10,23 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from rlhf.config import JobConfig
+from rlhf.config import AlgorithmNeeds, JobConfig
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import BatchSplit, split_role_batch, role_budget
 from rlhf.data.fields import sample_lengths
 from rlhf.data.packing import shared_prompt_lens
 
 
-def fuse_old_log_probs(cfg: JobConfig, *, step: int) -> bool:
+def fuse_old_log_probs(cfg: JobConfig, needs: AlgorithmNeeds, *, step: int) -> bool:
     """Whether update_actor takes the old log-probs from its own first forward instead of a
     separate compute_log_prob pass: only when the update is on-policy (one PPO epoch of one
     mini-batch, so the old policy is the current one there), nothing before the update reads
     them (no KL in the reward, no sequence-level rollout correction), the actor updates at this
-    step (after critic warm-up) and the old policy is the trainer's (not the sampling version's,
+    step (after the warm-up of a critic `needs` calls for) and the old policy is the trainer's (not the sampling version's,
     trainer.async_old_log_probs)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     one_step = algo.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
-    actor_updates = not (algo.use_critic and step <= trainer.critic_warmup)
+    actor_updates = not (needs.critic and step <= trainer.critic_warmup)
     seq_correction = rollout.seq_tis_cap is not None or rollout.reject_band is not None
     old_is_rollout = trainer.async_mode != "off" and trainer.async_old_log_probs == "rollout"
     return (one_step and not algo.kl_in_reward and not seq_correction and actor_updates

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from rlhf.algorithms import algorithm_needs
 from rlhf.cli import build_parser
 from rlhf.config import JobConfig, config_from_dict
 from rlhf.config.loader import dotted_keys, merge_trees, parse_yaml, read_config_tree
+from rlhf.config.paths import resolve_paths
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
@@ -117,13 +119,15 @@ GUIDES = sorted((DOCS / "guides").glob("*.md"))
 @pytest.mark.parametrize("page", GUIDES, ids=lambda p: p.name)
 def test_config_snippets_load_on_top_of_the_quickstart(page, tmp_path):
     """Each YAML snippet of a guide is a valid change to configs/quickstart.yaml, read as a
-    config file is (YAML 1.2 scalars: `1e-6` is a float, `yes` a string)."""
+    config file is (YAML 1.2 scalars: `1e-6` is a float, `yes` a string), whose algorithm
+    entries (a user file's too, relative to the repository) are found in their registries."""
     base = read_config_tree(REPO / "configs" / "quickstart.yaml")
     # Not the checkout's outputs/quickstart/sft_model, which a quickstart run leaves behind and
     # whose shape would then decide the checks: the snippet's own model, or model.tiny.
     base["model"]["path"] = str(tmp_path / "model")
     for snippet in _config_snippets(page):
-        config_from_dict(merge_trees(base, parse_yaml(snippet)))
+        cfg = config_from_dict(merge_trees(base, parse_yaml(snippet)))
+        algorithm_needs(resolve_paths(cfg, base=REPO))
 
 
 def test_the_algorithm_guide_has_a_config_for_each_algorithm():

@@ -45,6 +45,26 @@ def test_update_actor_first_step_metrics_are_exact(folders, world):
     assert metrics["actor/grad_norm"] > 0
 
 
+def test_a_policy_loss_from_a_file_named_in_the_config_drives_the_update(folders, world,
+                                                                      tmp_path):
+    """algorithm.policy_loss: 'file.py:function' reaches the actor's loss: at the first step
+    (pi == pi_old) the file's loss, three times PPO's, gives pg_loss = -3 * mean(A)."""
+    (tmp_path / "my_loss.py").write_text(
+        "from rlhf.algorithms import ppo_policy_loss\n\n"
+        "def triple_ppo(logp_T, old_logp_T, advantages_T, mask_T, cu_seqlens, **kwargs):\n"
+        "    loss, metrics = ppo_policy_loss(logp_T, old_logp_T, advantages_T, mask_T,\n"
+        "                                    cu_seqlens, **kwargs)\n"
+        "    return 3 * loss, metrics\n")
+    policy, _ = folders
+    cfg = make_config(policy, algorithm={"ppo_epochs": 1,
+                                         "policy_loss": f"{tmp_path / 'my_loss.py'}:triple_ppo"})
+    actor = ActorWorker(context(world, "actor"), config=cfg)
+    batch, _ = rl_batch(actor, mask_every=3)
+    metrics = actor.update_actor(batch)
+    adv, mask = batch["advantages"].values, batch["response_mask"].values
+    assert metrics["actor/pg_loss"] == pytest.approx(-3 * adv[mask].mean().item(), abs=1e-5)
+
+
 def test_update_actor_moves_log_probs_along_the_advantages(folders, world):
     policy, _ = folders
     cfg = make_config(policy, actor={"ppo_mini_batch_size": 4}, algorithm={"ppo_epochs": 2})

@@ -66,16 +66,19 @@ def test_unknown_names_list_the_registered_ones(getter, kind):
     assert "registered:" in str(info.value) and "nope" in str(info.value)
 
 
-def test_config_names_are_all_registered():
+def test_config_defaults_are_registered_and_documented():
     from typing import get_args
 
-    from rlhf.config.schema import AdvEstimator, AlgorithmConfig, KLEstimator
-    assert len(get_args(AdvEstimator)) == 5 and len(get_args(KLEstimator)) == 4
+    from rlhf.algorithms.advantages import _ADVANTAGES
+    from rlhf.algorithms.kl import _KL
+    from rlhf.config import AlgorithmConfig, reference_markdown
+    algo = AlgorithmConfig()
+    assert callable(get_advantage(algo.adv_estimator))
+    assert callable(get_kl(algo.kl_penalty)) and callable(get_kl(algo.kl_loss_type))
+    reference = reference_markdown()
+    for name in (*_ADVANTAGES, *_KL):  # the reference lists every built-in choice
+        assert name in reference, name
     assert len(get_args(AlgorithmConfig.__annotations__["loss_agg_mode"])) == 4
-    for name in get_args(AdvEstimator):
-        assert callable(get_advantage(name))
-    for name in get_args(KLEstimator):
-        assert callable(get_kl(name))
     for name in get_args(AlgorithmConfig.__annotations__["loss_agg_mode"]):
         assert callable(get_loss_agg(name))
 

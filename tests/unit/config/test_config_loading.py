@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rlhf.algorithms import algorithm_needs
 from rlhf.config import (ConfigError, JobConfig, OptimizerConfig, RewardFunctionConfig,
                          TinyModelConfig, TrainerConfig, config_from_dict, config_to_dict,
                          format_config, load_config)
@@ -30,7 +31,7 @@ def write(tmp_path):
 
 def test_shipped_quickstart_loads():
     cfg = load_config(QUICKSTART)
-    assert cfg.algorithm.adv_estimator == "gae" and cfg.algorithm.use_critic
+    assert cfg.algorithm.adv_estimator == "gae" and algorithm_needs(cfg).critic
     assert cfg.trainer.device == "cpu" and cfg.trainer.pool_size == 2
     assert cfg.model.tiny == TinyModelConfig(arch="llama")
     assert cfg.reward.functions == (RewardFunctionConfig(path="rlhf.rewards.arith:exact_match",
@@ -41,7 +42,7 @@ def test_shipped_quickstart_loads():
 
 def test_shipped_grpo_inherits_quickstart():
     base, cfg = load_config(QUICKSTART), load_config(GRPO)
-    assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.use_critic
+    assert cfg.algorithm.adv_estimator == "grpo" and not algorithm_needs(cfg).critic
     assert cfg.algorithm.use_kl_loss and not cfg.algorithm.kl_in_reward
     assert cfg.rollout.n == base.rollout.n == 8  # kept from the base file
     assert (cfg.model, cfg.actor, cfg.data, cfg.rollout) == (base.model, base.actor, base.data,

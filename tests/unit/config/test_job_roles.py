@@ -1,4 +1,5 @@
-"""config.job_roles is the one list of the roles a job creates; the trainer's set-up, the
+"""config.job_roles is the one list of the roles a job creates (whether a critic is one is the
+advantage estimator's registry entry's answer, algorithm_needs); the trainer's set-up, the
 pool check of preflight, the config checks and the memory planner all read it."""
 
 import dataclasses
@@ -6,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rlhf.config import TRAINED_ROLES, job_roles, load_config
-from rlhf.config.checks import _active_roles
+from rlhf.algorithms import algorithm_needs
+from rlhf.config import TRAINED_ROLES, ConfigError, load_config
+from rlhf.config.roles import ROLES, job_roles
 from rlhf.preflight import _jobs, pool_problems
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -16,6 +18,10 @@ MODELS = (CONFIGS / "models",)
 
 def _cfg(path, *overrides):
     return load_config(CONFIGS / path, list(overrides))
+
+
+def roles_of(cfg):
+    return job_roles(cfg, algorithm_needs(cfg))
 
 
 CASES = {  # config and overrides -> roles, written out by hand
@@ -32,16 +38,16 @@ CASES = {  # config and overrides -> roles, written out by hand
 def test_job_roles_by_hand(name):
     args, want = CASES[name]
     cfg = _cfg(*args)
-    roles = job_roles(cfg)
+    roles = roles_of(cfg)
     assert list(roles) == want
     assert all(roles[n] is getattr(cfg, n) for n in roles)  # each role's own section
-    assert TRAINED_ROLES == ("actor", "critic")
+    assert TRAINED_ROLES == ("actor", "critic") and set(want) <= set(ROLES)
 
 
 def test_a_reward_model_is_a_role():
     cfg = _cfg("quickstart.yaml")
     cfg = dataclasses.replace(cfg, reward=dataclasses.replace(cfg.reward, model_path="rm"))
-    assert list(job_roles(cfg)) == ["actor", "critic", "ref", "reward"]
+    assert list(roles_of(cfg)) == ["actor", "critic", "ref", "reward"]
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -50,7 +56,7 @@ def test_setup_preflight_checks_and_planner_read_the_same_roles(name):
     from rlhf.trainer.jobs import job_workers
 
     cfg = _cfg(*CASES[name][0])
-    roles = list(job_roles(cfg))
+    roles = list(roles_of(cfg))
     workers, sections = job_workers(cfg)
     assert list(workers) == list(sections) == roles
     assert [workers[n][0].__name__ for n in roles] == [
@@ -59,10 +65,16 @@ def test_setup_preflight_checks_and_planner_read_the_same_roles(name):
     ((label, pooled),) = _jobs(cfg, "train")
     assert list(pooled) == roles
     model_roles = [n for n in roles if n != "rollout"]  # the rollout pool holds vLLM only
-    assert [n for n, _, _ in _active_roles(cfg, None)] == model_roles
     specs = role_specs(cfg, hardware(cfg), model_dirs=MODELS)
     assert [s.name for s in specs] == model_roles
     assert [s.trains for s in specs] == [n in TRAINED_ROLES for n in model_roles]
+
+
+def test_the_critic_s_checks_run_exactly_when_the_estimator_takes_values():
+    bad = ("critic.parallel.tp=3",)  # divides neither the pool nor the heads
+    with pytest.raises(ConfigError, match=r"critic\.parallel\.tp"):
+        algorithm_needs(_cfg("quickstart.yaml", *bad))
+    assert not algorithm_needs(_cfg("grpo_quickstart.yaml", *bad)).critic
 
 
 def test_the_pool_check_counts_a_separate_rollout_pool():

@@ -3,6 +3,7 @@ rejected naming the dotted key; good ones load and reach the fields the code rea
 
 import pytest
 
+from rlhf.algorithms import algorithm_needs
 from rlhf.config import ConfigError, load_config
 from rlhf.trainer.step_splits import fuse_old_log_probs
 from tests.unit.config.test_config_checks import QUICKSTART
@@ -43,9 +44,25 @@ def no_model_folder(tmp_path):
 
 @pytest.mark.parametrize("overrides, key", BAD.values(), ids=BAD.keys())
 def test_bad_recipe_value_is_rejected_naming_the_key(overrides, key, no_model_folder):
-    with pytest.raises(ConfigError) as info:
-        load_config(QUICKSTART, no_model_folder + overrides)
+    with pytest.raises(ConfigError) as info:  # load_config's checks, then the registries'
+        algorithm_needs(load_config(QUICKSTART, no_model_folder + overrides))
     assert key in str(info.value)
+
+
+@pytest.mark.parametrize("key, typo, guess, choices", [
+    ("policy_loss", "gpso", "gspo", "cispo, gspo, ppo"),
+    ("adv_estimator", "gpro", "grpo", "gae, grpo, reinforce_plus_plus"),
+    ("kl_loss_type", "k33", "k3", "abs, k1, k2, k3"),
+    ("dynamic_sampling", "std_bellow", "std_below", "all_equal, std_below"),
+])
+def test_a_misspelt_entry_names_the_closest_and_every_registered_choice(key, typo, guess,
+                                                                        choices, no_model_folder):
+    cfg = load_config(QUICKSTART, no_model_folder + GRPO + [f"algorithm.{key}={typo}"])
+    with pytest.raises(ConfigError) as info:
+        algorithm_needs(cfg)
+    message = str(info.value)
+    assert message.startswith(f"algorithm.{key}: ") and f"did you mean {guess!r}" in message
+    assert choices in message and "path/to/file.py:function" in message
 
 
 def test_recipe_keys_load(no_model_folder):
@@ -66,6 +83,8 @@ def test_sequence_correction_needs_the_old_log_prob_pass(no_model_folder):
     # On-policy GRPO would take old log-probs from the update; the driver needs them first.
     base = no_model_folder + GRPO + ["algorithm.kl_in_reward=false", "algorithm.ppo_epochs=1",
                                       "data.train_batch_size=16", "actor.ppo_mini_batch_size=16"]
-    assert fuse_old_log_probs(load_config(QUICKSTART, base), step=1)
+    cfg = load_config(QUICKSTART, base)
+    assert fuse_old_log_probs(cfg, algorithm_needs(cfg), step=1)
     for extra in ("rollout.seq_tis_cap=2", "rollout.reject_band=[0.5, 2]"):
-        assert not fuse_old_log_probs(load_config(QUICKSTART, base + [extra]), step=1)
+        cfg = load_config(QUICKSTART, base + [extra])
+        assert not fuse_old_log_probs(cfg, algorithm_needs(cfg), step=1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlhf.config import ConfigError, LoraConfig, job_roles, ref_from_actor
+from rlhf.config import AlgorithmNeeds, ConfigError, LoraConfig, job_roles, ref_from_actor
 from rlhf.config.schema import OptimizerConfig, TinyModelConfig
 from rlhf.data.packing import pack
 from rlhf.demo.tiny_model import make_tiny_model
@@ -204,7 +204,8 @@ def test_no_ref_role_with_lora_and_the_actor_s_base_gives_the_ref_log_probs(fold
 
     plain = make_config(str(folder), algorithm={"use_kl_loss": True})
     cfg = make_config(str(folder), algorithm={"use_kl_loss": True}, actor={"lora": LORA})
-    assert "ref" in job_roles(plain) and "ref" not in job_roles(cfg)
+    needs = AlgorithmNeeds()
+    assert "ref" in job_roles(plain, needs) and "ref" not in job_roles(cfg, needs)
     assert ref_from_actor(cfg) and not ref_from_actor(plain)
     batch = rl_batch(n=5, seed=3)
     want = ReferenceWorker(context(world, "ref"), config=plain).compute_ref_log_prob(batch)

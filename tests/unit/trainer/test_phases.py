@@ -65,3 +65,80 @@ def test_batch_metrics_and_step_seed():
     assert m["actor/kl_ref"] == pytest.approx(diff.mean().item())
     assert "actor/kl" not in m
     assert step_seed(0, 3) == step_seed(0, 3) != step_seed(0, 4) != step_seed(1, 4)
+
+
+# ---- entries of your own, named in the config ------------------------------------------------
+
+USER_ALGORITHMS = '''
+import torch
+
+
+def value_baseline(token_rewards_T, values_T, cu_seqlens, mask_T, *, gamma):
+    """Reward-to-go (gamma = 1 here) minus the value, no whitening."""
+    returns_T = torch.cat([seg.flip(0).cumsum(0).flip(0)
+                           for seg in torch.split(token_rewards_T, cu_seqlens.diff().tolist())])
+    return (returns_T - values_T) * gamma, returns_T
+
+
+def best_of_group(scores_N, group_ids, cu_seqlens, mask_T):
+    """1 for the best response of each group, 0 for the others, on every token."""
+    best_N = torch.zeros_like(scores_N)
+    for g in group_ids.unique():
+        rows = (group_ids == g).nonzero().flatten()
+        best_N[rows[scores_N[rows].argmax()]] = 1.0
+    adv_T = best_N.repeat_interleave(cu_seqlens.diff())
+    return adv_T, adv_T.clone()
+
+
+def squared(logp_T, ref_logp_T):
+    return (logp_T - ref_logp_T) ** 2
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+    path = tmp_path / "my_algorithms.py"
+    path.write_text(USER_ALGORITHMS)
+    return path
+
+
+def test_an_estimator_from_a_file_gets_a_critic_because_it_takes_values(user_file):
+    from rlhf.algorithms import algorithm_needs
+
+    batch = make_batch([2, 3], n=2)
+    scores = torch.tensor([1.0, 0.0])
+    cfg = config(adv_estimator=f"{user_file}:value_baseline", kl_in_reward=True, kl_coef=0.5,
+                 kl_penalty=f"{user_file}:squared")
+    assert algorithm_needs(cfg).critic and not algorithm_needs(cfg).groups
+    out, _ = compute_advantages(batch, scores, cfg, FixedKLController(0.5))
+    old, ref = batch["old_log_probs"].values, batch["ref_log_probs"].values
+    rewards_T = -0.5 * (old - ref) ** 2  # the file's KL estimator, folded into the rewards
+    rewards_T[1] += 1.0  # sample 0's score on its last token
+    want_returns = torch.cat([rewards_T[:2].flip(0).cumsum(0).flip(0),
+                              rewards_T[2:].flip(0).cumsum(0).flip(0)])
+    torch.testing.assert_close(out["returns"].values, want_returns.float(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(out["advantages"].values,
+                               (want_returns - batch["values"].values).float(), atol=1e-6, rtol=0)
+
+
+def test_a_group_estimator_from_a_file_compares_the_responses_of_a_prompt(user_file):
+    from rlhf.algorithms import algorithm_needs
+
+    cfg = config(adv_estimator=f"{user_file}:best_of_group")
+    assert algorithm_needs(cfg).groups and not algorithm_needs(cfg).critic
+    full = make_batch([2, 3, 1, 2], n=2)
+    batch = Batch({k: full[k] for k in full.keys() if k != "values"})  # no critic ran
+    out, _ = compute_advantages(batch, torch.tensor([0.0, 1.0, 3.0, 2.0]), cfg,
+                                FixedKLController(0.0))
+    assert [row.tolist() for row in out["advantages"].to_list()] == [[0, 0], [1, 1, 1], [1], [0, 0]]
+
+
+def test_an_entry_from_a_file_that_cannot_take_the_trainer_s_call_is_named(user_file):
+    from rlhf.algorithms import algorithm_needs
+    from rlhf.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"algorithm\.policy_loss: .*squared.*keywords clip_low"):
+        algorithm_needs(config(adv_estimator="grpo", policy_loss=f"{user_file}:squared"))
+    with pytest.raises(ConfigError, match=r"algorithm\.kl_penalty: .*has no attribute 'sqared'.*"
+                                          r"did you mean squared"):
+        algorithm_needs(config(adv_estimator="grpo", kl_penalty=f"{user_file}:sqared"))

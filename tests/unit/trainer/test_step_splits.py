@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from rlhf.config import (AlgorithmConfig, DataConfig, ForwardRoleConfig, JobConfig,
+from rlhf.algorithms import algorithm_needs
+from rlhf.config import (AlgorithmConfig, CriticConfig, DataConfig, ForwardRoleConfig, JobConfig,
                          RolloutConfig, TrainerConfig, TrainRoleConfig)
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
@@ -27,6 +28,7 @@ def config(*, epochs=1, actor_mini=4, train_batch=4, kl_in_reward=False, adv="gr
         JobConfig(),
         actor=TrainRoleConfig(max_tokens_per_micro_batch=64, ppo_mini_batch_size=actor_mini,
                               micro_batch_size=actor_mbs),
+        critic=CriticConfig(ppo_mini_batch_size=actor_mini),
         ref=ForwardRoleConfig(max_tokens_per_micro_batch=ref_budget),
         data=dataclasses.replace(DataConfig(), train_batch_size=train_batch),
         rollout=RolloutConfig(n=2),
@@ -35,14 +37,18 @@ def config(*, epochs=1, actor_mini=4, train_batch=4, kl_in_reward=False, adv="gr
         trainer=TrainerConfig(critic_warmup=warmup))
 
 
+def fused(cfg, step):
+    return fuse_old_log_probs(cfg, algorithm_needs(cfg), step=step)
+
+
 def test_fused_old_log_probs_only_on_policy_without_kl_in_reward():
-    assert fuse_old_log_probs(config(), step=1)
-    assert not fuse_old_log_probs(config(epochs=2), step=1)
-    assert not fuse_old_log_probs(config(actor_mini=2), step=1)  # two mini-batches per step
-    assert not fuse_old_log_probs(config(kl_in_reward=True), step=1)
+    assert fused(config(), 1)
+    assert not fused(config(epochs=2), 1)
+    assert not fused(config(actor_mini=2), 1)  # two mini-batches per step
+    assert not fused(config(kl_in_reward=True), 1)
     # gae trains a critic: during its warm-up the actor does not update, so nothing fuses
-    assert not fuse_old_log_probs(config(adv="gae", warmup=2), step=2)
-    assert fuse_old_log_probs(config(adv="gae", warmup=2), step=3)
+    assert not fused(config(adv="gae", warmup=2), 2)
+    assert fused(config(adv="gae", warmup=2), 3)
 
 
 def test_calls_that_plan_alike_share_one_plan():
