@@ -11,7 +11,7 @@ model's config.json, are in `rlhf.config.checks`.
 import re
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from rlhf.errors import ConfigError
 from rlhf.families import model_family
@@ -262,7 +262,11 @@ class RolloutConfig:
         require_placement(self)
 
 
-Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]  # rlhf.engine.engine maps them to torch
+AUTO_DTYPE = "auto"
+# Activation recomputation modes (rlhf.engine.recompute applies them, rlhf.plan.memory sizes them).
+Recompute = Literal["none", "attention_block", "full"]
+RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
 
 # "pkg.module:function" or "path/to/file.py:function"
 _MODULE_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -443,7 +447,7 @@ class TrainRoleConfig(ForwardRoleConfig):
 
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer and learning-rate schedule."""
-    recompute: Literal["none", "attention_block", "full"] = "none"
+    recompute: Recompute = "none"
     """Activation recomputation: none, attention_block (each layer's attention block) or full
     (whole layers)."""
     ppo_mini_batch_size: int = 8
@@ -559,7 +563,7 @@ class SFTConfig(ForwardRoleConfig):
 
     optim: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4))
     """Optimizer and learning-rate schedule (the schedule spans sft.total_steps)."""
-    recompute: Literal["none", "attention_block", "full"] = "none"
+    recompute: Recompute = "none"
     """Activation recomputation: none, attention_block (each layer's attention block) or full
     (whole layers)."""
     train_files: tuple[str, ...] = ()

@@ -29,7 +29,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ from torch import Tensor
 
 import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
-from rlhf.config.schema import LoraConfig, OptimizerConfig, ParallelConfig
+from rlhf.config.schema import AUTO_DTYPE, Dtype, LoraConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
                                sync_grads)
 from rlhf.engine.metrics import reduce_metrics
@@ -58,7 +58,9 @@ from rlhf.parallel.timing import Stopwatch
 
 Head = Literal["lm", "value"]
 DEFAULT_OUTPUTS = {"lm": ("log_probs", "entropy"), "value": ("values",)}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The role config's dtype names (config.schema.Dtype) as torch dtypes, and back (vLLM's args).
+DTYPES = {name: getattr(torch, name) for name in get_args(Dtype) if name != AUTO_DTYPE}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 class _ParamSet:
@@ -416,8 +418,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     """"auto": bfloat16 on CUDA, float32 elsewhere; names as in the role config."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype == "auto":
+    if dtype == AUTO_DTYPE:
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
-    return _DTYPES[dtype]
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(get_args(Dtype))}, got {dtype!r}")
+    return DTYPES[dtype]

@@ -9,13 +9,12 @@ checkpoints and HF names are the same with or without recomputation.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-Recompute = Literal["none", "attention_block", "full"]
+from rlhf.config.schema import RECOMPUTE_MODES, Recompute
+
 RENAMED = {"selective": "attention_block"}
 
 
@@ -41,8 +40,8 @@ def apply_recompute(model: nn.Module, mode: Recompute) -> None:
     if mode in RENAMED:
         raise ValueError(f"recompute {mode!r} is now {RENAMED[mode]!r} (it recomputes the whole "
                          f"attention block); pass {RENAMED[mode]!r}")
-    if mode not in ("none", "attention_block", "full"):
-        raise ValueError(f"recompute must be none, attention_block or full, got {mode!r}")
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {mode!r}")
     if mode == "none":
         return
     layers = model.model.layers

@@ -49,6 +49,7 @@ from pathlib import Path
 
 
 from rlhf.config import JobConfig, ref_from_actor
+from rlhf.config.schema import RECOMPUTE_MODES
 from rlhf.engine.offload import host_layout, offloaded_kinds, placement
 from rlhf.engine.zero import STATE_KINDS, state_tensor_bytes
 from rlhf.parallel.layout import EXPERT_AXES, GROUP_AXES, Layout
@@ -59,7 +60,6 @@ from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, ro
 from rlhf.plan.shapes import stage_shapes
 from rlhf.rollout.residency import replica_sleeps
 
-RECOMPUTE_MODES = ("none", "attention_block", "full")
 MIB = 2**20
 # Per process: the CUDA context with the kernels and the cuBLAS/cuDNN handles torch loads.
 CUDA_CONTEXT_BYTES = 768 * MIB

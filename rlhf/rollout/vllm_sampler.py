@@ -33,6 +33,7 @@ from torch import Tensor
 
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
+from rlhf.engine.engine import DTYPE_NAMES as _DTYPE_NAMES
 from rlhf.errors import ConfigError
 from rlhf.models.lora import peft_config, peft_key
 from rlhf.parallel.memory_probes import release_cached_memory
@@ -43,8 +44,6 @@ from rlhf.rollout.routing import check_routing_source, records_in_rollout, sampl
 from rlhf.rollout.weights import Receipt, reload_weights
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 @dataclass(frozen=True)

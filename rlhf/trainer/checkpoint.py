@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlhf.config.roles import TRAINED_ROLES
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder, atomic_write
 
@@ -49,7 +50,6 @@ RUN_KEYS = (
     "critic.model_path",
     "actor.placement", "critic.placement",
 )
-LAYOUT_ROLES = ("actor", "critic")  # the roles whose engines a checkpoint holds
 MODEL_PARALLEL_KEYS = ("tp", "pp", "vpp", "layers_per_stage", "ep")
 _ABSENT = "<absent>"
 
@@ -80,7 +80,7 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 
 
 def layout_differences(saved: dict, current: dict, *,
-                       roles: Sequence[str] = LAYOUT_ROLES) -> list[str]:
+                       roles: Sequence[str] = TRAINED_ROLES) -> list[str]:
     """'actor: tp=1 pp=1 -> tp=2 pp=1' for each of `roles` whose model-parallel layout differs
     between the config a checkpoint was `saved` with and the `current` one."""
     lines = []

@@ -34,6 +34,7 @@ from rlhf.algorithms.overlong import overlong_penalty, truncated
 from rlhf.algorithms.rollout_correction import (reject_outside_band, rollout_correction_metrics,
                                                 seq_tis_weights)
 from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles, ref_from_actor
+from rlhf.config.roles import ACTOR, CRITIC, REF
 from rlhf.controller import RoleView
 from rlhf.controller.nodes import check_user_files, user_files
 from rlhf.data.batch import Batch
@@ -270,7 +271,7 @@ def fill_batch(draw: Callable[[int], Batch], sample: SampleFn,
 
 VAL_SEED = 12345
 # Roles whose methods run under rlhf.engine.offload.in_phase and report memory per call.
-MEMORY_REPORTING_ROLES = ("actor", "critic", "ref")
+MEMORY_REPORTING_ROLES = (ACTOR, CRITIC, REF)
 
 
 class PPOTrainer:
