@@ -9,7 +9,7 @@ import torch
 from rlhf.config import AlgorithmConfig, DataConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader
-from rlhf.trainer.ppo import fill_batch, round_seed
+from rlhf.trainer.recipes import fill_batch, round_seed
 
 N = 2  # responses per prompt
 

@@ -11,7 +11,7 @@ from rlhf.config import AlgorithmConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.ppo import prepare_update, shape_scores
+from rlhf.trainer.recipes import prepare_update, shape_scores
 
 EOS = 2
 
