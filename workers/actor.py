@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss,
+from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss, policy_clip,
                              truncated_is_weights)
 from rlhf.config import JobConfig, ref_from_actor
 from rlhf.controller import Dispatch, WorkerContext, register
@@ -198,7 +198,7 @@ class ActorWorker(CheckpointMixin, WeightSenderMixin, MemoryReportMixin, Worker)
             if SEQ_IS_WEIGHTS in t:  # the driver's sequence-level weights, one per token
                 seq_T = t[SEQ_IS_WEIGHTS]
                 is_weights_T = seq_T if is_weights_T is None else is_weights_T * seq_T
-            clip_low, clip_high = algo.policy_clip
+            clip_low, clip_high = policy_clip(algo)
             pg, pg_metrics = policy_loss(
                 out["log_probs"], old_T, t["advantages"], mask_T, cu, clip_low=clip_low,
                 clip_high=clip_high, clip_c=algo.clip_ratio_c, is_weights_T=is_weights_T, **norm)

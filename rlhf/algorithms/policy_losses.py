@@ -27,9 +27,29 @@ POLICY_LOSS_KEYWORDS = ("clip_low", "clip_high", "clip_c", "is_weights_T", "agg_
                         "global_tokens", "global_seqs", "max_response_length")
 
 
-def register_policy_loss(name: str):
-    """Decorator: make a function with `ppo_policy_loss`'s signature an `algorithm.policy_loss`."""
-    return register(_POLICY_LOSSES, "policy loss", name)
+# AlgorithmConfig's (low, high) clip keys of each loss; the token ratio's unless registered.
+_CLIP_KEYS: dict[str, tuple[str, str]] = {}
+TOKEN_CLIP_KEYS = ("clip_ratio_low", "clip_ratio_high")
+
+
+def register_policy_loss(name: str, *, clip_keys: tuple[str, str] = TOKEN_CLIP_KEYS):
+    """Decorator: make a function with `ppo_policy_loss`'s signature an `algorithm.policy_loss`,
+    clipped by the AlgorithmConfig fields `clip_keys` (low, high)."""
+    add = register(_POLICY_LOSSES, "policy loss", name)
+
+    def add_with_clip(fn):
+        fn = add(fn)  # raises on a name taken twice, before the clip keys are written
+        _CLIP_KEYS[name] = clip_keys
+        return fn
+
+    return add_with_clip
+
+
+def policy_clip(algo) -> tuple[float, float]:
+    """(clip_low, clip_high) the actor passes `algo.policy_loss`: the fields its entry was
+    registered with (gspo's sequence-ratio range), the token ratio's clip_ratio_* otherwise."""
+    low, high = _CLIP_KEYS.get(algo.policy_loss, TOKEN_CLIP_KEYS)
+    return getattr(algo, low), getattr(algo, high)
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
@@ -54,7 +74,7 @@ def sequence_ratio(logp_T: Tensor, old_logp_T: Tensor, valid_T: Tensor,
     return ratio_T.masked_fill(~valid_T, 0)
 
 
-@register_policy_loss("gspo")
+@register_policy_loss("gspo", clip_keys=("gspo_clip_low", "gspo_clip_high"))
 def gspo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
                      mask_T: Tensor | None, cu_seqlens: Tensor, *, clip_low: float = 3e-4,
                      clip_high: float = 4e-4, clip_c: float | None = None,

@@ -729,14 +729,6 @@ class AlgorithmConfig:
                               "twice; keep one of them")
 
     @property
-    def policy_clip(self) -> tuple[float, float]:
-        """(low, high) clip range of the policy loss: gspo_clip_* for the sequence ratio of
-        gspo, clip_ratio_* for the token ratio of ppo (cispo caps its weight at 1 + high)."""
-        if self.policy_loss == "gspo":
-            return self.gspo_clip_low, self.gspo_clip_high
-        return self.clip_ratio_low, self.clip_ratio_high
-
-    @property
     def use_ref(self) -> bool:
         """Whether reference-policy log-probs are needed (any KL term)."""
         return self.kl_in_reward or self.use_kl_loss

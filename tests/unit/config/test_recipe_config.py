@@ -3,7 +3,7 @@ rejected naming the dotted key; good ones load and reach the fields the code rea
 
 import pytest
 
-from rlhf.algorithms import algorithm_needs
+from rlhf.algorithms import algorithm_needs, policy_clip
 from rlhf.config import ConfigError, load_config
 from rlhf.trainer.step_splits import fuse_old_log_probs
 from tests.unit.config.test_config_checks import QUICKSTART
@@ -71,11 +71,11 @@ def test_recipe_keys_load(no_model_folder):
         "rollout.reject_band=[0.5, 2]", "rollout.seq_tis_cap=3",
         "algorithm.overlong_buffer=4", "algorithm.mask_truncated=true",
         "algorithm.dynamic_sampling=std_below", "algorithm.dynamic_sampling_std=0.1"])
-    assert cfg.algorithm.policy_clip == (1e-3, 4e-4)
+    assert policy_clip(cfg.algorithm) == (1e-3, 4e-4)  # gspo's entry names its clip keys
     assert cfg.rollout.reject_band == (0.5, 2.0) and cfg.rollout.seq_tis_cap == 3.0
     assert cfg.algorithm.dynamic_sampling == "std_below"
     ppo = load_config(QUICKSTART, no_model_folder + ["algorithm.policy_loss=cispo"])
-    assert ppo.algorithm.policy_clip == (ppo.algorithm.clip_ratio_low,
+    assert policy_clip(ppo.algorithm) == (ppo.algorithm.clip_ratio_low,
                                          ppo.algorithm.clip_ratio_high)
 
 
