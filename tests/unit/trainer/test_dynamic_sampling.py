@@ -106,3 +106,16 @@ def test_round_seeds_differ_per_round_and_step():
     seeds = {round_seed(s, r) for s in (7, 8) for r in range(4)}
     assert len(seeds) == 8 and round_seed(7, 0) == 7
     assert all(0 <= s < 2**31 for s in seeds)
+
+
+def test_a_group_filter_from_a_file_named_in_the_config_picks_the_groups(tmp_path):
+    (tmp_path / "my_filter.py").write_text(
+        "def keep_odd_prompts(scores_N, group_size, *, std_threshold=0.0):\n"
+        "    import torch\n"
+        "    return torch.arange(scores_N.numel() // group_size) % 2 == 1\n")
+    loader = PromptLoader(Prompts(20), batch_size=2, shuffle=False)
+    cfg = cfg_of(mode=f"{tmp_path / 'my_filter.py'}:keep_odd_prompts")
+    # every group has a spread, but the file's filter keeps only the second of each round
+    batch, _, metrics = run(loader, cfg, useful=set(range(20)), seeds=[])
+    assert batch["pid"].tolist() == [1, 1, 3, 3]
+    assert metrics["ds/groups_dropped"] == 2 and metrics["ds/rounds"] == 2
