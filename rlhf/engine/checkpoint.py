@@ -60,6 +60,9 @@ def expert_optimizer_file(folder: str | Path, mesh: ParallelMesh, *,
             f"_ep{mesh.ep_rank:03d}_edp{edp_rank:03d}.pt")
 
 
+EXPERTS_KEY = "experts"  # an engine state's part of the routed experts at ep > 1 (own files)
+
+
 def layout(mesh: ParallelMesh) -> dict[str, int]:
     """What a shard file must match to be loadable on this rank."""
     return {"tp": mesh.tp_size, "pp": mesh.pp_size, "tp_rank": mesh.tp_rank,
@@ -76,8 +79,8 @@ def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) ->
     shard by every dp rank; its "experts" part per ep rank); return once every file is on
     disk."""
     path = shard_file(folder, mesh)
-    experts = state.get("experts")
-    main = {**state, "experts": experts is not None}  # whether expert files go with it
+    experts = state.get(EXPERTS_KEY)
+    main = {**state, EXPERTS_KEY: experts is not None}  # whether expert files go with it
     _save_part(main, path, optimizer_file(folder, mesh), writes=mesh.dp_rank == 0)
     if experts is not None:
         _save_part(experts, expert_file(folder, mesh), expert_optimizer_file(folder, mesh),
@@ -119,13 +122,13 @@ def load_shard(folder: str | Path, mesh: ParallelMesh, *, shards: int = 1,
     state["optimizer"] = _optimizer_parts(
         state.get("optimizer"), shards, rank=mesh.dp_rank, dp_per_shard=1, folder=folder,
         mesh=mesh, file=lambda r: optimizer_file(folder, mesh, dp_rank=r))
-    if state.pop("experts", False):
+    if state.pop(EXPERTS_KEY, False):
         experts = _load_part(expert_file(folder, mesh), folder, mesh)
         experts["optimizer"] = _optimizer_parts(
             experts.get("optimizer"), expert_shards, rank=mesh.edp_rank,
             dp_per_shard=mesh.ep_size, folder=folder, mesh=mesh,
             file=lambda r: expert_optimizer_file(folder, mesh, edp_rank=r))
-        state["experts"] = experts
+        state[EXPERTS_KEY] = experts
     return state
 
 

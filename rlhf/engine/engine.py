@@ -67,9 +67,10 @@ class _ParamSet:
     """Parameters that sync and step together (the dense ones over dp; at ep > 1 the routed
     experts over edp): their table indices, grads, shard rank, optimizer and table."""
 
-    def __init__(self, ids: list[int], grads: GradBuffer, rank: int, optimizer: ShardedAdamW):
+    def __init__(self, ids: list[int], grads: GradBuffer, rank: int, optimizer: ShardedAdamW,
+                 table: ParamTable):
         self.ids, self.grads, self.rank, self.optimizer = ids, grads, rank, optimizer
-        self.table: ParamTable | None = None
+        self.table, self.expert = table, grads.expert
 
 
 class TrainEngine:
@@ -102,12 +103,12 @@ class TrainEngine:
         self.router_aux_loss_coef = router_aux_coef(model.args, router_aux_loss_coef,
                                                     pp=mesh.pp_size)
         apply_recompute(model, recompute)
-        self.optimizer: ShardedAdamW | None = None
-        self.grads: GradBuffer | None = None
-        self.expert_optimizer: ShardedAdamW | None = None  # experts' own at ep > 1
-        self.expert_grads: GradBuffer | None = None
+        # The one list of what trains: [dense] or, at ep > 1, [dense, experts]; [] forward only.
         self._sets: list[_ParamSet] = []
-        self.distributed, self._shard_rank, self._grads_synced = False, 0, False
+        self._grads_synced = False
+        # Stream tokens of the mini-batch over DP, counted by loss_normalizers' all-reduce for
+        # the router aux loss of the forward_backward that follows: (micro-batch ids, count).
+        self._counted_tokens: tuple[tuple[int, ...], int] | None = None
         if optim is None:
             return
         if total_steps < 1:
@@ -126,29 +127,49 @@ class TrainEngine:
         # expert-data-parallel group (rlhf.engine.grads); dense params keep the dp group.
         expert_ids = [i for i in self.table.expert_indices(ep=mesh.ep_size) if i in trainable]
         dense_ids = sorted(trainable - set(expert_ids))
-        sets = []
         for ids, expert in ((dense_ids, False), (expert_ids, True)):
             if expert and not ids:
                 continue
             group = mesh.edp_group if expert else mesh.dp_group
             shards = num_shards(group_size(group), optim.distributed)
             part = partition([params[i].numel() for i in ids], shards, bucket_numel=bucket_numel)
-            self.table = self.table.with_partition(part, only=ids)
+            self.table = self.table.with_partition(part, only=ids)  # touches `ids` only
             scatter = scatters_grads(part, group) if scatter_grads is None else scatter_grads
             grads = GradBuffer([params[i] for i in ids], part, device=self.device,
                                scatter=scatter and shards > 1, expert=expert)
             rank = group_rank(group) if shards > 1 else 0
-            sets.append(_ParamSet(ids, grads, rank, ShardedAdamW(
-                [params[i] for i in ids], part, rank=rank, config=optim, dp_group=group,
-                device=self.device)))
-        for param_set in sets:
-            param_set.table = ParamTable(tuple(self.table.entries[i] for i in param_set.ids))
-        self._sets = sets
-        dense = sets[0]
-        self.distributed = dense.grads.part.shards > 1
-        self._shard_rank, self.grads, self.optimizer = dense.rank, dense.grads, dense.optimizer
-        self.expert_grads = sets[1].grads if len(sets) > 1 else None
-        self.expert_optimizer = sets[1].optimizer if len(sets) > 1 else None
+            optimizer = ShardedAdamW([params[i] for i in ids], part, rank=rank, config=optim,
+                                     dp_group=group, device=self.device)
+            table = ParamTable(tuple(self.table.entries[i] for i in ids))
+            self._sets.append(_ParamSet(ids, grads, rank, optimizer, table))
+
+    # ---- the parameter sets, by role (views of self._sets) -----------------------------------
+
+    @property
+    def optimizer(self) -> ShardedAdamW | None:
+        """The dense parameters' optimizer; None for a forward-only engine."""
+        dense = self._set(expert=False)
+        return dense.optimizer if dense is not None else None
+
+    @property
+    def grads(self) -> GradBuffer | None:
+        """The dense parameters' grad buffer; None for a forward-only engine."""
+        dense = self._set(expert=False)
+        return dense.grads if dense is not None else None
+
+    @property
+    def expert_grads(self) -> GradBuffer | None:
+        """The routed experts' own grad buffer (over edp) at ep > 1; None otherwise."""
+        experts = self._set(expert=True)
+        return experts.grads if experts is not None else None
+
+    @property
+    def distributed(self) -> bool:
+        """Whether ZeRO-1 shards the dense optimizer state over dp."""
+        return self.grads is not None and self.grads.part.shards > 1
+
+    def _set(self, *, expert: bool) -> _ParamSet | None:
+        return next((s for s in self._sets if s.expert == expert), None)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, mesh: ParallelMesh,
@@ -203,6 +224,7 @@ class TrainEngine:
         if self.model.args.is_moe:
             loss_fn = with_router_aux(loss_fn, coef=self.router_aux_loss_coef,
                                       total_tokens=self._global_tokens(micro_batches))
+        self._counted_tokens = None
         with timed_all_to_all(self._all_to_all):
             results = self.schedule.forward_backward(micro_batches, loss_fn,
                                                      outputs=self._outputs(outputs),
@@ -287,15 +309,19 @@ class TrainEngine:
         """(global_tokens, global_seqs) over these micro-batches on every DP rank, counting
         positions where `mb.tensors[mask_key]` is set (None: every position predicting a
         response token): the normalisers `loss_fn` divides by. Collective over DP."""
-        # Summed where the micro-batches are (the host, usually), then moved once.
-        counts = [normalizer_counts(mb.tensors[mask_key].bool() if mask_key is not None
-                                    else mb.predicts_response_T, mb.packed.cu_seqlens)
-                  for mb in micro_batches]
+        # Summed where the micro-batches are (the host, usually), then moved once. The stream
+        # tokens ride along for the router aux loss of the forward_backward that follows.
+        counts = []
+        for mb in micro_batches:
+            valid = normalizer_counts(mb.tensors[mask_key].bool() if mask_key is not None
+                                      else mb.predicts_response_T, mb.packed.cu_seqlens)
+            counts.append(torch.cat([valid, valid.new_tensor([mb.num_tokens])]))
         total = (torch.stack(counts).sum(0) if counts
-                 else torch.zeros(2, dtype=torch.int64)).to(self.device)
+                 else torch.zeros(3, dtype=torch.int64)).to(self.device)
         if group_size(self.mesh.dp_group) > 1:
             dist.all_reduce(total, group=self.mesh.dp_group)
-        tokens, seqs = total.tolist()  # one read for the whole mini-batch
+        tokens, seqs, stream = total.tolist()  # one read for the whole mini-batch
+        self._counted_tokens = (tuple(map(id, micro_batches)), stream)
         return tokens, seqs
 
     # ---- weights -----------------------------------------------------------------------------
@@ -314,46 +340,35 @@ class TrainEngine:
     def state_dict(self) -> dict:
         """This rank's model shard, optimizer state (its ZeRO-1 shard, or all) and step; at
         ep > 1 the routed experts (weights, optimizer) apart under "experts"."""
-        dense = self._expert_filter(experts=False)
-        out = {
-            **ckpt.header(self.mesh),
-            "model": ckpt.model_state(self.model, keep=dense),  # with LoRA: the adapters only
-            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-            "step": self.step_count,
-        }
-        if dense is not None:
-            out["experts"] = {
-                **ckpt.header(self.mesh),
-                "model": ckpt.model_state(self.model, keep=self._expert_filter(experts=True)),
-                "optimizer": (self.expert_optimizer.state_dict()
-                              if self.expert_optimizer is not None else None)}
+        out: dict = {"step": self.step_count}
+        for key, keep, param_set in self._state_parts():
+            section = {**ckpt.header(self.mesh),
+                       "model": ckpt.model_state(self.model, keep=keep),  # LoRA: adapters only
+                       "optimizer": param_set.optimizer.state_dict() if param_set else None}
+            if key is None:
+                out.update(section)
+            else:
+                out[key] = section
         return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` returned, on an engine built with the same layout."""
-        ckpt.check_layout(state, self.mesh, "the state dict")
-        dense = self._expert_filter(experts=False)
-        ckpt.load_model_state(self.model, state["model"], "the state dict", keep=dense)
-        if dense is not None:
-            ckpt.check_layout(state["experts"], self.mesh, "the state dict's experts")
-            ckpt.load_model_state(self.model, state["experts"]["model"],
-                                  "the state dict's experts",
-                                  keep=self._expert_filter(experts=True))
+        parts = [(state if key is None else state[key], _where(key), keep, param_set)
+                 for key, keep, param_set in self._state_parts()]
+        for section, where, keep, _ in parts:
+            ckpt.check_layout(section, self.mesh, where)
+            ckpt.load_model_state(self.model, section["model"], where, keep=keep)
         self.step_count = int(state["step"])
-        if self.optimizer is None:
-            return
-        if state["optimizer"] is None:
-            raise ValueError("the state has no optimizer state (saved by a forward-only engine)")
-        self.optimizer.copy_from_model()
-        self.optimizer.load_state_dict(state["optimizer"], where="the state dict")
-        if self.expert_optimizer is not None:
-            if state["experts"]["optimizer"] is None:
-                raise ValueError("the state has no expert optimizer state (saved by a "
-                                 "forward-only engine)")
-            self.expert_optimizer.copy_from_model()
-            self.expert_optimizer.load_state_dict(state["experts"]["optimizer"],
-                                                  where="the state dict's experts")
-        self.zero_grad()
+        for section, where, _, param_set in parts:  # after the weights: masters copy them
+            if param_set is None:
+                continue
+            if section["optimizer"] is None:
+                raise ValueError(f"{where} has no optimizer state (saved by a forward-only "
+                                 "engine)")
+            param_set.optimizer.copy_from_model()
+            param_set.optimizer.load_state_dict(section["optimizer"], where=where)
+        if self._sets:
+            self.zero_grad()
 
     def save_checkpoint(self, folder: str | Path) -> Path:
         """Write this rank's state under `folder` (collective over the mesh); return the file."""
@@ -363,10 +378,9 @@ class TrainEngine:
         """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
         optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting
         (the experts' over edp at ep > 1, whose ep must match)."""
-        shards = self.grads.part.shards if self.grads is not None else 1
-        expert_shards = self.expert_grads.part.shards if self.expert_grads is not None else 1
-        self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards,
-                                             expert_shards=expert_shards))
+        shards = {s.expert: s.grads.part.shards for s in self._sets}
+        self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards.get(False, 1),
+                                             expert_shards=shards.get(True, 1)))
 
     def take_all_to_all_s(self) -> float:
         """Seconds this rank spent in expert-parallel all-to-alls since the last call (forwards,
@@ -378,7 +392,11 @@ class TrainEngine:
     # ---- internals ---------------------------------------------------------------------------
 
     def _global_tokens(self, micro_batches: Sequence[MicroBatch]) -> int:
-        """Stream tokens of these micro-batches summed over the DP ranks. Collective over DP."""
+        """Stream tokens of these micro-batches summed over the DP ranks: `loss_normalizers`'
+        count when it just counted them, else collective over DP."""
+        if (self._counted_tokens is not None
+                and self._counted_tokens[0] == tuple(map(id, micro_batches))):
+            return max(self._counted_tokens[1], 1)
         total = torch.tensor([sum(mb.num_tokens for mb in micro_batches)], device=self.device)
         if group_size(self.mesh.dp_group) > 1:
             dist.all_reduce(total, group=self.mesh.dp_group)
@@ -386,6 +404,16 @@ class TrainEngine:
 
     def _outputs(self, outputs: Sequence[str] | None) -> tuple[str, ...]:
         return tuple(outputs) if outputs is not None else DEFAULT_OUTPUTS[self.head]
+
+    def _state_parts(self) -> list[tuple[str | None, Callable[[str], bool] | None,
+                                         _ParamSet | None]]:
+        """(key in the state dict, None = top level; which model-state names; the parameter
+        set whose optimizer state goes with them) of the dense part and, at ep > 1, of the
+        routed experts under "experts"."""
+        if self._expert_filter(experts=True) is None:
+            return [(None, None, self._set(expert=False))]
+        return [(None, self._expert_filter(experts=False), self._set(expert=False)),
+                (ckpt.EXPERTS_KEY, self._expert_filter(experts=True), self._set(expert=True))]
 
     def _expert_filter(self, *, experts: bool) -> Callable[[str], bool] | None:
         """At ep > 1, which model-state names a checkpoint keeps per ep rank (`experts`) or in
@@ -400,6 +428,10 @@ class TrainEngine:
         if self.optimizer is None:
             raise RuntimeError(f"{what} needs a training engine; this one was built with "
                                "optim=None (forward only)")
+
+
+def _where(key: str | None) -> str:
+    return "the state dict" if key is None else f"the state dict's {key}"
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
