@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlhf.algorithms import aggregate, algorithm_needs, value_loss
+from rlhf.algorithms import aggregate, estimator_needs, value_loss
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
@@ -31,7 +31,7 @@ class CriticWorker(CheckpointMixin, MemoryReportMixin, Worker):
 
     def __init__(self, ctx: WorkerContext, *, config: JobConfig):
         super().__init__(ctx)
-        if not algorithm_needs(config).critic:
+        if not estimator_needs(config.algorithm.adv_estimator).critic:
             raise ConfigError(f"critic: algorithm.adv_estimator={config.algorithm.adv_estimator} "
                               "takes no values, so no critic is trained; do not create a "
                               "CriticWorker, or use an estimator that takes values_T (gae)")

@@ -31,16 +31,17 @@ from rlhf.algorithms.kl import (AdaptiveKLController, FixedKLController, apply_k
 from rlhf.algorithms.losses import (aggregate, entropy_bonus, get_loss_agg, kl_loss,
                                     loss_normalizers, ppo_policy_loss, register_loss_agg,
                                     truncated_is_weights, value_loss)
-from rlhf.algorithms.needs import algorithm_needs
+from rlhf.algorithms.needs import algorithm_needs, estimator_needs
 from rlhf.algorithms.policy_losses import (cispo_policy_loss, get_policy_loss, gspo_policy_loss,
                                            policy_clip, register_policy_loss)
 
 __all__ = [
-    "AdaptiveKLController", "FixedKLController", "aggregate", "algorithm_needs", "apply_kl_penalty",
-    "build_kl_controller", "cispo_policy_loss", "compute_advantage", "entropy_bonus", "gae",
-    "get_advantage", "get_kl", "get_loss_agg", "get_policy_loss", "grpo", "gspo_policy_loss",
-    "kl", "kl_loss", "loss_normalizers", "masked_whiten", "policy_clip", "ppo_policy_loss",
-    "register_advantage", "register_kl", "register_loss_agg", "register_policy_loss",
-    "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo", "scores_to_token_rewards",
-    "sequence_scores", "truncated_is_weights", "value_loss",
+    "AdaptiveKLController", "FixedKLController", "aggregate", "algorithm_needs",
+    "apply_kl_penalty", "build_kl_controller", "cispo_policy_loss", "compute_advantage",
+    "entropy_bonus", "estimator_needs", "gae", "get_advantage", "get_kl", "get_loss_agg",
+    "get_policy_loss", "grpo", "gspo_policy_loss", "kl", "kl_loss", "loss_normalizers",
+    "masked_whiten", "policy_clip", "ppo_policy_loss", "register_advantage", "register_kl",
+    "register_loss_agg", "register_policy_loss", "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline", "rloo", "scores_to_token_rewards", "sequence_scores",
+    "truncated_is_weights", "value_loss",
 ]

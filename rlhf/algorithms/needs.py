@@ -28,8 +28,7 @@ def algorithm_needs(cfg: JobConfig) -> AlgorithmNeeds:
     problems: list[str] = []
     needs = None  # unknown until the estimator loads
     try:
-        takes, _ = advantage_inputs(algo.adv_estimator)
-        needs = AlgorithmNeeds(critic=CRITIC_INPUT in takes, groups=GROUP_INPUT in takes)
+        needs = estimator_needs(algo.adv_estimator)
     except ValueError as e:
         problems.append(f"algorithm.adv_estimator: {e}")
     _check_call(problems, "algorithm.policy_loss", get_policy_loss, algo.policy_loss,
@@ -40,6 +39,13 @@ def algorithm_needs(cfg: JobConfig) -> AlgorithmNeeds:
         problems += _needs_problems(cfg, needs)
     raise_problems(problems)
     return needs or AlgorithmNeeds()  # None only with problems, which were raised
+
+
+def estimator_needs(name: str) -> AlgorithmNeeds:
+    """What advantage estimator `name` needs, read from its parameters, without the config's
+    checks (the roles of a checked job ask this); ValueError when it does not load."""
+    takes, _ = advantage_inputs(name)
+    return AlgorithmNeeds(critic=CRITIC_INPUT in takes, groups=GROUP_INPUT in takes)
 
 
 def _needs_problems(cfg: JobConfig, needs: AlgorithmNeeds) -> list[str]:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rlhf.algorithms import (algorithm_needs, apply_kl_penalty, build_kl_controller,
-                             compute_advantage, scores_to_token_rewards, sequence_scores)
+from rlhf.algorithms import (apply_kl_penalty, build_kl_controller, compute_advantage,
+                             estimator_needs, scores_to_token_rewards, sequence_scores)
 from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles, ref_from_actor
 from rlhf.config.roles import ACTOR, CRITIC, REF
 from rlhf.controller import RoleView
@@ -159,7 +159,9 @@ class PPOTrainer:
         self.val_data = (build_prompt_dataset(data.val_files, tokenizer, data)
                          if data.val_files else None)
         algo = cfg.algorithm
-        self.needs = algorithm_needs(cfg)  # what the estimator's registry entry needs
+        # What the estimator's registry entry needs (the config was checked before the workers
+        # started: rlhf.preflight, trainer.jobs.job_workers).
+        self.needs = estimator_needs(algo.adv_estimator)
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl, coef=algo.kl_coef, target=algo.kl_target,
                                            horizon=algo.kl_horizon)
         self.ckpt = CheckpointManager(self.output_dir, max_keep=cfg.trainer.max_keep)
