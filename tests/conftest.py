@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rlhf.parallel.launch import free_port
 
-OPTIONAL_PACKAGES = ("ray", "vllm", "flash_attn")
+OPTIONAL_PACKAGES = ("ray", "vllm", "flash_attn", "jsonschema")
 
 
 def installed(package: str) -> bool:

@@ -108,19 +108,21 @@ def placement(phase: str, config: OffloadConfig) -> dict[str, Place]:
 class HostLayout:
     """Where the host copies of one kind of a role's state sit in its flat buffer."""
 
-    offsets: tuple[int, ...]  # byte offset of each tensor's copy, in the kind's order
-    nbytes: int  # the buffer, alignment padding included: what is pinned on CUDA
+    offsets: tuple[int, ...]  # byte offset of each tensor's copy from the buffer's first page
+    nbytes: int  # the allocation: copies, alignment padding and one spare page; pinned on CUDA
 
 
 def host_layout(sizes: Sequence[int]) -> HostLayout:
     """The flat host buffer for tensors of `sizes` bytes: each copy starts at a multiple of
-    `HOST_ALIGN`, the buffer is whole pages (an empty list needs no buffer). The offloader
-    allocates by it and the memory planner counts pinned memory by it."""
+    `HOST_ALIGN` from a page boundary, in whole pages, plus one spare page so the copies can
+    start on a page whatever address the allocator returns (an empty list needs no buffer).
+    The offloader allocates by it and the memory planner counts pinned memory by it."""
     offsets, end = [], 0
     for size in sizes:
         offsets.append(end)
         end += -(-int(size) // HOST_ALIGN) * HOST_ALIGN
-    return HostLayout(tuple(offsets), -(-end // PAGE_BYTES) * PAGE_BYTES)
+    pages = -(-end // PAGE_BYTES) * PAGE_BYTES
+    return HostLayout(tuple(offsets), pages + PAGE_BYTES if pages else 0)
 
 
 def pin_host_memory(buffer: Tensor) -> Callable[[], None]:
@@ -152,15 +154,16 @@ def _host_buffer(signature: tuple[tuple[tuple[int, ...], torch.dtype], ...], *,
     pinned if `pin`."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in signature]
     layout = host_layout(sizes)
-    # One spare page lets the buffer start on a page, so registering pins `nbytes`, no more.
-    raw = torch.empty(layout.nbytes + (PAGE_BYTES if pin else 0), dtype=torch.uint8)
-    start = -raw.data_ptr() % PAGE_BYTES if pin else 0
-    flat = raw[start:start + layout.nbytes]
-    views = [flat[offset:offset + size].view(dtype).view(shape)
+    raw = torch.empty(layout.nbytes, dtype=torch.uint8)
+    start = -raw.data_ptr() % PAGE_BYTES  # the copies start on a page
+    views = [raw[start + offset:start + offset + size].view(dtype).view(shape)
              for offset, size, (shape, dtype) in zip(layout.offsets, sizes, signature)]
     out = _HostBuffer(signature, views, layout.nbytes, pinned=pin and layout.nbytes > 0)
-    if out.pinned:  # unpinned when the offloader lets the buffer go, before its memory is freed
-        weakref.finalize(out, pin_host_memory(flat))
+    if out.pinned:
+        # The whole allocation, from its first byte: torch's `is_pinned` (and the copies that
+        # ask it) look at a view's storage base, which registering from the first page would
+        # leave out. Unpinned when the offloader lets the buffer go, before it is freed.
+        weakref.finalize(out, pin_host_memory(raw))
     return out
 
 

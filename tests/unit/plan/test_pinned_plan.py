@@ -60,16 +60,17 @@ def _cuda_offloader(state, config):
 def test_the_layout_aligns_every_copy_and_pins_whole_pages():
     layout = host_layout([100, 0, 512, 513, 8])
     assert layout.offsets == (0, 512, 512, 1024, 2048)
-    assert layout.nbytes == PAGE_BYTES  # 2048 + 512 rounded up to a page
-    assert host_layout([PAGE_BYTES]).nbytes == PAGE_BYTES
-    assert host_layout([PAGE_BYTES + 1]).nbytes == 2 * PAGE_BYTES
+    # 2048 + 512 rounded up to a page, and the spare page that lets the copies start on one
+    assert layout.nbytes == 2 * PAGE_BYTES
+    assert host_layout([PAGE_BYTES]).nbytes == 2 * PAGE_BYTES
+    assert host_layout([PAGE_BYTES + 1]).nbytes == 3 * PAGE_BYTES
     assert host_layout([]).nbytes == 0
     sizes = [3, 4096 * 3 + 7, 1, 2 * HOST_ALIGN, 77]
     layout = host_layout(sizes)
     ends = [o + s for o, s in zip(layout.offsets, sizes)]
     assert all(o % HOST_ALIGN == 0 for o in layout.offsets)
     assert all(end <= nxt for end, nxt in zip(ends, layout.offsets[1:]))  # no overlap
-    assert ends[-1] <= layout.nbytes and layout.nbytes % PAGE_BYTES == 0
+    assert ends[-1] <= layout.nbytes - PAGE_BYTES and layout.nbytes % PAGE_BYTES == 0
 
 
 def test_one_pinned_buffer_per_kind_holds_aligned_views_and_round_trips_exactly(fake_cuda):
@@ -79,11 +80,11 @@ def test_one_pinned_buffer_per_kind_holds_aligned_views_and_round_trips_exactly(
                "optimizer": [torch.randn(13), torch.randn(13)]}
     want = {kind: [t.clone() for t in ts] for kind, ts in tensors.items()}
     offloader = _cuda_offloader(lambda: tensors, ALL)
-    # one registration per kind that holds anything, page-aligned and page-sized
+    # one registration per kind that holds anything: the whole allocation, in whole pages
     assert len(fake_cuda) == 3
-    assert all(ptr % PAGE_BYTES == 0 and n % PAGE_BYTES == 0 for ptr, n in fake_cuda)
-    assert offloader.pinned_bytes == {"weights": PAGE_BYTES, "masters": PAGE_BYTES,
-                                      "optimizer": PAGE_BYTES}
+    assert all(n % PAGE_BYTES == 0 for _, n in fake_cuda)
+    assert offloader.pinned_bytes == {"weights": 2 * PAGE_BYTES, "masters": 2 * PAGE_BYTES,
+                                      "optimizer": 2 * PAGE_BYTES}
     assert sum(n for _, n in fake_cuda) == sum(offloader.pinned_bytes.values())
     base = dict(fake_cuda)
     for kind, ts in tensors.items():
@@ -91,8 +92,10 @@ def test_one_pinned_buffer_per_kind_holds_aligned_views_and_round_trips_exactly(
         assert all(t.numel() == 0 for t in ts)
         if views:
             start = min(v.data_ptr() for v in views)
-            assert start in base
+            ptr = next(p for p in base if p <= start < p + base[p])  # inside its registration
+            assert start % PAGE_BYTES == 0 and start - ptr < PAGE_BYTES
             assert all((v.data_ptr() - start) % HOST_ALIGN == 0 for v in views)
+            assert all(v.untyped_storage().data_ptr() == ptr for v in views)  # is_pinned asks it
     offloader.enter("update")
     for kind, ts in tensors.items():
         for t, w in zip(ts, want[kind]):
@@ -100,7 +103,7 @@ def test_one_pinned_buffer_per_kind_holds_aligned_views_and_round_trips_exactly(
     offloader.enter("idle")  # the same buffers again: nothing more is pinned
     assert len(fake_cuda) == 3
     metrics = offloader.take_memory_metrics()
-    assert metrics["memory/pinned_gb"] == 3 * PAGE_BYTES / 2**30
+    assert metrics["memory/pinned_gb"] == 6 * PAGE_BYTES / 2**30
     assert metrics["timing/pin_s"] > 0
 
 

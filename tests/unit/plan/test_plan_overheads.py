@@ -118,7 +118,7 @@ def test_7b_plan_shows_head_ops_cache_communicators_and_host_memory_and_fits():
     assert node.pinned["critic optimizer"] == 8 * critic.host_buffer["optimizer"]
     # one flat buffer of the two moments, each aligned, in whole pages: the state and a page
     extra = critic.host_buffer["optimizer"] - critic.state["optimizer"]
-    assert 0 <= extra < 2 * HOST_ALIGN + PAGE_BYTES
+    assert 0 <= extra < 2 * HOST_ALIGN + 2 * PAGE_BYTES  # and the spare page
     assert set(node.pinned) == {"critic weights", "critic grads", "critic masters",
                                 "critic optimizer", "ref weights"}
 
