@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from rlhf.parallel.launch import free_port
+from rlhf.parallel.launch import fork_ranks_from_a_server, free_port
 
 OPTIONAL_PACKAGES = ("ray", "vllm", "flash_attn", "jsonschema")
 
@@ -69,6 +69,15 @@ class _Module(pytest.Module):
 @pytest.hookimpl(tryfirst=True)
 def pytest_pycollect_makemodule(module_path, parent):
     return _Module.from_parent(parent, path=module_path)
+
+
+# What every rank of a tests/dist launch imports: loaded once in the fork server, not per rank.
+RANK_PRELOAD = ["pytest", "torch", "torch.distributed", "transformers", "rlhf.demo.tiny_model",
+                "rlhf.engine", "rlhf.models.build", "rlhf.parallel.mesh"]
+
+
+def pytest_configure(config):
+    fork_ranks_from_a_server(RANK_PRELOAD)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,6 +24,9 @@ from rlhf.parallel.mesh import init_world
 
 _POLL_S = 0.5  # how often the caller re-checks the deadline while nothing happens
 _PEER_GRACE_S = 2.0  # how long to wait for the cause once a rank reports a lost peer
+# How ranks start: a fresh interpreter each ("spawn") unless `fork_ranks_from_a_server` chose
+# otherwise.
+_start_method = "spawn"
 
 
 class DistributedRunError(RuntimeError):
@@ -44,6 +47,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fork_ranks_from_a_server(preload: list[str]) -> None:
+    """Later launches fork their ranks from one server process that imports `preload` once,
+    instead of a fresh interpreter per rank re-importing torch (seconds of CPU each). For
+    callers making many short launches (the test suite); ranks see the environment of the
+    first such launch."""
+    global _start_method
+    mp.set_forkserver_preload(preload)
+    _start_method = "forkserver"
 
 
 def run_distributed(
@@ -75,7 +88,7 @@ def run_distributed(
         raise ValueError(f"fn and args must be picklable (fn a module-level function): {e}") from e
     init_method = f"tcp://127.0.0.1:{free_port()}"
     pg_timeout_s = collective_timeout_s if collective_timeout_s is not None else timeout_s
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(_start_method)
     procs, conns = [], []
     try:
         for rank in range(nproc):
