@@ -14,13 +14,14 @@ def ray_cluster():
     if ray.is_initialized():  # someone else's cluster (e.g. an interactive session): reuse it
         yield
         return
-    ray.init(
-        num_cpus=NUM_CPUS,
-        include_dashboard=False,
-        logging_level="WARNING",
-        log_to_driver=True,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}},
-    )
+    # The workers inherit these from the raylet, which ray.init starts with this process's
+    # environment. Not a job runtime_env: with one, Ray starts a fresh process for every actor
+    # and leaves the workers it prestarted (one per CPU, Ray already imported) unused.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OMP_NUM_THREADS", "1")
+        env.setenv("MKL_NUM_THREADS", "1")
+        ray.init(num_cpus=NUM_CPUS, include_dashboard=False, logging_level="WARNING",
+                 log_to_driver=True)
     yield
     ray.shutdown()
 
