@@ -26,8 +26,8 @@ from rlhf.data.dataset import PromptDataset, read_rows
 from rlhf.envs.render import TurnRenderer
 from rlhf.envs.runner import EnvRunner
 from rlhf.envs.tools import calculator, parse_tool_calls
-from rlhf.rollout.vllm_sampler import Completion
 from rlhf.rollout.multiturn import Episode, env_metrics, run_episodes
+from rlhf.rollout.vllm_sampler import Completion
 from rlhf.trainer.jobs import load_tokenizer
 
 

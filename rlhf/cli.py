@@ -233,8 +233,8 @@ def _reject(args, task: str, **flags) -> None:
 def _verify_model(args) -> int:
     import json
 
-    from rlhf.verify import verify_model
     from rlhf.parallel.launch import DistributedRunError
+    from rlhf.verify import verify_model
 
     try:
         report = verify_model(

@@ -20,8 +20,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from rlhf.algorithms import (aggregate, entropy_bonus, get_policy_loss, kl_loss, policy_clip,
-                             truncated_is_weights)
+from rlhf.algorithms import (
+    aggregate,
+    entropy_bonus,
+    get_policy_loss,
+    kl_loss,
+    policy_clip,
+    truncated_is_weights,
+)
 from rlhf.config import JobConfig, ref_from_actor
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch

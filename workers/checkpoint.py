@@ -7,11 +7,11 @@ from pathlib import Path
 import ray
 import torch.distributed as dist
 
+from rlhf.config.schema import LoraConfig
 from rlhf.controller import Dispatch, register
 from rlhf.controller.nodes import node_label
 from rlhf.engine.offload import in_phase
 from rlhf.files import read_marker
-from rlhf.config.schema import LoraConfig
 from rlhf.models.hf_io import hf_config, write_hf_folder
 from rlhf.models.lora import is_lora_param
 from rlhf.models.peft_folder import merged_stream, write_adapter_folder

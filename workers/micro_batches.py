@@ -22,8 +22,12 @@ from rlhf.data.fields import MASK, response_mask, sample_lengths
 from rlhf.data.packing import pack_prompt_response, shared_prompt_lens
 from rlhf.data.ragged import Ragged
 from rlhf.data.routes import ROUTES, routes_to_stream, stream_to_routes
-from rlhf.engine import (MicroBatch, collect_response_values, predicting_positions,
-                         scatter_response_values)
+from rlhf.engine import (
+    MicroBatch,
+    collect_response_values,
+    predicting_positions,
+    scatter_response_values,
+)
 
 
 def group_batches(batch: Batch, role: ForwardRoleConfig, split: GroupBatches | None, *,

@@ -22,18 +22,47 @@ in `logp_T` / `values_T`. Per-token log-probs here are those of the response tok
 (`rlhf.data.packing.response_values(..., next_token=True)` gives them from a packed forward).
 """
 
-from rlhf.algorithms.advantages import (compute_advantage, gae, get_advantage, grpo,
-                                        masked_whiten, register_advantage, reinforce_plus_plus,
-                                        reinforce_plus_plus_baseline, rloo,
-                                        scores_to_token_rewards, sequence_scores)
-from rlhf.algorithms.kl import (AdaptiveKLController, FixedKLController, apply_kl_penalty,
-                                build_kl_controller, get_kl, kl, register_kl)
-from rlhf.algorithms.losses import (aggregate, entropy_bonus, get_loss_agg, kl_loss,
-                                    loss_normalizers, ppo_policy_loss, register_loss_agg,
-                                    truncated_is_weights, value_loss)
+from rlhf.algorithms.advantages import (
+                                        compute_advantage,
+                                        gae,
+                                        get_advantage,
+                                        grpo,
+                                        masked_whiten,
+                                        register_advantage,
+                                        reinforce_plus_plus,
+                                        reinforce_plus_plus_baseline,
+                                        rloo,
+                                        scores_to_token_rewards,
+                                        sequence_scores,
+)
+from rlhf.algorithms.kl import (
+                                        AdaptiveKLController,
+                                        FixedKLController,
+                                        apply_kl_penalty,
+                                        build_kl_controller,
+                                        get_kl,
+                                        kl,
+                                        register_kl,
+)
+from rlhf.algorithms.losses import (
+                                        aggregate,
+                                        entropy_bonus,
+                                        get_loss_agg,
+                                        kl_loss,
+                                        loss_normalizers,
+                                        ppo_policy_loss,
+                                        register_loss_agg,
+                                        truncated_is_weights,
+                                        value_loss,
+)
 from rlhf.algorithms.needs import algorithm_needs, estimator_needs
-from rlhf.algorithms.policy_losses import (cispo_policy_loss, get_policy_loss, gspo_policy_loss,
-                                           policy_clip, register_policy_loss)
+from rlhf.algorithms.policy_losses import (
+                                        cispo_policy_loss,
+                                        get_policy_loss,
+                                        gspo_policy_loss,
+                                        policy_clip,
+                                        register_policy_loss,
+)
 
 __all__ = [
     "AdaptiveKLController", "FixedKLController", "aggregate", "algorithm_needs",

@@ -16,9 +16,17 @@ import torch
 from torch import Tensor
 
 from rlhf.algorithms.registry import lookup, register
-from rlhf.algorithms.segments import (Segments, check_tokens, last_valid_index, reverse_scan,
-                                      scatter_valid, segment_sum, segments, to_tokens,
-                                      valid_mask)
+from rlhf.algorithms.segments import (
+    Segments,
+    check_tokens,
+    last_valid_index,
+    reverse_scan,
+    scatter_valid,
+    segment_sum,
+    segments,
+    to_tokens,
+    valid_mask,
+)
 
 _ADVANTAGES: dict[str, Callable] = {}
 

@@ -19,8 +19,14 @@ from torch import Tensor
 
 from rlhf.algorithms.kl import kl
 from rlhf.algorithms.registry import lookup, register
-from rlhf.algorithms.segments import (Segments, check_tokens, count_per_sample, segment_sum,
-                                      segments, valid_mask)
+from rlhf.algorithms.segments import (
+    Segments,
+    check_tokens,
+    count_per_sample,
+    segment_sum,
+    segments,
+    valid_mask,
+)
 
 LOG_RATIO_BOUND = 20.0  # the PPO ratio exp(logp - old_logp) is taken of a log-ratio within +-20
 

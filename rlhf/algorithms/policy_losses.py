@@ -15,8 +15,13 @@ import torch
 from torch import Tensor
 
 from rlhf.algorithms.kl import kl
-from rlhf.algorithms.losses import (LOG_RATIO_BOUND, _masked_mean, aggregate, policy_inputs,
-                                    ppo_policy_loss)
+from rlhf.algorithms.losses import (
+    LOG_RATIO_BOUND,
+    _masked_mean,
+    aggregate,
+    policy_inputs,
+    ppo_policy_loss,
+)
 from rlhf.algorithms.registry import lookup, register
 from rlhf.algorithms.segments import count_per_sample, segment_sum, segments, to_tokens
 

@@ -14,8 +14,13 @@ import torch
 from torch import Tensor
 
 from rlhf.algorithms.kl import kl
-from rlhf.algorithms.segments import (check_tokens, count_per_sample, segment_sum, segments,
-                                      valid_mask)
+from rlhf.algorithms.segments import (
+    check_tokens,
+    count_per_sample,
+    segment_sum,
+    segments,
+    valid_mask,
+)
 
 
 def sequence_log_ratios(old_logp_T: Tensor, rollout_logp_T: Tensor, mask_T: Tensor | None,

@@ -26,8 +26,7 @@ import torch
 
 from rlhf.data.packing import SharedPrefix
 from rlhf.engine import resolve_device
-from rlhf.models.attention import (_flash_fn, flash_varlen, pick_kernel, sdpa_split,
-                                   sdpa_varlen)
+from rlhf.models.attention import _flash_fn, flash_varlen, pick_kernel, sdpa_split, sdpa_varlen
 from rlhf.models.varlen_kernels import torch_varlen, torch_varlen_fn
 
 # Largest error, relative to the reference's largest magnitude, that passes per dtype: a few

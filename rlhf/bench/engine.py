@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_per_token
-from rlhf.engine.offload import Offloader
 from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
+from rlhf.engine.offload import Offloader
 from rlhf.models.build import BuiltModel
 from rlhf.models.config import ModelArgs
 from rlhf.models.transformer import CausalLM

@@ -8,13 +8,28 @@ from rlhf.config.checks import check_config
 from rlhf.config.loader import config_from_dict, config_to_dict, format_config, load_config
 from rlhf.config.reference import reference_markdown
 from rlhf.config.roles import TRAINED_ROLES, AlgorithmNeeds, job_roles, ref_from_actor
-from rlhf.config.schema import (AlgorithmConfig, CriticConfig, DataConfig,
-                                ForwardRoleConfig, JobConfig, LoraConfig, ModelConfig,
+from rlhf.config.schema import (
+                                AlgorithmConfig,
+                                CriticConfig,
+                                DataConfig,
+                                ForwardRoleConfig,
+                                JobConfig,
+                                LoraConfig,
+                                ModelConfig,
                                 OffloadConfig,
-                                OptimizerConfig, ParallelConfig, RayConfig, ReferenceConfig,
-                                RewardConfig, RewardFunctionConfig, RolloutConfig, SFTConfig,
-                                TinyModelConfig, TrainerConfig, TrainRoleConfig,
-                                sft_output_path)
+                                OptimizerConfig,
+                                ParallelConfig,
+                                RayConfig,
+                                ReferenceConfig,
+                                RewardConfig,
+                                RewardFunctionConfig,
+                                RolloutConfig,
+                                SFTConfig,
+                                TinyModelConfig,
+                                TrainerConfig,
+                                TrainRoleConfig,
+                                sft_output_path,
+)
 from rlhf.errors import ConfigError
 
 __all__ = [

@@ -9,8 +9,8 @@ model's config.json, are in `rlhf.config.checks`.
 """
 
 import re
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from rlhf.errors import ConfigError

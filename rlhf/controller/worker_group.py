@@ -35,12 +35,11 @@ from rlhf.controller.dispatch import (
     Dispatch,
     Layout,
     collect,
-    route_call,
     registered_methods,
+    route_call,
 )
 from rlhf.controller.errors import WorkerDiedError, WorkerError
-from rlhf.controller.nodes import (check_node_interfaces, node_alive, node_label,
-                                   node_table)
+from rlhf.controller.nodes import check_node_interfaces, node_alive, node_label, node_table
 from rlhf.controller.resource_pool import ResourcePool
 
 RoleSpec = type | tuple[type, Mapping[str, Any]]

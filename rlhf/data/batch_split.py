@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlhf.data.balancing import check_lengths, assign_micro_batches
+from rlhf.data.balancing import assign_micro_batches, check_lengths
 
 
 @dataclass(frozen=True)

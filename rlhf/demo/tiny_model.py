@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 import transformers
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, GenerationConfig, PretrainedConfig
 
 from rlhf.config.schema import VLLM_CPU_HEAD_SIZES, TinyModelConfig

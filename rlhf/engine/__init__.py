@@ -15,8 +15,13 @@
 """
 
 from rlhf.engine.engine import TrainEngine, resolve_device, resolve_dtype
-from rlhf.engine.micro_batch import (MicroBatch, collect_response_values, make_micro_batches,
-                                     predicting_positions, scatter_response_values)
+from rlhf.engine.micro_batch import (
+                                     MicroBatch,
+                                     collect_response_values,
+                                     make_micro_batches,
+                                     predicting_positions,
+                                     scatter_response_values,
+)
 from rlhf.engine.optim import lr_at
 from rlhf.engine.recompute import Recomputed, apply_recompute
 from rlhf.engine.schedule import LossFn, MicroBatchResult, NoPipeline, Schedule, make_schedule

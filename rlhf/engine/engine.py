@@ -38,8 +38,7 @@ from torch import Tensor
 import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
 from rlhf.config.schema import AUTO_DTYPE, Dtype, LoraConfig, OptimizerConfig, ParallelConfig
-from rlhf.engine.grads import (GradBuffer, clip_, gather_grads, grad_norm, scatters_grads,
-                               sync_grads)
+from rlhf.engine.grads import GradBuffer, clip_, gather_grads, grad_norm, scatters_grads, sync_grads
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
@@ -49,8 +48,8 @@ from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
 from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_full_grads
-from rlhf.models.transformer import ValueModel
 from rlhf.models.param_table import ParamTable
+from rlhf.models.transformer import ValueModel
 from rlhf.parallel.collectives import group_rank, group_size
 from rlhf.parallel.expert_parallel import timed_all_to_all
 from rlhf.parallel.mesh import ParallelMesh

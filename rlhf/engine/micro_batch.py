@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from rlhf.data.packing import (PackedSequences, SharedPrefix, pack_prompt_response,
-                               response_values)
+from rlhf.data.packing import PackedSequences, SharedPrefix, pack_prompt_response, response_values
 from rlhf.data.ragged import Ragged
 from rlhf.models.varlen_layout import VarlenLayout, varlen_layout
 from rlhf.parallel.host import to_device

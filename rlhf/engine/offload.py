@@ -56,8 +56,13 @@ from torch import Tensor
 
 from rlhf.config.schema import OffloadConfig
 from rlhf.engine.zero import STATE_KINDS
-from rlhf.parallel.memory_probes import (GB, memory_now, release_cached_memory,
-                                         reset_memory_peaks, worst_memory)
+from rlhf.parallel.memory_probes import (
+    GB,
+    memory_now,
+    release_cached_memory,
+    reset_memory_peaks,
+    worst_memory,
+)
 
 Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors

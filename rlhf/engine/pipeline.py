@@ -20,14 +20,27 @@ from torch import Tensor, nn
 
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
-from rlhf.engine.pipeline_order import (FORWARD, Step, forward_only_order, one_f_one_b_order,
-                                        training_orders, units)
+from rlhf.engine.pipeline_order import (
+    FORWARD,
+    Step,
+    forward_only_order,
+    one_f_one_b_order,
+    training_orders,
+    units,
+)
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
-from rlhf.parallel.p2p import (ACTIVATION, GRADIENT, Recv, Send, activation_shape, exchange,
-                               message_tag)
+from rlhf.parallel.p2p import (
+    ACTIVATION,
+    GRADIENT,
+    Recv,
+    Send,
+    activation_shape,
+    exchange,
+    message_tag,
+)
 from rlhf.parallel.stages import StageChunk, stage_rank
 from rlhf.parallel.timing import Stopwatch
 

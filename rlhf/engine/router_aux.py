@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from rlhf.data.routes import ROUTES
 from rlhf.engine.loss_fn import LossFn, Outputs
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
-from rlhf.data.routes import ROUTES
 from rlhf.models.moe import Routing, routing_for
 
 AUX_KEY = "router_aux_loss"

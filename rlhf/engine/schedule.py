@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from rlhf.data.routes import ROUTES
 from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
@@ -28,7 +29,6 @@ from rlhf.engine.recompute import Recomputed
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
 from rlhf.models.expert_sharding import idle_expert_exchange
-from rlhf.data.routes import ROUTES
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh

@@ -40,8 +40,12 @@ from torch import Tensor
 
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.varlen_kernels import torch_varlen, torch_varlen_fn
-from rlhf.models.varlen_layout import (VarlenLayout, bottom_right_causal, flash_style_keys,
-                                       varlen_layout)
+from rlhf.models.varlen_layout import (
+    VarlenLayout,
+    bottom_right_causal,
+    flash_style_keys,
+    varlen_layout,
+)
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"

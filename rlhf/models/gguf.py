@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from rlhf.errors import RLHFError
-from rlhf.files import atomic_folder
 from rlhf.families import FAMILIES
+from rlhf.files import atomic_folder
 
 # GGUF's "general.architecture" of the families the decoder implements.
 SUPPORTED_GGUF_ARCHITECTURES = tuple(f.gguf_architecture for f in FAMILIES if f.gguf_architecture)
@@ -101,8 +101,7 @@ def import_gguf(path: str | Path, out: str | Path, *, overwrite: bool = False) -
     """Write `out`: safetensors in fp32, config, tokenizer (chat template included) and
     generation config from the GGUF file at `path`; returns what was read."""
     import torch
-    from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer,
-                              GenerationConfig)
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path, out = Path(path), Path(out)
     facts = check_gguf(path)

@@ -35,8 +35,7 @@ from torch import Tensor, nn
 from rlhf.config.schema import LORA_ALL_LINEAR, LoraConfig
 from rlhf.errors import ConfigError
 from rlhf.models.moe import SparseMoeBlock
-from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                           shard_for_rank)
+from rlhf.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, shard_for_rank
 
 PEFT_PREFIX = "base_model.model."
 LORA_FACTORS = ("lora_A", "lora_B")

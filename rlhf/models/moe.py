@@ -43,10 +43,14 @@ from torch.distributed import ProcessGroup
 
 from rlhf.data.routes import ROUTES
 from rlhf.models.config import ModelArgs
-from rlhf.parallel.collectives import (copy_to_tp, gather_from_sequence, group_size,
-                                       reduce_from_tp, reduce_scatter_to_sequence)
+from rlhf.parallel.collectives import (
+    copy_to_tp,
+    gather_from_sequence,
+    group_size,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
 from rlhf.parallel.expert_parallel import ExpertPlacement, experts_forward
-
 
 
 @dataclass

@@ -27,8 +27,12 @@ from rlhf.models.lora import LoraLayer
 from rlhf.models.moe import SparseMoeBlock
 from rlhf.models.tp_sharding import SequenceGatheredLinear, TPState
 from rlhf.models.transformer import Attention, RMSNorm
-from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
-                                           RowParallelLinear, VocabParallelEmbedding)
+from rlhf.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,12 @@ from rlhf.models.moe import SparseMoeBlock
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.collectives import gather_from_sequence
 from rlhf.parallel.mesh import ParallelMesh
-from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
-                                           RowParallelLinear, VocabParallelEmbedding)
+from rlhf.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 Model = CausalLM | ValueModel
 

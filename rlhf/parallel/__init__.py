@@ -10,16 +10,30 @@
 - `memory_probes.py`: a process's device and host memory, and what an NCCL communicator took.
 """
 
-from rlhf.parallel.collectives import (copy_to_tp, gather_from_sequence, gather_from_tp,
-                                       reduce_from_tp, reduce_scatter_to_sequence,
-                                       scatter_to_sequence, scatter_to_tp)
+from rlhf.parallel.collectives import (
+                                       copy_to_tp,
+                                       gather_from_sequence,
+                                       gather_from_tp,
+                                       reduce_from_tp,
+                                       reduce_scatter_to_sequence,
+                                       scatter_to_sequence,
+                                       scatter_to_tp,
+)
 from rlhf.parallel.launch import DistributedRunError, DistributedTimeoutError, run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from rlhf.parallel.tensor_parallel import (ColumnParallelLinear, ParallelLMHead,
-                                           RowParallelLinear, VocabParallelEmbedding,
-                                           shard_for_rank)
-from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
-                                          vocab_parallel_log_probs, vocab_shard_range)
+from rlhf.parallel.tensor_parallel import (
+                                       ColumnParallelLinear,
+                                       ParallelLMHead,
+                                       RowParallelLinear,
+                                       VocabParallelEmbedding,
+                                       shard_for_rank,
+)
+from rlhf.parallel.vocab_parallel import (
+                                       padded_vocab_size,
+                                       vocab_parallel_entropy,
+                                       vocab_parallel_log_probs,
+                                       vocab_shard_range,
+)
 
 __all__ = [
     "ColumnParallelLinear", "DistributedRunError", "DistributedTimeoutError", "ParallelLMHead",

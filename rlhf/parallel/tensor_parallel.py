@@ -36,6 +36,7 @@ from rlhf.parallel.collectives import (
 )
 from rlhf.parallel.vocab_parallel import padded_vocab_size, vocab_shard_range
 
+
 def shard_for_rank(full: Tensor, dim: int, rank: int, size: int) -> Tensor:
     """Rank's contiguous slice (a view) of `full` along `dim`, split into `size` equal parts."""
     n = full.shape[dim]

@@ -47,7 +47,6 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-
 from rlhf.config import JobConfig, ref_from_actor
 from rlhf.config.schema import RECOMPUTE_MODES
 from rlhf.engine.offload import host_layout, offloaded_kinds, placement
@@ -55,8 +54,15 @@ from rlhf.engine.zero import STATE_KINDS, state_tensor_bytes
 from rlhf.parallel.layout import EXPERT_AXES, GROUP_AXES, Layout
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.vocab_parallel import head_workspace
-from rlhf.plan.inputs import (GIB, Hardware, RoleSpec, hardware, host_memory, role_specs,
-                              vllm_residual)
+from rlhf.plan.inputs import (
+    GIB,
+    Hardware,
+    RoleSpec,
+    hardware,
+    host_memory,
+    role_specs,
+    vllm_residual,
+)
 from rlhf.plan.shapes import stage_shapes
 from rlhf.rollout.residency import replica_sleeps
 

@@ -8,8 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from rlhf.errors import RLHFError
 from rlhf.config.loader import add_job_arguments
+from rlhf.errors import RLHFError
 
 GIB = 2**30
 

@@ -23,10 +23,9 @@ import torch.distributed as dist
 
 from rlhf.config.schema import LoraConfig, ParallelConfig
 from rlhf.models.config import ModelArgs
-from rlhf.models.lora import apply_lora
 from rlhf.models.expert_sharding import apply_ep
-from rlhf.models.param_table import param_table
 from rlhf.models.lora import apply_lora
+from rlhf.models.param_table import param_table
 from rlhf.models.tp_sharding import TPState, apply_tp
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.parallel.layout import Layout

@@ -26,10 +26,10 @@ from rlhf.data.routes import ROUTES
 from rlhf.models.export import ExportStream, ExportTimes
 from rlhf.parallel.collectives import group_size
 from rlhf.parallel.mesh import world_unbound
-from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
 from rlhf.rollout.multiturn import EpisodeRunner, env_metrics
 from rlhf.rollout.residency import SleepReport
 from rlhf.rollout.sampling import derive_seed, request_seeds, sampling_params
+from rlhf.rollout.vllm_sampler import Completion, VllmSampler, vllm_environment
 from rlhf.rollout.weights import receipt_metrics
 
 Buckets = Iterable[list[tuple[str, Tensor]]]

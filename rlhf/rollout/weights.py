@@ -132,8 +132,10 @@ def _layerwise_reload(model: nn.Module, weights: Weights, model_config) -> list[
     forgets the count; a module still waiting at the end received `load_numel`. A module vLLM
     did not set up for it (`can_load()` false: it would load straight into the live tensors,
     as later vLLMs do for "runtime-mapped" layers) is counted by our own loader wrappers."""
-    from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,
-                                                         initialize_layerwise_reload)
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
     from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
     from vllm.platforms import current_platform
 
@@ -423,6 +425,7 @@ def _convert_as_first_load(module: nn.Module) -> None:
 
 def _fused_moe_method() -> type:
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-        UnquantizedFusedMoEMethod)
+        UnquantizedFusedMoEMethod,
+    )
 
     return UnquantizedFusedMoEMethod

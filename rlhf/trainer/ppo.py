@@ -25,8 +25,14 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rlhf.algorithms import (apply_kl_penalty, build_kl_controller, compute_advantage,
-                             estimator_needs, scores_to_token_rewards, sequence_scores)
+from rlhf.algorithms import (
+    apply_kl_penalty,
+    build_kl_controller,
+    compute_advantage,
+    estimator_needs,
+    scores_to_token_rewards,
+    sequence_scores,
+)
 from rlhf.config import TRAINED_ROLES, JobConfig, config_to_dict, job_roles, ref_from_actor
 from rlhf.config.roles import ACTOR, CRITIC, REF
 from rlhf.controller import RoleView
@@ -48,8 +54,13 @@ from rlhf.trainer.checkpoint import CheckpointManager, rng_state, set_rng_state
 from rlhf.trainer.device import actor_dtype
 from rlhf.trainer.metrics import MetricsLogger, SectionTimer
 from rlhf.trainer.preemption import Preempted, StopRequests
-from rlhf.trainer.recipes import (fill_batch, prepare_update, round_seed, rollout_corr_metrics,
-                                  shape_scores)
+from rlhf.trainer.recipes import (
+    fill_batch,
+    prepare_update,
+    rollout_corr_metrics,
+    round_seed,
+    shape_scores,
+)
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
 

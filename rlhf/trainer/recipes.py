@@ -15,8 +15,11 @@ from torch import Tensor
 
 from rlhf.algorithms.group_filters import NO_FILTER, get_group_filter
 from rlhf.algorithms.overlong import overlong_penalty, truncated
-from rlhf.algorithms.rollout_correction import (reject_outside_band, rollout_correction_metrics,
-                                                seq_tis_weights)
+from rlhf.algorithms.rollout_correction import (
+    reject_outside_band,
+    rollout_correction_metrics,
+    seq_tis_weights,
+)
 from rlhf.config import JobConfig
 from rlhf.data.batch import Batch
 from rlhf.data.fields import MASK, SEQ_IS_WEIGHTS, response_mask

@@ -23,8 +23,14 @@ from rlhf.config import JobConfig, config_from_dict, config_to_dict
 from rlhf.config.paths import resolve_paths
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.files import atomic_write
-from rlhf.trainer.checkpoint import (CheckpointManager, config_differences, layout_differences,
-                                     model_config_digest, read_manifest, run_fingerprint)
+from rlhf.trainer.checkpoint import (
+    CheckpointManager,
+    config_differences,
+    layout_differences,
+    model_config_digest,
+    read_manifest,
+    run_fingerprint,
+)
 
 RUN_FILE = "run.json"  # the run's identity, written when it starts
 # What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.

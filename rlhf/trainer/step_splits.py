@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 from rlhf.config import AlgorithmNeeds, JobConfig
 from rlhf.data.batch import Batch
-from rlhf.data.batch_split import BatchSplit, split_role_batch, role_budget
+from rlhf.data.batch_split import BatchSplit, role_budget, split_role_batch
 from rlhf.data.fields import sample_lengths
 from rlhf.data.packing import shared_prompt_lens
 

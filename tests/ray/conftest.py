@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+
 ray = pytest.importorskip("ray", reason="tests/ray needs ray, which is not installed here")
 
 NUM_CPUS = 8  # logical CPUs: more ranks than the machine's cores, each rank uses one thread

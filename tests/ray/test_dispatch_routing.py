@@ -9,10 +9,10 @@ from rlhf.controller.dispatch import (
     Dispatch,
     Layout,
     collect,
-    route_call,
     reduce_metrics,
     register,
     registered_methods,
+    route_call,
 )
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import GroupBatches, split_batch

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from rlhf.errors import RLHFError
 from rlhf.controller.nodes import check_user_files
+from rlhf.errors import RLHFError
 
 
 def views_on_this_node() -> dict:

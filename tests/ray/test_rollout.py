@@ -7,9 +7,17 @@ import torch
 
 from rlhf.data.batch import Batch
 from rlhf.rollout import logprob_gap
-from tests.ray.rollout_helpers import (GAP_TOL, MAX_NEW, actor_group, assert_greedy_equal,
-                                       hf_greedy, make_policy, ppo_batch, prompts,
-                                       rollout_config)
+from tests.ray.rollout_helpers import (
+    GAP_TOL,
+    MAX_NEW,
+    actor_group,
+    assert_greedy_equal,
+    hf_greedy,
+    make_policy,
+    ppo_batch,
+    prompts,
+    rollout_config,
+)
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.vllm]
 

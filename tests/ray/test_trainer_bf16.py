@@ -5,7 +5,6 @@ default `rollout.max_logprob_gap_p99`, so a stop fails the test), and float32's 
 magnitude smaller."""
 
 import pytest
-
 import torch
 
 from rlhf.config.schema import RolloutConfig

@@ -11,8 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf.trainer.checkpoint import verify_checkpoint
-from rlhf.trainer.jobs import (RoleGroups, checkpoint_config, export_checkpoint, job_workers,
-                               load_tokenizer)
+from rlhf.trainer.jobs import (
+    RoleGroups,
+    checkpoint_config,
+    export_checkpoint,
+    job_workers,
+    load_tokenizer,
+)
 from rlhf.trainer.metrics import read_metrics
 from rlhf.trainer.ppo import PPOTrainer
 from tests.unit.trainer.jobs import job_config, make_assets

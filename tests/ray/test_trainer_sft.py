@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from rlhf.errors import RLHFError
 from rlhf.config import sft_output_path
+from rlhf.errors import RLHFError
 from rlhf.trainer.sft import run_sft
 from tests.unit.trainer.jobs import job_config, make_assets
 

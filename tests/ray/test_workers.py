@@ -6,17 +6,25 @@ import math
 
 import pytest
 import torch
+from transformers import LlamaForSequenceClassification
 
-from rlhf.controller import Layout, ResourcePool, WorkerError, WorkerGroup
 from rlhf.config import ParallelConfig
+from rlhf.controller import Layout, ResourcePool, WorkerError, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.transformer import ValueModel
 from rlhf.trainer.step_splits import StepSplits
-from tests.unit.test_worker_roles import (ACTOR_KEYS, CRITIC_KEYS, TEMPERATURE, hf_token_stats,
-                                          make_batch, make_config, make_folders, per_token)
-from transformers import LlamaForSequenceClassification
+from tests.unit.test_worker_roles import (
+    ACTOR_KEYS,
+    CRITIC_KEYS,
+    TEMPERATURE,
+    hf_token_stats,
+    make_batch,
+    make_config,
+    make_folders,
+    per_token,
+)
 from workers.actor import ActorWorker
 from workers.critic import CriticWorker
 from workers.reference import ReferenceWorker

@@ -5,8 +5,7 @@ by name."""
 import pytest
 
 from rlhf.errors import RLHFError
-from rlhf.files import (MARKER_PREFIX, atomic_folder, atomic_write, check_shared_folder,
-                        read_marker)
+from rlhf.files import MARKER_PREFIX, atomic_folder, atomic_write, check_shared_folder, read_marker
 
 
 def test_success_replaces_the_file_and_creates_parents(tmp_path):

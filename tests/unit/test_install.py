@@ -369,9 +369,9 @@ def test_the_gpu_install_has_what_the_shipped_gpu_config_uses():
 
 
 def test_shipped_gpu_config_passes_config_show_on_a_gpu_install(tmp_path, monkeypatch, capsys):
+    from rlhf import preflight as preflight_module
     from rlhf.cli import main
     from rlhf.config import load_config
-    from rlhf import preflight as preflight_module
 
     # Where the config names site paths (a 7B folder, GSM8K files, a checkpoint folder), give
     # stand-ins of the right kind; the rest is the shipped file as it is.

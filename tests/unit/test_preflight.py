@@ -11,10 +11,10 @@ from transformers import LlamaForSequenceClassification
 
 from rlhf.cli import main
 from rlhf.config import config_from_dict, config_to_dict
-from rlhf.preflight import pool_problems, preflight
-from rlhf.trainer.run_folder import move_old_run_aside, restart_line, write_run_identity
 from rlhf.errors import ConfigError
+from rlhf.preflight import pool_problems, preflight
 from rlhf.trainer.checkpoint import CheckpointManager, layout_differences
+from rlhf.trainer.run_folder import move_old_run_aside, restart_line, write_run_identity
 from tests.unit.trainer.jobs import TINY, make_assets
 
 REWARD_OK = "def score(*, prompt, response, ground_truth, extra):\n    return 1.0\n"

@@ -10,8 +10,16 @@ import torch
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.config import ModelArgs
-from rlhf.verify import (DEFAULT_FACTOR, MOE_AUX_WEIGHT, _compare, distances, hf_reference,
-                         judge, random_batch, _scales)
+from rlhf.verify import (
+    DEFAULT_FACTOR,
+    MOE_AUX_WEIGHT,
+    _compare,
+    _scales,
+    distances,
+    hf_reference,
+    judge,
+    random_batch,
+)
 
 SPEC = TinyModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, num_heads=2,
                        num_kv_heads=1, intermediate_size=96, vocab_size=384,

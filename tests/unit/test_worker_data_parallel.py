@@ -15,8 +15,7 @@ from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.parallel.launch import run_distributed  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from rlhf.trainer.step_splits import StepSplits  # noqa: E402
-from tests.unit.test_worker_roles import (TOL, context, folders, make_config,  # noqa: E402,F401
-                                          rl_batch, world)
+from tests.unit.test_worker_roles import TOL, context, folders, make_config, rl_batch, world  # noqa: E402,F401
 from workers.actor import ActorWorker  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 

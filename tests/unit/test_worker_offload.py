@@ -13,8 +13,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from rlhf.config import OffloadConfig  # noqa: E402
-from tests.unit.test_worker_roles import (context, folders, make_config, rl_batch,  # noqa: E402,F401
-                                          world)
+from tests.unit.test_worker_roles import context, folders, make_config, rl_batch, world  # noqa: E402,F401
 from workers.actor import ActorWorker  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 from workers.reference import ReferenceWorker  # noqa: E402

@@ -14,10 +14,21 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 if _ROOT not in sys.path:  # spawned ranks import this module by name
     sys.path.insert(0, _ROOT)
 
-from rlhf.config import (AlgorithmConfig, ConfigError, CriticConfig,  # noqa: E402
-                         JobConfig, ModelConfig, OptimizerConfig,
-                         ParallelConfig, ReferenceConfig, RewardConfig, RolloutConfig,
-                         TinyModelConfig, TrainerConfig, TrainRoleConfig)
+from rlhf.config import (  # noqa: E402
+    AlgorithmConfig,
+    ConfigError,
+    CriticConfig,
+    JobConfig,
+    ModelConfig,
+    OptimizerConfig,
+    ParallelConfig,
+    ReferenceConfig,
+    RewardConfig,
+    RolloutConfig,
+    TinyModelConfig,
+    TrainerConfig,
+    TrainRoleConfig,
+)
 from rlhf.controller import WorkerContext  # noqa: E402
 from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.data.ragged import Ragged  # noqa: E402
@@ -27,8 +38,8 @@ from rlhf.models.hf_io import load_hf_weights  # noqa: E402
 from rlhf.models.transformer import ValueModel  # noqa: E402
 from rlhf.parallel.mesh import ProcessGroupCache  # noqa: E402
 from workers.actor import ActorWorker  # noqa: E402
-from workers.micro_batches import forward_micro_batches  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
+from workers.micro_batches import forward_micro_batches  # noqa: E402
 from workers.reference import ReferenceWorker  # noqa: E402
 from workers.reward_model import RewardModelWorker  # noqa: E402
 

@@ -17,9 +17,18 @@ from rlhf.algorithms import truncated_is_weights  # noqa: E402
 from rlhf.config import OptimizerConfig  # noqa: E402
 from rlhf.data.batch import Batch  # noqa: E402
 from rlhf.data.fields import MASK  # noqa: E402
-from tests.unit.test_worker_roles import (ACTOR_KEYS, CRITIC_KEYS, context,  # noqa: E402,F401
-                                          folders, make_batch, make_config, per_token, rl_batch,
-                                          weights_of, world)
+from tests.unit.test_worker_roles import (  # noqa: E402,F401
+    ACTOR_KEYS,
+    CRITIC_KEYS,
+    context,
+    folders,
+    make_batch,
+    make_config,
+    per_token,
+    rl_batch,
+    weights_of,
+    world,
+)
 from workers.actor import ActorWorker  # noqa: E402
 from workers.critic import CriticWorker  # noqa: E402
 

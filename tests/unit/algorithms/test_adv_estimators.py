@@ -8,9 +8,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algorithms import (compute_advantage, gae, grpo, masked_whiten, reinforce_plus_plus,
-                             reinforce_plus_plus_baseline, rloo, scores_to_token_rewards,
-                             sequence_scores)
+from rlhf.algorithms import (
+    compute_advantage,
+    gae,
+    grpo,
+    masked_whiten,
+    reinforce_plus_plus,
+    reinforce_plus_plus_baseline,
+    rloo,
+    scores_to_token_rewards,
+    sequence_scores,
+)
 
 FAST = settings(max_examples=40, deadline=None)
 lengths_st = st.lists(st.integers(0, 6), min_size=1, max_size=9)

@@ -6,8 +6,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.algorithms import get_advantage, get_kl, get_loss_agg, register_advantage
-from rlhf.algorithms.segments import (last_valid_index, reverse_scan, segment_sum, segments,
-                                      to_tokens)
+from rlhf.algorithms.segments import (
+    last_valid_index,
+    reverse_scan,
+    segment_sum,
+    segments,
+    to_tokens,
+)
 
 FAST = settings(max_examples=30, deadline=None)
 lengths_st = st.lists(st.integers(0, 6), min_size=0, max_size=8)

@@ -8,8 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf.algorithms import (AdaptiveKLController, FixedKLController, apply_kl_penalty,
-                             build_kl_controller, kl)
+from rlhf.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl,
+)
 from rlhf.algorithms.kl import LOG_RATIO_BOUND
 
 FAST = settings(max_examples=40, deadline=None)

@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms import (cispo_policy_loss, get_policy_loss, gspo_policy_loss,
-                             ppo_policy_loss)
+from rlhf.algorithms import cispo_policy_loss, get_policy_loss, gspo_policy_loss, ppo_policy_loss
 from rlhf.algorithms.policy_losses import sequence_ratio
 
 D = torch.float64

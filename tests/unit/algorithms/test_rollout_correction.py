@@ -6,8 +6,12 @@ import math
 import pytest
 import torch
 
-from rlhf.algorithms.rollout_correction import (effective_sample_size, reject_outside_band,
-                                                rollout_correction_metrics, seq_tis_weights)
+from rlhf.algorithms.rollout_correction import (
+    effective_sample_size,
+    reject_outside_band,
+    rollout_correction_metrics,
+    seq_tis_weights,
+)
 
 D = torch.float64
 

@@ -8,9 +8,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlhf.algorithms import algorithm_needs
-from rlhf.config import (ConfigError, JobConfig, OptimizerConfig, RewardFunctionConfig,
-                         TinyModelConfig, TrainerConfig, config_from_dict, config_to_dict,
-                         format_config, load_config)
+from rlhf.config import (
+    ConfigError,
+    JobConfig,
+    OptimizerConfig,
+    RewardFunctionConfig,
+    TinyModelConfig,
+    TrainerConfig,
+    config_from_dict,
+    config_to_dict,
+    format_config,
+    load_config,
+)
 from rlhf.config.loader import parse_yaml
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

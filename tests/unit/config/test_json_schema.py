@@ -12,8 +12,13 @@ import pytest
 from rlhf.cli import main
 from rlhf.config import ConfigError, JobConfig, load_config
 from rlhf.config.json_schema import config_json_schema
-from rlhf.config.loader import (dotted_keys, field_types, parse_yaml, read_yaml_mapping,
-                                unwrap_optional)
+from rlhf.config.loader import (
+    dotted_keys,
+    field_types,
+    parse_yaml,
+    read_yaml_mapping,
+    unwrap_optional,
+)
 from rlhf.config.reference import field_docs
 
 CONFIGS = sorted((Path(__file__).resolve().parents[3] / "configs").rglob("*.yaml"))

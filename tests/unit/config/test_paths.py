@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import JobConfig, config_from_dict, format_config
-from rlhf.config.loader import field_types, unwrap_optional
-from rlhf.config.loader import parse_yaml
+from rlhf.config.loader import field_types, parse_yaml, unwrap_optional
 from rlhf.config.paths import OBJECT_KEYS, PATH_KEYS, resolve_paths
 
 # String keys that are not paths; a new string key must land here or in PATH_KEYS/OBJECT_KEYS.

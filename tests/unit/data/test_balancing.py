@@ -7,11 +7,11 @@ from hypothesis import strategies as st
 
 from rlhf.data.balancing import (
     _split_to_count,
+    assign_micro_batches,
     balanced_partition,
     default_cost,
     karmarkar_karp,
     lpt_partition,
-    assign_micro_batches,
 )
 
 FAST = settings(max_examples=60, deadline=None)

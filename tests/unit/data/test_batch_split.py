@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from rlhf.data.balancing import default_cost
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import split_batch
-from rlhf.data.balancing import default_cost
 from rlhf.data.ragged import Ragged
 from workers.micro_batches import build_micro_batches
 

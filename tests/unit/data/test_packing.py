@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from torch import Tensor
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import Tensor
 
-from rlhf.data.ragged import Ragged
 from rlhf.data.packing import (
     Packed,
     pack,
@@ -14,6 +13,7 @@ from rlhf.data.packing import (
     response_values,
     shifted_targets,
 )
+from rlhf.data.ragged import Ragged
 
 FAST = settings(max_examples=40, deadline=None)
 lengths_st = st.lists(st.integers(0, 7), min_size=0, max_size=8)

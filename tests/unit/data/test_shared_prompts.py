@@ -5,7 +5,7 @@ kernels, the planner's units)."""
 import pytest
 import torch
 
-from rlhf.data.batch_split import split_batch, share_units
+from rlhf.data.batch_split import share_units, split_batch
 from rlhf.data.packing import pack_prompt_response, response_values, shared_prompt_lens
 from rlhf.models.attention import sdpa_split, sdpa_varlen
 from rlhf.models.config import ModelArgs

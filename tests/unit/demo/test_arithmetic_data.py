@@ -5,8 +5,13 @@ import json
 import pytest
 
 from rlhf.cli import build_parser, main
-from rlhf.demo.arithmetic_data import (ArithTask, generate_problems, problem_split, sample_text,
-                             write_arith_dataset)
+from rlhf.demo.arithmetic_data import (
+    ArithTask,
+    generate_problems,
+    problem_split,
+    sample_text,
+    write_arith_dataset,
+)
 from rlhf.errors import ConfigError, RLHFError
 
 

@@ -20,9 +20,18 @@ from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.optim import ShardedAdamW
 from rlhf.engine.zero import BUCKET_NUMEL, partition
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from tests.unit.engine.precision import (
+    FACTOR,
+    bf16_engine,
+    bf16_folder,
+    engine_run,
+    errors,
+    hf_run,
+    make_sample,
+    old_log_probs,
+    table,
+)
 from tests.unit.engine.reference import actor_loss_fn, load_plain, make_batch
-from tests.unit.engine.precision import (FACTOR, bf16_engine, bf16_folder, engine_run, errors,
-                                         hf_run, make_sample, old_log_probs, table)
 
 # Well below bf16's own noise on these models and far above fp32's: the comparison measures bf16.
 NOISE_FLOOR = {"log_prob_max": 1e-3, "log_prob_mean": 2e-4, "grad_rel_l2": 2e-3,

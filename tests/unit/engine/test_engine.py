@@ -10,9 +10,16 @@ from rlhf.config.schema import OptimizerConfig
 from rlhf.engine import Recomputed, TrainEngine, make_micro_batches
 from rlhf.errors import RLHFError
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from tests.unit.engine.reference import (OPTIM, actor_loss_fn, critic_loss_fn, exported,
-                                         load_plain, make_batch, max_param_error,
-                                         reference_step)
+from tests.unit.engine.reference import (
+    OPTIM,
+    actor_loss_fn,
+    critic_loss_fn,
+    exported,
+    load_plain,
+    make_batch,
+    max_param_error,
+    reference_step,
+)
 
 TOL = 1e-6
 

@@ -16,8 +16,12 @@ from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.checkpoint import BASE_FINGERPRINT
 from rlhf.errors import RLHFError
 from rlhf.models.lora import is_lora_param
-from rlhf.models.peft_folder import (lora_from_peft, merged_stream, read_adapter_folder,
-                                     write_adapter_folder)
+from rlhf.models.peft_folder import (
+    lora_from_peft,
+    merged_stream,
+    read_adapter_folder,
+    write_adapter_folder,
+)
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import OPTIM, actor_loss_fn, make_batch
 

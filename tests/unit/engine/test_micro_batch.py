@@ -5,8 +5,12 @@ import torch
 
 from rlhf.data.packing import shifted_targets
 from rlhf.data.ragged import Ragged
-from rlhf.engine.micro_batch import (MicroBatch, collect_response_values, make_micro_batches,
-                                     predicting_positions)
+from rlhf.engine.micro_batch import (
+    MicroBatch,
+    collect_response_values,
+    make_micro_batches,
+    predicting_positions,
+)
 
 
 def _r(rows):

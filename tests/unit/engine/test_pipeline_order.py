@@ -2,9 +2,20 @@
 
 import pytest
 
-from rlhf.engine.pipeline_order import (BACKWARD, FORWARD, Message, Step, comm_program,
-                                        forward_only_order, interleaved_order, one_f_one_b_order,
-                                        peak_held, simulate, training_orders, units)
+from rlhf.engine.pipeline_order import (
+    BACKWARD,
+    FORWARD,
+    Message,
+    Step,
+    comm_program,
+    forward_only_order,
+    interleaved_order,
+    one_f_one_b_order,
+    peak_held,
+    simulate,
+    training_orders,
+    units,
+)
 
 SIZES = [(pp, vpp, m) for pp in (2, 3, 4) for vpp in (1, 2, 3) for m in range(1, 14)]
 SIZES += [(8, vpp, m) for vpp in (1, 2) for m in (1, 7, 8, 9, 16)]

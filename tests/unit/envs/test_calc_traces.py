@@ -12,8 +12,8 @@ from rlhf.data.dataset import PromptDataset, read_rows
 from rlhf.demo.calculator_data import CalcTask, tool_call_text, write_calc_dataset
 from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.tools import calculator
-from rlhf.rollout.vllm_sampler import Completion
 from rlhf.rollout.multiturn import Episode
+from rlhf.rollout.vllm_sampler import Completion
 from rlhf.trainer.sft import response_ids
 from tests.unit.envs.play import play_episodes
 

@@ -9,8 +9,8 @@ from rlhf.data.fields import response_mask
 from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer
 from rlhf.envs.render import TurnRenderer
 from rlhf.errors import RLHFError
-from rlhf.rollout.vllm_sampler import Completion
 from rlhf.rollout.multiturn import Episode, env_metrics, episodes_to_batch
+from rlhf.rollout.vllm_sampler import Completion
 from tests.unit.envs.play import play_episodes
 from tests.unit.envs.scripted_env import SPEC
 

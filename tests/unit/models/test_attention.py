@@ -10,8 +10,14 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlhf.models import attention, varlen_layout
-from rlhf.models.attention import (flash_varlen, missing_flash_message, pick_kernel, sdpa_split,
-                                   sdpa_varlen, varlen_attention)
+from rlhf.models.attention import (
+    flash_varlen,
+    missing_flash_message,
+    pick_kernel,
+    sdpa_split,
+    sdpa_varlen,
+    varlen_attention,
+)
 
 HEADS, HEAD_DIM = 8, 16
 

@@ -198,7 +198,8 @@ def test_engine_trains_the_adapters_only(folder, world):
 
 
 def test_no_ref_role_with_lora_and_the_actor_s_base_gives_the_ref_log_probs(folder, world):
-    from tests.unit.test_worker_roles import context, make_batch as rl_batch, make_config
+    from tests.unit.test_worker_roles import context, make_config
+    from tests.unit.test_worker_roles import make_batch as rl_batch
     from workers.actor import ActorWorker
     from workers.reference import ReferenceWorker
 

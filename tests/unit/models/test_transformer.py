@@ -12,7 +12,13 @@ from rlhf.data.packing import pack, shifted_targets
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.families import FAMILIES
 from rlhf.models import attention
-from rlhf.models.attention import flash_varlen, pick_kernel, sdpa_split, sdpa_varlen, varlen_attention
+from rlhf.models.attention import (
+    flash_varlen,
+    pick_kernel,
+    sdpa_split,
+    sdpa_varlen,
+    varlen_attention,
+)
 from rlhf.models.config import ModelArgs
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.transformer import Attention, CausalLM, rope_inv_freq

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlhf.config import load_config
-from rlhf.controller.dispatch import Dispatch, Layout as DispatchLayout, route_call
+from rlhf.controller.dispatch import Dispatch, route_call
+from rlhf.controller.dispatch import Layout as DispatchLayout
 from rlhf.data.batch import Batch
 from rlhf.parallel.layout import Layout
 

@@ -5,8 +5,12 @@ import pytest
 import torch
 
 from rlhf.parallel.tensor_parallel import shard_for_rank
-from rlhf.parallel.vocab_parallel import (padded_vocab_size, vocab_parallel_entropy,
-                                          vocab_parallel_log_probs, vocab_shard_range)
+from rlhf.parallel.vocab_parallel import (
+    padded_vocab_size,
+    vocab_parallel_entropy,
+    vocab_parallel_log_probs,
+    vocab_shard_range,
+)
 
 
 def _leaf(t):

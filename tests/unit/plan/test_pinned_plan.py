@@ -14,8 +14,7 @@ if _ROOT not in sys.path:
 
 from rlhf.config.schema import OffloadConfig, ParallelConfig  # noqa: E402
 from rlhf.engine import TrainEngine, offload  # noqa: E402
-from rlhf.engine.offload import (HOST_ALIGN, PAGE_BYTES, Offloader, host_layout,  # noqa: E402
-                                 offloaded_kinds)
+from rlhf.engine.offload import HOST_ALIGN, PAGE_BYTES, Offloader, host_layout, offloaded_kinds  # noqa: E402
 from rlhf.engine.zero import STATE_KINDS  # noqa: E402
 from rlhf.models.config import ModelArgs  # noqa: E402
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache  # noqa: E402

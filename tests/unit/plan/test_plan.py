@@ -14,8 +14,7 @@ from rlhf.config import load_config
 from rlhf.errors import ConfigError
 from rlhf.plan.advice import plan_with_advice, with_overrides
 from rlhf.plan.inputs import GIB, hardware, role_specs
-from rlhf.plan.memory import (in_flight_chunks, layer_activation_bytes, plan_job,
-                              stage_memory)
+from rlhf.plan.memory import in_flight_chunks, layer_activation_bytes, plan_job, stage_memory
 from rlhf.plan.report import check_fits
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

@@ -11,9 +11,17 @@ from rlhf.engine.offload import HOST_ALIGN, PAGE_BYTES
 from rlhf.models.config import ModelArgs
 from rlhf.plan.advice import plan_with_advice
 from rlhf.plan.inputs import GIB, RoleSpec
-from rlhf.plan.memory import (NCCL_NVLS_BYTES, NCCL_PEER_BYTES, NCCL_SPLIT_BYTES,
-                              NCCL_WORLD_BYTES, Communicator, carry_cache, communicator_bytes,
-                              communicators, plan_job)
+from rlhf.plan.memory import (
+    NCCL_NVLS_BYTES,
+    NCCL_PEER_BYTES,
+    NCCL_SPLIT_BYTES,
+    NCCL_WORLD_BYTES,
+    Communicator,
+    carry_cache,
+    communicator_bytes,
+    communicators,
+    plan_job,
+)
 from rlhf.plan.report import format_plan
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"

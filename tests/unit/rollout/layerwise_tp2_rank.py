@@ -20,10 +20,18 @@ from vllm.model_executor.model_loader import reload as vllm_reload  # noqa: E402
 from vllm.model_executor.model_loader.reload import layerwise  # noqa: E402
 
 from rlhf.config import RolloutConfig  # noqa: E402
-from rlhf.rollout import sampling_params, vllm_environment  # noqa: E402
-from rlhf.rollout import vllm_sampler  # noqa: E402
+from rlhf.rollout import (  # noqa: E402
+    sampling_params,
+    vllm_environment,
+    vllm_sampler,  # noqa: E402
+)
 from rlhf.rollout.weights import (  # noqa: E402
-    DirectReload, IncompleteSyncError, checkpoint_elements, incomplete, receipt_metrics)
+    DirectReload,
+    IncompleteSyncError,
+    checkpoint_elements,
+    incomplete,
+    receipt_metrics,
+)
 
 # The CUDA path on the CPU: the one decision of which path a sync takes, patched.
 DirectReload.supports = staticmethod(lambda model: False)

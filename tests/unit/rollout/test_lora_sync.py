@@ -15,8 +15,12 @@ from rlhf.errors import ConfigError
 from rlhf.models.lora import param_name, peft_config
 from rlhf.rollout import vllm_sampler
 from rlhf.rollout.compat import VLLMVersionError
-from rlhf.rollout.lora_sync import (ADAPTER_VERSIONS, add_adapter, check_lora_internals,
-                                    max_lora_rank)
+from rlhf.rollout.lora_sync import (
+    ADAPTER_VERSIONS,
+    add_adapter,
+    check_lora_internals,
+    max_lora_rank,
+)
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
 from rlhf.rollout.vllm_sampler import vllm_args
 from rlhf.rollout.weights import IncompleteSyncError

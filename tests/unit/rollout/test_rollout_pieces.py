@@ -15,8 +15,16 @@ from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
 from rlhf.models.export import ExportStream
 from rlhf.parallel.mesh import ProcessGroupCache
-from rlhf.rollout import (Completion, ReplicaSpec, RolloutReplica, derive_seed, vllm_args,
-                          logprob_gap, request_seeds, sampling_params)
+from rlhf.rollout import (
+    Completion,
+    ReplicaSpec,
+    RolloutReplica,
+    derive_seed,
+    logprob_gap,
+    request_seeds,
+    sampling_params,
+    vllm_args,
+)
 from rlhf.rollout import replica as replica_module
 from rlhf.rollout.sampling import gap_quantile, logprob_gap_limit
 from rlhf.rollout.vllm_sampler import vllm_environment, vllm_settings

@@ -18,11 +18,10 @@ from rlhf.controller.dispatch import Dispatch, Layout, registered_methods
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.engine.offload import Offloader
-from rlhf.rollout import compat, replica as replica_module
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
 from rlhf.rollout.residency import replica_sleeps
-from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.metrics import SectionTimer
+from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from tests.unit.rollout.vllm_fakes import install_fake_reload
 from workers.actor import ActorWorker
 from workers.rollout import RolloutWorker

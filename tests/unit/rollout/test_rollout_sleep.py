@@ -10,10 +10,11 @@ import torch
 
 from rlhf.config import RolloutConfig
 from rlhf.data.ragged import Ragged
-from rlhf.rollout import compat, weights as weights_module
+from rlhf.rollout import compat
+from rlhf.rollout import weights as weights_module
 from rlhf.rollout.compat import VLLMVersionError, check_vllm_internals
-from rlhf.rollout.vllm_sampler import VllmSampler
 from rlhf.rollout.replica import ReplicaSpec, RolloutReplica
+from rlhf.rollout.vllm_sampler import VllmSampler
 from tests.unit.rollout.vllm_fakes import install_fake_reload
 
 
@@ -158,8 +159,8 @@ def test_the_start_up_check_names_a_missing_reload_internal(monkeypatch):
 
 
 def test_the_gpu_extra_pins_the_tested_vllm_range():
-    from pathlib import Path
     import tomllib
+    from pathlib import Path
 
     pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]

@@ -11,8 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf.rollout.weights import (IncompleteSyncError, Receipt, _layerwise_reload,
-                                  check_complete, incomplete)
+from rlhf.rollout.weights import (
+    IncompleteSyncError,
+    Receipt,
+    _layerwise_reload,
+    check_complete,
+    incomplete,
+)
 
 VOCAB, PADDED, HIDDEN = 10, 16, 4
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from rlhf.config import RolloutConfig
-from rlhf.config.schema import EnvConfig
 from rlhf.config.loader import load_config
+from rlhf.config.schema import EnvConfig
 from rlhf.data.packing import pack_prompt_response
 from rlhf.data.ragged import Ragged
 from rlhf.data.routes import FREE, routes_to_stream, routing_agreement, stream_to_routes

@@ -10,8 +10,8 @@ import torch
 from rlhf.controller.dispatch import Layout
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
-from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.metrics import SectionTimer
+from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 
 N = 2  # samples per prompt
 

@@ -12,9 +12,16 @@ import pytest
 import torch
 
 from rlhf.errors import RLHFError
-from rlhf.trainer.checkpoint import (MANIFEST, STATE_FILE, CheckpointManager, read_manifest,
-                                    rng_state, set_rng_state, verify_checkpoint)
-from rlhf.trainer.checkpoint import run_fingerprint
+from rlhf.trainer.checkpoint import (
+    MANIFEST,
+    STATE_FILE,
+    CheckpointManager,
+    read_manifest,
+    rng_state,
+    run_fingerprint,
+    set_rng_state,
+    verify_checkpoint,
+)
 
 
 def write_shard(folder):

@@ -9,9 +9,9 @@ import ray
 import torch
 
 from rlhf.config import load_config
-from rlhf.preflight import _check_local_pool
 from rlhf.errors import ConfigError
 from rlhf.plan.inputs import hardware
+from rlhf.preflight import _check_local_pool
 from rlhf.trainer.device import use_gpu
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"

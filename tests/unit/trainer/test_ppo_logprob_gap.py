@@ -12,8 +12,8 @@ from rlhf.config import JobConfig, RolloutConfig
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.rollout.sampling import LogprobGapError, check_logprob_gap
-from rlhf.trainer.rollout_source import VERSION
 from rlhf.trainer.ppo import PPOTrainer
+from rlhf.trainer.rollout_source import VERSION
 
 
 def test_the_decision_names_the_statistic_the_limit_and_the_setting():

@@ -7,8 +7,16 @@ import pytest
 import torch
 
 from rlhf.algorithms import algorithm_needs
-from rlhf.config import (AlgorithmConfig, CriticConfig, DataConfig, ForwardRoleConfig, JobConfig,
-                         RolloutConfig, TrainerConfig, TrainRoleConfig)
+from rlhf.config import (
+    AlgorithmConfig,
+    CriticConfig,
+    DataConfig,
+    ForwardRoleConfig,
+    JobConfig,
+    RolloutConfig,
+    TrainerConfig,
+    TrainRoleConfig,
+)
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
