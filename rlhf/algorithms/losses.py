@@ -124,10 +124,10 @@ def normalizer_counts(mask_T: Tensor | None, cu_seqlens: Tensor) -> Tensor:
     return torch.stack([valid_T.sum(), (count_per_sample(valid_T, seg) > 0).sum()])
 
 
-def _zero_masked(valid_T: Tensor, *tensors_T: Tensor | None) -> list[Tensor | None]:
+def _zero_masked(valid_T: Tensor, *tensors_T: Tensor) -> list[Tensor]:
     """Zero masked tokens before any math, so garbage there (NaN, inf) cannot reach a gradient:
     a later masked_fill zeroes the loss but not 0 * NaN in the backward pass."""
-    return [None if t is None else t.masked_fill(~valid_T, 0) for t in tensors_T]
+    return [t.masked_fill(~valid_T, 0) for t in tensors_T]
 
 
 def _masked_mean(x_T: Tensor, valid_T: Tensor) -> Tensor:
@@ -145,14 +145,18 @@ def truncated_is_weights(old_log_probs_T: Tensor, rollout_log_probs_T: Tensor,
 
 
 def policy_inputs(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,
-                  mask_T: Tensor | None, is_weights_T: Tensor | None):
+                  mask_T: Tensor | None, is_weights_T: Tensor | None
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """The valid-token mask and the policy-loss inputs with masked tokens zeroed, after checking
     that every per-token input has one entry per token (shared by every policy loss)."""
     num_tokens = logp_T.shape[0]
     check_tokens(num_tokens, old_logp_T=old_logp_T, advantages_T=advantages_T,
                  is_weights_T=is_weights_T)
     valid_T = valid_mask(mask_T, num_tokens, logp_T.device)
-    return (valid_T, *_zero_masked(valid_T, logp_T, old_logp_T, advantages_T, is_weights_T))
+    logp_T, old_logp_T, advantages_T = _zero_masked(valid_T, logp_T, old_logp_T, advantages_T)
+    if is_weights_T is not None:
+        (is_weights_T,) = _zero_masked(valid_T, is_weights_T)
+    return valid_T, logp_T, old_logp_T, advantages_T, is_weights_T
 
 
 def ppo_policy_loss(logp_T: Tensor, old_logp_T: Tensor, advantages_T: Tensor,

@@ -60,7 +60,8 @@ def segments(cu_seqlens: Tensor, num_tokens: int, device: torch.device | None = 
     message = (f"cu_seqlens does not bound a stream of {num_tokens} tokens: it must start at 0, "
                f"never decrease and end at {num_tokens}")
     try:
-        torch._assert_async(ok, message)
+        # torch's device-side assert: no host sync; private in name only (its stubs say so)
+        torch._assert_async(ok, message)  # pyright: ignore[reportPrivateImportUsage]
     except RuntimeError:
         raise ValueError(f"{message} (got {cu.tolist()[:8]}"
                          f"{'...' if cu.numel() > 8 else ''})") from None

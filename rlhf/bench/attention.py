@@ -89,7 +89,7 @@ def bench(args: argparse.Namespace) -> list[dict]:
                                   "chosen": chosen is kernel, **line})
         if device.type == "cuda":
             for shape in ("equal", "mixed"):
-                for name, (kernel, dtypes) in kernels(device).items():
+                for name, (kernel, _dtypes) in kernels(device).items():
                     try:
                         lines.append(speed(name, kernel, device, args, shape=shape))
                     except Exception as exc:

@@ -313,10 +313,12 @@ def _engine_rows(step: str, lines, *, info_only: bool = False):
     config, speed = kinds.get("config", {}), kinds["step"]
     mfu = speed.get("mfu")
     verdict = "INFO" if info_only or mfu is None else ("PASS" if mfu >= MFU_TARGET else "FAIL")
+    micro_batches = speed.get('micro_batches')
+    tokens_per_mb = config.get('tokens_per_step', 0) // max(1, micro_batches or 1)
     rows = [(verdict, f"{step} MFU",
              f"{mfu} (target >= {MFU_TARGET}) against {speed.get('peak_tflops_per_s')} TFLOP/s; "
              f"{config.get('params', 0) / 1e9:.2f}B {config.get('dtype')}, "
-             f"{speed.get('micro_batches')} x {config.get('tokens_per_step', 0) // max(1, speed.get('micro_batches') or 1)} "
+             f"{micro_batches} x {tokens_per_mb} "
              f"tokens, step {speed['step_s']} s (fwd+bwd {speed.get('forward_backward_s')} s, "
              f"optimizer {speed.get('optimizer_step_s')} s), {speed['tokens_per_s']:.0f} tok/s, "
              f"{speed['model_tflops_per_s']} TFLOP/s, attention {speed.get('attention_kernel')}")]

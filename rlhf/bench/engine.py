@@ -148,7 +148,7 @@ def _model_args(args) -> ModelArgs:
 def _random_model(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> CausalLM:
     with torch.device(device):
         model = CausalLM(args)
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() >= 2:  # norms keep their ones
                 torch.nn.init.normal_(param, std=0.02)
     return model.to(dtype)

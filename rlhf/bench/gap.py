@@ -224,8 +224,8 @@ def _measure_rank(rank: int, world: int, folder: str, dtype: str,
     out = []
     for i, (case, layer) in enumerate(runs):
         replica.mark_stale()
-        replica.sync(lambda: planted(engine.export_hf_weights(bucket_bytes=64 << 20),
-                                     case, layer))
+        replica.sync(lambda case=case, layer=layer: planted(
+            engine.export_hf_weights(bucket_bytes=64 << 20), case, layer))
         sampled = replica.generate(prompt_rows, greedy=False, seed=i)
         batch = Batch({"prompt_ids": prompt_rows}).repeat_interleave(config.n).union(
             Batch({k: sampled[k] for k in sampled.keys()}))

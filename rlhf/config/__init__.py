@@ -36,7 +36,8 @@ __all__ = [
     "TRAINED_ROLES", "AlgorithmConfig", "AlgorithmNeeds", "ConfigError", "CriticConfig", "DataConfig",
     "ForwardRoleConfig", "LoraConfig", "ref_from_actor",
     "JobConfig", "ModelConfig", "OffloadConfig", "OptimizerConfig", "ParallelConfig", "RayConfig",
-    "ReferenceConfig", "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "SFTConfig", "TinyModelConfig", "TrainerConfig",
+    "ReferenceConfig", "RewardConfig", "RewardFunctionConfig", "RolloutConfig", "SFTConfig",
+    "TinyModelConfig", "TrainerConfig",
     "TrainRoleConfig", "check_config", "config_from_dict", "config_to_dict", "format_config",
     "job_roles", "load_config", "reference_markdown", "sft_output_path",
 ]

@@ -176,7 +176,8 @@ def _response_key(rollout) -> str:
 def _check_rollout_placement(cfg: JobConfig) -> Iterator[str]:
     rollout, trainer = cfg.rollout, cfg.trainer
     if rollout.placement == "separate":
-        if rollout.world_size % rollout.tp:
+        # world_size is set whenever placement is separate (RolloutConfig refuses otherwise)
+        if rollout.world_size is not None and rollout.world_size % rollout.tp:
             yield (f"rollout.world_size={rollout.world_size} is not a multiple of rollout.tp="
                    f"{rollout.tp}: each replica takes rollout.tp ranks; make world_size a "
                    f"multiple of {rollout.tp}")

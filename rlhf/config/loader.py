@@ -202,7 +202,9 @@ def type_adapter(cls):
     """The pydantic TypeAdapter of dataclass `cls` (wrapped in a one-item tuple, see above)."""
     import pydantic
 
-    return pydantic.TypeAdapter(tuple[cls], config=pydantic.ConfigDict(**_PYDANTIC))
+    # a type built at run time from `cls`, which a static checker cannot read as one
+    return pydantic.TypeAdapter(tuple[cls],  # pyright: ignore[reportInvalidTypeForm]
+                                config=pydantic.ConfigDict(**_PYDANTIC))
 
 
 def build(cls, value, key: str = "", *, base=None):
@@ -216,7 +218,7 @@ def build(cls, value, key: str = "", *, base=None):
     tree = _json_tree(value, cls, key)
     if base is not None and isinstance(tree, dict):
         # `base` rather than the class defaults under every key: critic.optim's own lr stays.
-        tree = merge_trees(_json_tree(config_to_dict(base), cls, key), tree)
+        tree = merge_trees(typing.cast(dict, _json_tree(config_to_dict(base), cls, key)), tree)
     try:
         return type_adapter(cls).validate_json(json.dumps([tree]))[0]
     except pydantic.ValidationError as exc:
@@ -228,7 +230,7 @@ def _json_tree(value, tp, key: str):
     """A YAML value (at `key`, of field type `tp`) as JSON values; a single string where a list
     of strings is expected becomes a one-item list (`stop: </s>`, `train_files: a.jsonl`)."""
     inner = unwrap_optional(tp)[0]
-    args = typing.get_args(inner) if typing.get_origin(inner) is tuple else ()
+    args: tuple[Any, ...] = typing.get_args(inner) if typing.get_origin(inner) is tuple else ()
     if isinstance(value, Mapping):
         fields = field_types(inner) if dataclasses.is_dataclass(inner) else {}
         for name, item in value.items():
@@ -309,7 +311,8 @@ def _error_line(error: Mapping[str, Any], cls, key: str) -> str:
         return f"{where}: {error['msg']}, got {got}"
     inner = unwrap_optional(tp)[0]
     origin = typing.get_origin(inner) or inner
-    hint = (f" (write a mapping of {inner.__name__} keys)" if dataclasses.is_dataclass(inner)
+    hint = (f" (write a mapping of {typing.cast(type, inner).__name__} keys)"
+            if dataclasses.is_dataclass(inner)
             else "" if origin is tuple and isinstance(value, list) else _HINTS.get(origin, ""))
     return f"{where}: expected {type_name(tp)}, got {got}{hint}"
 
@@ -422,7 +425,7 @@ def _override_type(parts: list[str], override: str):
 
 def config_to_dict(cfg) -> dict:
     """A config dataclass as plain nested dicts and lists (field order kept), for YAML/JSON."""
-    return _plain(cfg)
+    return typing.cast(dict, _plain(cfg))
 
 
 def _plain(value):

@@ -25,7 +25,9 @@ def field_docs(cls) -> dict[str, str]:
     for klass in reversed(cls.__mro__):  # subclasses last, so their docstrings win
         if not dataclasses.is_dataclass(klass):
             continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        node = ast.parse(textwrap.dedent(inspect.getsource(typing.cast(type, klass)))).body[0]
+        assert isinstance(node, ast.ClassDef)
+        body = node.body
         for stmt, after in zip(body, body[1:]):
             if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
                     and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
@@ -73,7 +75,8 @@ def _rows(cls, instance, prefix: str) -> list[str]:
             value = getattr(instance, f.name) if instance is not None else None
             if optional:  # a row for the switch itself, then the keys inside it
                 rows.append(_row(key, tp, default, docs[f.name]))
-            rows += _rows(inner, value if value is not None else inner(), key + ".")
+            rows += _rows(inner, value if value is not None else typing.cast(type, inner)(),
+                          key + ".")
             continue
         rows.append(_row(key, tp, default, docs[f.name]))
         if typing.get_origin(inner) is tuple and args and dataclasses.is_dataclass(args[0]):

@@ -184,6 +184,9 @@ class Batch:
             if not -self._size <= key < self._size:
                 raise IndexError(f"sample {key} is out of range for a batch of {self._size}")
             return {name: value[int(key) % self._size] for name, value in self._fields.items()}
+        if isinstance(key, bool):
+            raise TypeError("a batch is indexed by a field name, a sample, a slice, sample "
+                            "indices or a boolean mask, not by a bool")
         if isinstance(key, slice):
             start, stop, step = key.indices(self._size)
             if step == 1:

@@ -7,14 +7,14 @@ Never padded: row i is values[offsets[i]:offsets[i + 1]]. Also the index and cop
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IndexLike = Union[Sequence[int], Sequence[bool], Tensor, np.ndarray, range]
+IndexLike = Sequence[int] | Sequence[bool] | Tensor | np.ndarray | range
 
 
 def offsets_from_lengths(lengths: Tensor) -> Tensor:

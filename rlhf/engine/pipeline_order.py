@@ -5,7 +5,8 @@ An order is a list of `Step(kind, micro_batch, chunk)`: `chunk` is the rank's lo
 activation, or the output's gradient) and sends at most one after. The executor holds that send
 back: it goes out together with the next step's receive in one batched exchange (Megatron's
 send-forward-recv-backward), or alone just before the next step when that step receives
-nothing; when interleaving, a forward and the backward after it may exchange as one unit. `comm_program` writes this out; `simulate` runs it with rendezvous semantics (an
+nothing; when interleaving, a forward and the backward after it may exchange as one unit.
+`comm_program` writes this out; `simulate` runs it with rendezvous semantics (an
 exchange completes only once every peer has posted the matching half, as NCCL's do), so an
 order set is safe exactly when `simulate` runs every rank to the end, and every two ranks
 post their messages to each other in the same order (tag-less backends match by order).
@@ -164,7 +165,7 @@ def _fifo_matched(programs: Sequence[Sequence[Sequence[tuple[str, Message]]]], p
     backend that ignores tags (NCCL) matches them right too."""
     sent: dict[tuple[int, int], list[Message]] = {}
     received: dict[tuple[int, int], list[Message]] = {}
-    for rank, program in enumerate(programs):
+    for program in programs:
         for kind, msg in (op for batch in program for op in batch):
             sender = (msg.virtual_stage + (-1 if msg.kind == FORWARD else 1)) % pp
             book = sent if kind == "send" else received

@@ -117,6 +117,7 @@ def role_specs(cfg: JobConfig, hw: Hardware, *,
                                   model_dirs=model_dirs)
         elif name == "reward":
             head = "value"
+            assert cfg.reward.model_path is not None  # the reward role exists only with a model
             args = model_args(cfg.reward.model_path, cfg=None, key="reward.model_path",
                               model_dirs=model_dirs)
         elif name == "rollout":

@@ -440,6 +440,7 @@ def plan_memory(cfg: JobConfig, hw: Hardware, specs: list[RoleSpec]) -> MemoryPl
                                       phases=phase_names(specs))
         devices += _group_devices(pool, ranks, hw)
     if separate:  # rollout ranks: vLLM only, no training state
+        assert cfg.rollout.world_size is not None  # RolloutConfig: set exactly when separate
         ranks = {r: rank_phases(cfg, hw, [], vllm=vllm, phases=phase_names(specs), resident=True)
                  for r in range(cfg.rollout.world_size)}
         devices += _group_devices("rollout", ranks, hw)
@@ -587,6 +588,7 @@ def _with_overheads(cfg: JobConfig, hw: Hardware, plan: MemoryPlan,
     separate = cfg.rollout.placement == "separate"
     sizes = {pool: (size, members) for pool, (size, members) in pools.items()}
     if separate:
+        assert cfg.rollout.world_size is not None  # RolloutConfig: set exactly when separate
         sizes["rollout"] = (cfg.rollout.world_size, [])
     devices, host = [], []
     for pool, (size, members) in sizes.items():

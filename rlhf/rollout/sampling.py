@@ -1,4 +1,5 @@
-"""Sampling settings (and the temperature the trainer scores samples at), per-request seeds, the rollout-vs-trainer log-prob gap and its limit.
+"""Sampling settings (and the temperature the trainer scores samples at), per-request seeds,
+the rollout-vs-trainer log-prob gap and its limit.
 
 Seeds: sample j of the prompt at position p of a `generate` call (its row in the driver's
 batch) gets `derive_seed(call_seed, p, j)`, so a prompt's samples do not depend on how the

@@ -22,8 +22,8 @@ def fuse_old_log_probs(cfg: JobConfig, needs: AlgorithmNeeds, *, step: int) -> b
     separate compute_log_prob pass: only when the update is on-policy (one PPO epoch of one
     mini-batch, so the old policy is the current one there), nothing before the update reads
     them (no KL in the reward, no sequence-level rollout correction), the actor updates at this
-    step (after the warm-up of a critic `needs` calls for) and the old policy is the trainer's (not the sampling version's,
-    trainer.async_old_log_probs)."""
+    step (after the warm-up of a critic `needs` calls for) and the old policy is the trainer's
+    (not the sampling version's, trainer.async_old_log_probs)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     one_step = algo.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
     actor_updates = not (needs.critic and step <= trainer.critic_warmup)

@@ -119,8 +119,8 @@ class LoopbackCluster:
     def query(self, code: str, timeout_s: float = 120) -> object:
         """The JSON a small driver prints after joining the cluster as `ray` (code's last line
         assigns `out`)."""
-        script = ("import json, ray\nray.init(address=%r, logging_level='ERROR')\n%s\n"
-                  "print('@@' + json.dumps(out))\nray.shutdown()\n" % (self.address, code))
+        script = (f"import json, ray\nray.init(address={self.address!r}, logging_level='ERROR')\n"
+                  f"{code}\nprint('@@' + json.dumps(out))\nray.shutdown()\n")
         done = subprocess.run([sys.executable, "-c", script], env=client_env(), cwd=self.root,
                               capture_output=True, text=True, timeout=timeout_s)
         lines = [line for line in done.stdout.splitlines() if line.startswith("@@")]

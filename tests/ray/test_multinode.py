@@ -38,9 +38,9 @@ reward: {functions: [{path: "my_reward.py:score"}], num_workers: 0}
 rollout: {n: 2, max_new_tokens: 4, cpu_kv_cache_gb: 0.05, max_num_seqs: 16}
 algorithm: {adv_estimator: gae}
 data: {train_files: [train.jsonl], max_prompt_length: 24, train_batch_size: 4}
-trainer: {output_dir: run, total_steps: %d, save_every: 1, device: cpu, nnodes: 2,
+trainer: {output_dir: run, total_steps: STEPS, save_every: 1, device: cpu, nnodes: 2,
           ranks_per_node: 1, ray_metrics: false, experiment_name: mn}
-""" % STEPS
+""".replace("STEPS", str(STEPS))
 REWARD_PY = """\
 from rlhf.rewards.arith import exact_match
 

@@ -202,11 +202,11 @@ def test_error_on_every_rank_keeps_the_group_usable(views):
 
 def test_unknown_methods_and_ambiguous_group_calls_explain_themselves(group, views):
     with pytest.raises(AttributeError, match="no method 'generate' registered.*forward"):
-        views["a"].generate
+        _ = views["a"].generate
     with pytest.raises(AttributeError, match="role_views"):
-        group.forward
+        _ = group.forward
     with pytest.raises(AttributeError, match="no method 'take_received_'"):
-        views["a"].take_received_
+        _ = views["a"].take_received_
 
 
 class RewardRole(Worker):

@@ -58,7 +58,7 @@ def test_range_membership_and_the_cpu_pin():
 
 
 def test_engine_start_up_warns_outside_the_range(monkeypatch, caplog):
-    reload = install_fake_reload(monkeypatch)
+    install_fake_reload(monkeypatch)
     llm = types.SimpleNamespace(collective_rpc=lambda fn: [True])
     for version, warned in (("0.32.1", False), ("0.33.0", True)):
         monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__=version))
@@ -99,7 +99,8 @@ def _install_gpu(tmp_path, flavour="gpu", **env) -> tuple[subprocess.CompletedPr
     (venv / "state").mkdir()
     (venv / "state" / "torch").write_text("2.10.0+cu128\n")
     for name, text in (("python", STUB_PYTHON),
-                       ("rlhf", '#!/usr/bin/env bash\necho "rlhf $*" >>"$(dirname "$0")/../state/pip.log"\n')):
+                       ("rlhf", '#!/usr/bin/env bash\n'
+                                'echo "rlhf $*" >>"$(dirname "$0")/../state/pip.log"\n')):
         (venv / "bin" / name).write_text(text)
         (venv / "bin" / name).chmod(0o755)
     result = subprocess.run(

@@ -62,7 +62,7 @@ def _response_log_probs(outs, mbs):
         logp = torch.log_softmax(out["logits"], -1)
         seqs = mb.packed.cu_seqlens.tolist()
         for j, i in enumerate(mb.sample_ids.tolist()):
-            start, end = seqs[j], seqs[j + 1]
+            end = seqs[j + 1]
             r = int(mb.packed.response_lens[j])
             tokens = mb.packed.tokens[end - r:end]
             rows[i] = logp[end - r - 1:end - 1].gather(-1, tokens[:, None])[:, 0]

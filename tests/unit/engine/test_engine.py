@@ -178,7 +178,8 @@ def test_recompute_gives_identical_grads(folder, world, mode):
         # the first module each recomputed region runs (recomputation may stop early)
         first = (layer.input_layernorm if mode == "full"
                  else _unwrapped(layer.self_attn).q_proj)
-        first.register_forward_pre_hook(lambda *_: count.__setitem__(0, count[0] + 1))
+        first.register_forward_pre_hook(
+            lambda *_, count=count: count.__setitem__(0, count[0] + 1))
         mbs = _mbs(batch)
         tokens, _ = engine.loss_normalizers(mbs, mask_key="loss_mask")
         engine.forward_backward(mbs, actor_loss_fn(tokens))

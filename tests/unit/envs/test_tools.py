@@ -9,7 +9,8 @@ from rlhf.envs.tools import CalculatorEnv, calculator, describe_tool
 
 
 def call(expr: str) -> str:
-    return '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expr
+    return ('<tool_call>{"name": "calculator", "arguments": {"expression": "' + expr
+            + '"}}</tool_call>')
 
 
 def test_parser_reads_calls_in_order_and_names_what_is_malformed():

@@ -107,7 +107,7 @@ def test_init_is_peft_s_and_depends_on_the_name_only(folder):
     a, b = load_plain(folder), load_plain(folder)
     L.apply_lora(a, LORA, seed=3)
     L.apply_lora(b, LORA, seed=3)
-    for (name, ma), (_, mb) in zip(L.lora_modules(a), L.lora_modules(b)):
+    for (_, ma), (_, mb) in zip(L.lora_modules(a), L.lora_modules(b)):
         assert torch.equal(ma.lora_A.weight, mb.lora_A.weight)
         assert not ma.lora_B.weight.any()  # B = 0: a fresh adapter changes nothing
         bound = 1 / math.sqrt(ma.in_features)

@@ -86,7 +86,7 @@ def test_one_pinned_buffer_per_kind_holds_aligned_views_and_round_trips_exactly(
                                       "optimizer": 2 * PAGE_BYTES}
     assert sum(n for _, n in fake_cuda) == sum(offloader.pinned_bytes.values())
     base = dict(fake_cuda)
-    for kind, ts in tensors.items():
+    for ts in tensors.values():
         views = [offloader._away[id(t)][1] for t in ts]
         assert all(t.numel() == 0 for t in ts)
         if views:

@@ -253,7 +253,8 @@ def test_a_worker_that_cannot_load_the_function_is_reported(tmp_path):
     path.write_text("import sys\nif sys.argv[0] == '-c':\n    raise RuntimeError('not here')\n"
                     "def f(**kw):\n    return 1.0\n")
     with RewardRunner([(f"{path}:f", 1.0)], num_workers=1) as runner:
-        with pytest.raises(RLHFError, match="(?s)could not load the reward functions.*RuntimeError: not here"):
+        with pytest.raises(RLHFError, match="(?s)could not load the reward functions.*"
+                                            "RuntimeError: not here"):
             score(runner, ["1"])
 
 

@@ -122,10 +122,10 @@ def test_a_sleeping_cuda_engine_keeps_its_base_and_serves_the_newest_adapter(
     llm.collective_rpc = lambda fn, args=(): (llm.calls.append(("rpc", fn.__name__, args[2]))
                                               or [3])
     assert not replica.stale  # level 1: the base survived the sleep; nothing to re-send
-    for version in range(3):
+    for _ in range(3):
         replica.mark_stale()
         ours = [(param_name(key), t) for key, t in _factors().items()]  # the export's names
-        metrics = replica.sync(lambda: iter([ours]))
+        metrics = replica.sync(lambda ours=ours: iter([ours]))
         assert metrics["sync/bytes"] == sum(t.numel() * 4 for t in _factors().values())
         replica.generate(prompts, greedy=False, seed=1)
     assert removed == [1]  # the third version pushed out the first; two stay registered

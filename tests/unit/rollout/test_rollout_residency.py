@@ -110,7 +110,7 @@ def fake_cuda(monkeypatch):
     vllm.LLM = lambda model, **kw: DiscardingLLM(model, log, device, **kw)
     vllm.SamplingParams, vllm.__version__ = (lambda **kw: SimpleNamespace(**kw)), "0.99.fake"
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    reload = install_fake_reload(monkeypatch)
+    install_fake_reload(monkeypatch)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: log.append(("empty_cache",)))
     monkeypatch.setattr(gc, "collect", lambda *a: log.append(("gc",)) or 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", device.mem_get_info)

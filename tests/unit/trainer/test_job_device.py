@@ -36,7 +36,7 @@ def test_before_joining_the_local_machine_decides_and_a_named_cluster_must_be_ex
         monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     for present in (False, True):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: present)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda present=present: present)
         assert use_gpu(_auto()) is present
     with pytest.raises(ConfigError, match="set trainer.device to cuda or cpu"):
         use_gpu(_auto("ray.address=head:6379", "ray.num_cpus=null"))
