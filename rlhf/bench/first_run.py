@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from rlhf.plan.memory import METHOD_PHASES
+
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIG = "configs/qwen2.5-7b_ppo_multigpu.yaml"  # in the checkout (ROOT)
 CPU_CONFIG = "configs/first_run_cpu.yaml"
@@ -41,12 +43,6 @@ FINDINGS = {
     "vllm residual over plan": "vLLM keeps more beside weights and KV cache than the plan counts",
     "nccl over plan": "NCCL communicators hold more device memory than the plan counts",
 }
-# The role method whose memory/<method>/* the workers report -> the phase of `rlhf plan` it is
-# (rlhf.plan.memory.phase_names).
-PLAN_PHASES = {"sync_weights": "sync", "generate": "generate", "compute_log_prob": "forward actor",
-               "compute_values": "forward critic", "compute_ref_log_prob": "forward ref",
-               "update_critic": "update critic", "update_actor": "update actor"}
-
 
 @dataclass(frozen=True)
 class Finding:
@@ -198,7 +194,7 @@ def _memory(report: Report, records: list[dict], *, plan, plan_note: str,
                  "so it is not checked against the plan)")
     rows = [["step", "phase", "plan", "used", "free", "allocated", "reserved", "host rss"]]
     for r in records:
-        for method, phase in PLAN_PHASES.items():
+        for method, phase in METHOD_PHASES.items():
             stats = {k.rsplit("/", 1)[1]: v for k, v in r.items()
                      if k.startswith(f"memory/{method}/")}
             if not stats:

@@ -49,7 +49,7 @@ from pathlib import Path
 
 from rlhf.config import JobConfig, ref_from_actor
 from rlhf.config.schema import RECOMPUTE_MODES
-from rlhf.engine.offload import host_layout, offloaded_kinds, placement
+from rlhf.engine.offload import RELEASE_BEFORE, host_layout, offloaded_kinds, placement
 from rlhf.engine.zero import STATE_KINDS, state_tensor_bytes
 from rlhf.parallel.layout import EXPERT_AXES, GROUP_AXES, Layout
 from rlhf.parallel.stages import rank_chunks
@@ -82,7 +82,9 @@ NCCL_PEER_BYTES = 320 * MIB
 # ranks share a node: NVLink SHARP multicast buffers on NVSwitch machines.
 NCCL_NVLS_BYTES = 1136 * MIB
 VLLM_RESIDUAL = "vllm residual"  # the line of what vLLM keeps beyond weights and KV cache
-WAKE_PHASES = ("sync", "generate")  # vLLM wakes: the allocator cache is emptied first
+# vLLM wakes in these: the allocator cache is emptied first, as the offloader does on entering
+# them (RELEASE_BEFORE, whose phase names the plan's step phases use)
+WAKE_PHASES = tuple(sorted(RELEASE_BEFORE, key=["sync", "generate"].index))
 # Pinned memory cannot be swapped or shared; the rest of a node's RAM is the processes' own
 # (Python, the data loader, Ray's object store).
 HOST_PINNED_SHARE = 0.75
@@ -340,8 +342,16 @@ def _stage_extra_bytes(spec: RoleSpec, *, last: bool) -> float:
 def phase_names(specs: list[RoleSpec]) -> list[str]:
     """The phases of one step, in order."""
     names = [s.name for s in specs]
-    return (["sync", "generate"] + [f"forward {n}" for n in names]
+    return (list(WAKE_PHASES) + [f"forward {n}" for n in names]
             + [f"update {s.name}" for s in reversed(specs) if s.trains])
+
+
+# The role method whose memory/<method>/* the workers report -> the phase of the plan it runs in
+# (`phase_names`): a run's measured memory is held against the plan through this table.
+METHOD_PHASES = {"sync_weights": "sync", "generate": "generate",
+                 "compute_log_prob": "forward actor", "compute_values": "forward critic",
+                 "compute_ref_log_prob": "forward ref", "update_critic": "update critic",
+                 "update_actor": "update actor"}
 
 
 def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec) -> dict[str, int]:

@@ -8,10 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlhf.bench import first_run
 from rlhf.bench.first_run import FINDINGS, GIB, MEMORY_MARGIN, build_report, report_run
 from rlhf.config import load_config
-from rlhf.plan.memory import plan_job
+from rlhf.plan.memory import METHOD_PHASES, plan_job
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 MULTIGPU = CONFIGS / "qwen2.5-7b_ppo_multigpu.yaml"
@@ -38,7 +37,7 @@ def healthy(plan, steps=2) -> list[dict]:
              "rollout/sleep_residual_gb": 2.2, "memory/nccl_communicators": 9.0,
              "memory/nccl_gb": 1.5, "memory/pinned_gb": 20.0, "timing/pin_s": 4.0,
              "timing/step": 100.0, "timing/generate": 40.0, "timing/sync_weights": 5.0}
-        for method, phase in first_run.PLAN_PHASES.items():
+        for method, phase in METHOD_PHASES.items():
             if any(phase in d.phases for d in plan.devices):
                 r[f"memory/{method}/free_gb"] = card - 0.95 * planned(plan, phase)
                 r[f"memory/{method}/allocated_gb"] = 0.5 * planned(plan, phase)
