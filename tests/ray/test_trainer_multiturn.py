@@ -7,14 +7,13 @@ sampling log-prob (0), so a mask that let them in would show a gap of several na
 import pytest
 from transformers import AutoTokenizer
 
-from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
-from rlhf.trainer.jobs import run_train
+from rlhf.trainer.jobs import RoleGroups, job_workers
 from rlhf.trainer.metrics import read_metrics
+from rlhf.trainer.ppo import PPOTrainer
 from tests.unit.envs.scripted_env import ECHO_SPEC
 from tests.unit.trainer.jobs import job_config, make_assets
-from workers.actor import ActorWorker
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,9 +26,42 @@ def multiturn_config(assets, out, **sections):
                       trainer={"total_steps": 1, "save_every": 0}, **sections)
 
 
-def check_step(cfg):
-    run_train(cfg, progress=False)
-    (record,) = read_metrics(cfg.trainer.output_dir)
+@pytest.fixture(scope="module")
+def jobs(ray_cluster, tmp_path_factory):
+    """One step each of the tp=2 PPO job and the pp=2 GRPO job; before its step, each job's
+    actor scores the episodes the tp=2 actor sampled once (the same starting weights), so
+    the layouts' log-probs are compared without worker groups of their own."""
+    root = tmp_path_factory.mktemp("multiturn")
+    assets = make_assets(root)
+    configs = {"tp2": multiturn_config(assets, root / "ppo-tp2", actor={"parallel": {"tp": 2}}),
+               "pp2": multiturn_config(assets, root / "grpo-pp2", actor={"parallel": {"pp": 2}},
+                                       algorithm={"adv_estimator": "grpo",
+                                                  "kl_in_reward": False})}
+    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
+    data = configs["tp2"].data
+    prompts = next(PromptLoader(build_prompt_dataset(data.train_files, tokenizer, data),
+                                batch_size=4, shuffle=False)).with_meta(seed=7)
+    log_probs, records, batch = {}, {}, None
+    for name, cfg in configs.items():
+        roles, role_configs = job_workers(cfg)
+        groups = RoleGroups(cfg, roles, job_name=f"mt-{name}", role_configs=role_configs)
+        try:
+            actor = groups.views["actor"]
+            if batch is None:
+                out = actor.generate(prompts)
+                batch = prompts.repeat_interleave(cfg.rollout.n).union(
+                    Batch({k: out[k] for k in out.keys()}))
+            log_probs[name] = actor.compute_log_prob(batch)["old_log_probs"]
+            PPOTrainer(cfg, groups.views, tokenizer=tokenizer, job_name=f"mt-{name}",
+                       progress=False).fit()
+        finally:
+            groups.shutdown()
+        records[name] = read_metrics(cfg.trainer.output_dir)
+    return records, batch, log_probs, tokenizer
+
+
+def check_step(records):
+    (record,) = records
     assert record["env/turns"] == 2.0 and record["env/echoes"] == 1.0
     assert record["env/episode_tokens"] > record["env/model_tokens"] > 0
     assert record["env/errors"] == 0.0 and "reward/env_mean" in record
@@ -37,40 +69,19 @@ def check_step(cfg):
     return record
 
 
-def test_ppo_step_at_tp2_on_multiturn_episodes(ray_cluster, tmp_path):
-    assets = make_assets(tmp_path)
-    record = check_step(multiturn_config(assets, tmp_path / "ppo-tp2",
-                                         actor={"parallel": {"tp": 2}}))
+def test_ppo_step_at_tp2_on_multiturn_episodes(jobs):
+    record = check_step(jobs[0]["tp2"])
     assert "critic/value_loss" in record
 
 
-def test_grpo_step_at_pp2_on_multiturn_episodes(ray_cluster, tmp_path):
-    assets = make_assets(tmp_path)
-    check_step(multiturn_config(assets, tmp_path / "grpo-pp2", actor={"parallel": {"pp": 2}},
-                                algorithm={"adv_estimator": "grpo", "kl_in_reward": False}))
+def test_grpo_step_at_pp2_on_multiturn_episodes(jobs):
+    record = check_step(jobs[0]["pp2"])
+    assert not any(k.startswith("critic/") for k in record)
 
 
-def test_model_token_log_probs_agree_across_layouts(ray_cluster, tmp_path):
+def test_model_token_log_probs_agree_across_layouts(jobs):
     """Episodes sampled once; the tp=2 and pp=2 actors score their model tokens alike."""
-    assets = make_assets(tmp_path)
-    configs = {name: multiturn_config(assets, tmp_path / name, actor={"parallel": plan})
-               for name, plan in (("tp2", {"tp": 2}), ("pp2", {"pp": 2}))}
-    tokenizer = AutoTokenizer.from_pretrained(assets["model"])
-    data = configs["tp2"].data
-    prompts = next(PromptLoader(build_prompt_dataset(data.train_files, tokenizer, data),
-                                batch_size=4, shuffle=False)).with_meta(seed=7)
-    log_probs, batch = {}, None
-    for name, cfg in configs.items():
-        pool = ResourcePool(f"mt-{name}", ranks_per_node=2, use_gpu=False)
-        group = WorkerGroup(pool, {"actor": (ActorWorker, {"config": cfg})}, job_name=f"mt-{name}")
-        try:
-            if batch is None:
-                out = group.generate(prompts)
-                batch = prompts.repeat_interleave(cfg.rollout.n).union(
-                    Batch({k: out[k] for k in out.keys()}))
-            log_probs[name] = group.compute_log_prob(batch)["old_log_probs"]
-        finally:
-            group.shutdown()
+    _, batch, log_probs, tokenizer = jobs
     check_streams(batch, tokenizer)
     model_T = batch["model_mask"].values.bool()
     assert 0 < int(model_T.sum()) < len(model_T)  # both kinds of token are there
