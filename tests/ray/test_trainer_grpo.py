@@ -1,5 +1,6 @@
-"""GRPO (no critic, KL loss) end to end through `run_train`, and a reward function that fails
-mid-run: the job stops with a message naming the function, the last checkpoint intact."""
+"""GRPO (no critic, KL loss) end to end, and a reward function that fails mid-run: the job
+stops with a message naming the function, the last checkpoint intact. Both jobs run on one
+set of worker groups, the second from a checkpoint of the groups' start."""
 
 import json
 from pathlib import Path
@@ -8,8 +9,9 @@ import pytest
 
 from rlhf.errors import RLHFError
 from rlhf.trainer.checkpoint import CheckpointManager
-from rlhf.trainer.jobs import run_train
+from rlhf.trainer.jobs import RoleGroups, job_workers, load_tokenizer
 from rlhf.trainer.metrics import read_metrics
+from rlhf.trainer.ppo import PPOTrainer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,6 +22,8 @@ def exact_or_explode(*, prompt, response, ground_truth, extra):
         raise ValueError("reward backend unreachable")
     return float(response.strip() == str(ground_truth))
 '''
+GRPO = {"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
+        "kl_loss_coef": 0.01}
 
 
 def explosive_train_file(src: str, dst: Path, *, first_bad: int) -> str:
@@ -31,20 +35,44 @@ def explosive_train_file(src: str, dst: Path, *, first_bad: int) -> str:
     return str(dst)
 
 
-def test_grpo_steps_then_a_failing_reward_stops_the_job(ray_cluster, tmp_path):
-    assets = make_assets(tmp_path)
+@pytest.fixture(scope="module")
+def groups(ray_cluster, tmp_path_factory):
+    """The GRPO job's worker groups (actor with its rollout, reference) and a checkpoint of
+    their start: each test restores it, so its job starts as on fresh groups. The mini-batch
+    size reaches the workers in the driver's batch split, so the tests' configs may differ
+    in it; everything else the workers read is the same."""
+    root = tmp_path_factory.mktemp("grpo")
+    assets = make_assets(root)
+    cfg = job_config(assets, root / "start", algorithm=GRPO)
+    roles, role_configs = job_workers(cfg)
+    groups = RoleGroups(cfg, roles, job_name="grpo-test", role_configs=role_configs)
+    try:
+        start = str(root / "start-ckpt")
+        groups.views["actor"].save_checkpoint(start)
+        yield groups, assets, start
+    finally:
+        groups.shutdown()
+
+
+def fit(groups, cfg):
+    groups, _, start = groups
+    groups.views["actor"].load_checkpoint(start)
+    return PPOTrainer(cfg, groups.views, tokenizer=load_tokenizer(cfg.model.path),
+                      job_name="grpo-test", progress=False).fit()
+
+
+def test_grpo_steps_then_a_failing_reward_stops_the_job(groups, tmp_path):
+    assets = groups[1]
     (tmp_path / "reward.py").write_text(REWARD)
     # Unshuffled batches of 4: steps 1 and 2 see rows 0-7, step 3 meets row 8.
     train = explosive_train_file(assets["train"], tmp_path / "train.jsonl", first_bad=8)
     cfg = job_config(
-        assets, tmp_path / "grpo-run",
-        algorithm={"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
-                   "kl_loss_coef": 0.01},
+        assets, tmp_path / "grpo-run", algorithm=GRPO,
         reward={"functions": [{"path": f"{tmp_path / 'reward.py'}:exact_or_explode"}]},
         data={"train_files": [train], "shuffle": False},
         trainer={"total_steps": 3, "save_every": 1, "val_every": 2})
     with pytest.raises(RLHFError, match="exact_or_explode") as info:
-        run_train(cfg, progress=False)
+        fit(groups, cfg)
     assert "reward backend unreachable" in str(info.value)
     records = read_metrics(cfg.trainer.output_dir)
     assert [r["step"] for r in records] == [0, 1, 2]
@@ -61,16 +89,12 @@ def test_grpo_steps_then_a_failing_reward_stops_the_job(ray_cluster, tmp_path):
     assert not list(ckpt.root.glob(".step_*"))
 
 
-def test_on_policy_grpo_takes_old_log_probs_from_the_update(ray_cluster, tmp_path):
+def test_on_policy_grpo_takes_old_log_probs_from_the_update(groups, tmp_path):
     """One PPO epoch of one mini-batch and no KL in the reward: no separate old-log-prob pass,
     yet the metrics that read old log-probs (log-prob gap, entropy, KL to the reference) stay."""
-    assets = make_assets(tmp_path)
-    cfg = job_config(
-        assets, tmp_path / "fused-run", actor={"ppo_mini_batch_size": 4},
-        algorithm={"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
-                   "kl_loss_coef": 0.01},
-        trainer={"total_steps": 2, "save_every": 0})
-    run_train(cfg, progress=False)
+    cfg = job_config(groups[1], tmp_path / "fused-run", actor={"ppo_mini_batch_size": 4},
+                     algorithm=GRPO, trainer={"total_steps": 2, "save_every": 0})
+    fit(groups, cfg)
     records = read_metrics(cfg.trainer.output_dir)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
