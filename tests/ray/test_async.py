@@ -2,14 +2,15 @@
 end to end through run_train on the tiny arithmetic job: separate placement samples exactly
 what colocated samples (same seed, same weights, also after a weight transfer), the one-step
 loop trains on samples one version old with ratios against that version, and a resumed async
-run repeats an uninterrupted one."""
+run repeats an uninterrupted one (both through PPOTrainer on one set of worker groups)."""
 
 import shutil
 
 import pytest
 
-from rlhf.trainer.jobs import run_train
+from rlhf.trainer.jobs import RoleGroups, job_workers, load_tokenizer, run_train
 from rlhf.trainer.metrics import read_metrics
+from rlhf.trainer.ppo import PPOTrainer
 from tests.unit.trainer.jobs import job_config, make_assets
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
@@ -71,8 +72,19 @@ def test_one_step_trains_on_the_previous_version_and_resumes_exactly(ray_cluster
     async_run = {"async_mode": "one_step", "total_steps": 4}
     whole = _job(assets, tmp_path / "whole", rollout=SEPARATE,
                  trainer={**async_run, "save_every": 2})
-    run_train(whole, progress=False)
-    records = read_metrics(whole.trainer.output_dir)
+    roles, role_configs = job_workers(whole)
+    groups = RoleGroups(whole, roles, job_name="async-test", role_configs=role_configs)
+    try:
+        records = _fit(whole, groups)
+        # Resume from step 2's checkpoint (it holds batch 3, in flight) in a fresh folder, on
+        # the same workers (as test_trainer_ppo's resume): they hold step-4 weights, the
+        # rollout pool too, so the resume must restore step 2's and sync them to the pool.
+        resumed = _job(assets, tmp_path / "resumed", rollout=SEPARATE,
+                       trainer={**async_run, "resume": str(tmp_path / "whole/checkpoints/step_2")})
+        again = _fit(resumed, groups)
+    finally:
+        groups.shutdown()
+    assert read_metrics(whole.trainer.output_dir) == records
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     first, later = records[0], records[1:]
     assert first["async/staleness_0"] == 1.0 and first["async/policy_version"] == 0
@@ -86,11 +98,7 @@ def test_one_step_trains_on_the_previous_version_and_resumes_exactly(ray_cluster
     assert {"async/rollout_idle_s", "timing/wait_rollout", "rollout/seconds"} <= set(later[1])
     assert later[1]["async/rollout_idle_s"] >= 0
 
-    # Resume from step 2's checkpoint (it holds batch 3, in flight) in a fresh folder.
-    resumed = _job(assets, tmp_path / "resumed", rollout=SEPARATE,
-                   trainer={**async_run, "resume": str(tmp_path / "whole/checkpoints/step_2")})
-    run_train(resumed, progress=False)
-    again = read_metrics(resumed.trainer.output_dir)
+    assert read_metrics(resumed.trainer.output_dir) == again
     assert [r["step"] for r in again] == [3, 4]
     for a, b in zip(records[2:], again):
         keys = [k for k in a if k.startswith(("actor/", "reward/", "response_length",
@@ -98,6 +106,11 @@ def test_one_step_trains_on_the_previous_version_and_resumes_exactly(ray_cluster
         assert keys
         _same(a, b, keys, tol=1e-5)
     shutil.rmtree(tmp_path / "whole", ignore_errors=True)
+
+
+def _fit(cfg, groups):
+    return PPOTrainer(cfg, groups.views, tokenizer=load_tokenizer(cfg.model.path),
+                      job_name="async-test", progress=False).fit()
 
 
 def test_bounded_staleness_syncs_only_past_the_bound_and_recompute_ratios_start_at_one(
