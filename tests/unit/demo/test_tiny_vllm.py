@@ -1,4 +1,6 @@
-"""A tiny model folder runs in a real vLLM engine and greedy-decodes like transformers."""
+"""A tiny model folder runs in a real vLLM engine and greedy-decodes like transformers. All
+families' engines run one after the other in one interpreter (importing vLLM costs more than
+building a tiny engine); each case compares its own results."""
 
 import json
 import os
@@ -19,33 +21,57 @@ MAX_TOKENS = 8
 # the greedy choice, so comparison stops there.
 NEAR_TIE = 1e-4
 
+ARCHS = ["llama", "qwen3", "gemma"]
+
 # Runs in a fresh interpreter: vLLM changes process-wide state (threads, signal handlers).
+# One "RESULT <folder>:" line per engine, so a failing family leaves the others' results.
 VLLM_SCRIPT = r"""
-import json, sys
+import gc, json, sys, traceback
 from vllm import LLM, SamplingParams
-folder, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
-llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+prompts, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
-result = []
-for out in llm.generate(prompts, params, use_tqdm=False):
-    sample = out.outputs[0]
-    result.append({"prompt_ids": list(out.prompt_token_ids), "ids": list(sample.token_ids),
-                   "logprobs": [lp[t].logprob for t, lp in zip(sample.token_ids, sample.logprobs)]})
-print("RESULT:" + json.dumps(result), flush=True)
+for folder in sys.argv[3:]:
+    try:
+        llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+        result = []
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            sample = out.outputs[0]
+            result.append({"prompt_ids": list(out.prompt_token_ids),
+                           "ids": list(sample.token_ids),
+                           "logprobs": [lp[t].logprob
+                                        for t, lp in zip(sample.token_ids, sample.logprobs)]})
+        print(f"RESULT {folder}:" + json.dumps(result), flush=True)
+    except Exception:
+        traceback.print_exc()
+    llm = None
+    gc.collect()
 """
 
 
-def _run_vllm(folder, prompts):
+@pytest.fixture(scope="module")
+def vllm_runs(tmp_path_factory):
+    """Each family's tiny folder and vLLM's greedy results on it, from one interpreter."""
+    base = tmp_path_factory.mktemp("tiny")
+    folders = {arch: str(make_tiny_model(TinyModelConfig(arch=arch, tie_embeddings=arch != "llama"),
+                                         base / arch))
+               for arch in ARCHS}
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
                TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(
-        [sys.executable, "-c", VLLM_SCRIPT, str(folder), json.dumps(prompts), str(MAX_TOKENS)],
-        env=env, capture_output=True, text=True, timeout=300)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT:")]
-    assert proc.returncode == 0 and lines, \
-        f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    return json.loads(lines[-1].removeprefix("RESULT:"))
+        [sys.executable, "-c", VLLM_SCRIPT, json.dumps(PROMPTS), str(MAX_TOKENS),
+         *folders.values()],
+        env=env, capture_output=True, text=True, timeout=400)
+    return folders, proc
+
+
+def _vllm_result(vllm_runs, arch):
+    folders, proc = vllm_runs
+    prefix = f"RESULT {folders[arch]}:"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
+    assert lines, f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return folders[arch], json.loads(lines[-1].removeprefix(prefix))
 
 
 @torch.no_grad()
@@ -62,14 +88,12 @@ def _hf_greedy(model, prompt_ids):
     return ids[len(prompt_ids):], logprobs, gaps
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma"])
-def test_vllm_greedy_matches_transformers(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_vllm_greedy_matches_transformers(arch, vllm_runs, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    folder = make_tiny_model(TinyModelConfig(arch=arch, tie_embeddings=arch != "llama"),
-                             tmp_path / arch)
-    vllm_out = _run_vllm(folder, PROMPTS)
+    folder, vllm_out = _vllm_result(vllm_runs, arch)
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
