@@ -28,8 +28,9 @@ import subprocess
 import sys
 import time
 
+from rlhf.engine.offload import host_layout
+
 GIB = 1024**3
-ALIGN = 512  # bytes; a view's start, so copies into it stay aligned
 NCCL_CASES = ("lazy", "device_id", "device_id_nvls0")
 PINNED_CASES = ("per_tensor", "flat_caching", "flat_register")
 
@@ -68,16 +69,6 @@ def qwen7b_shard_numels(layers: int) -> list[int]:
              hidden * hidden, inter * hidden, inter * hidden, hidden * inter,  # o, mlp
              hidden, hidden]  # norms
     return [vocab * hidden] + layer * layers + [hidden, vocab * hidden]
-
-
-def flat_offsets(nbytes: list[int], *, align: int = ALIGN) -> tuple[list[int], int]:
-    """Start of each tensor in one flat buffer, each aligned to `align`, and the buffer's size."""
-    starts, end = [], 0
-    for n in nbytes:
-        end = -(-end // align) * align
-        starts.append(end)
-        end += n
-    return starts, -(-end // align) * align
 
 
 def _spawn(case: str, args: argparse.Namespace) -> dict:
@@ -182,7 +173,8 @@ def _pinned(case: str, *, layers: int) -> dict:
     torch.cuda.synchronize()
     rss0 = _rss()
     t0 = time.perf_counter()
-    starts, size = flat_offsets(nbytes)
+    layout = host_layout(nbytes)  # the engine's offload layout: aligned views, whole pages
+    starts, size = layout.offsets, layout.nbytes
     if case == "per_tensor":
         dst = [torch.empty(n, dtype=torch.bfloat16, pin_memory=True) for n in numels]
     else:
