@@ -743,9 +743,11 @@ class DataConfig:
     val_files: tuple[str, ...] = ()
     """Validation files, JSONL or Parquet; needed when trainer.val_every > 0."""
     prompt_key: str = "prompt"
-    """Field of each row that holds the prompt."""
+    """Field of each row that holds the prompt: a string or a list of {role, content} messages
+    (a dotted key such as a.b reads a nested field)."""
     ground_truth_key: str = "ground_truth"
-    """Field of each row handed to the reward functions as the ground truth."""
+    """Field of each row handed to the reward functions as the ground truth; dotted for a
+    nested one (verl's rows: reward_model.ground_truth)."""
     max_prompt_length: int = 512
     """Longest prompt, in tokens."""
     train_batch_size: int = 32

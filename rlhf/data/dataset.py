@@ -3,6 +3,8 @@
 A row holds the prompt (data.prompt_key: a string, or a chat as a list of {role, content}
 messages), the ground truth (data.ground_truth_key: any JSON value, handed to the reward
 functions as is), an optional data_source string and any other fields, kept as `extra`.
+Either key may be dotted to reach into nested objects: verl's rows keep the answer in
+`reward_model.ground_truth` and are read as they are with that key.
 With a chat template the prompt is rendered with add_generation_prompt=True (a string
 becomes one user message) and encoded without adding special tokens again; without one, a
 string prompt is encoded plainly (with the tokenizer's usual special tokens).
@@ -37,7 +39,8 @@ class PromptRow:
     ground_truth: Any
     data_source: str
     extra: dict
-    """Every field but the prompt and the ground truth (data_source included)."""
+    """Every top-level field but those the prompt and the ground truth came from (data_source
+    included; verl's extra_info stays whole under its name)."""
     location: str
     """Where the row came from, e.g. 'data/train.jsonl:12', for error messages."""
 
@@ -52,14 +55,53 @@ def _check_messages(messages: list, where: str, key: str) -> None:
                             f"must be an object with string 'role' and 'content'")
 
 
+_MISSING = object()
+# Where verl's data preparation puts the answer; named in the error for such rows.
+VERL_GROUND_TRUTH_KEY = "reward_model.ground_truth"
+
+
+def field_at(record: dict, key: str) -> Any:
+    """record[key] when the row has that field, else the value a dotted key reaches through
+    nested objects ('reward_model.ground_truth'); _MISSING when neither exists."""
+    if key in record:
+        return record[key]
+    value: Any = record
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _top_field(record: dict, key: str) -> str:
+    """The row's top-level field a key reads from: itself, or a dotted key's first part."""
+    return key if key in record else key.split(".")[0]
+
+
+def _missing(record: dict, key: str, what: str, config_key: str) -> str:
+    """Why `key` is not in the row: which part of a dotted key is absent, and what is there."""
+    value: Any = record
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if not isinstance(value, dict):
+            reached = ".".join(parts[:depth])
+            return (f"no {key!r} field: {reached!r} is a {type(value).__name__}, not an object "
+                    f"with a {part!r} field; set {config_key} to the field that holds {what}")
+        if part not in value:
+            inside = f"{'.'.join(parts[:depth])!r} has" if depth else "the row has"
+            return (f"no {key!r} field ({inside} fields {sorted(value)}); set {config_key} to "
+                    f"the field that holds {what} (a dotted key reaches a nested one)")
+        value = value[part]
+    raise AssertionError(f"{key!r} is present")  # callers ask only about missing keys
+
+
 def check_row(record: Any, where: str, *, prompt_key: str, ground_truth_key: str) -> PromptRow:
     """A PromptRow from one parsed record, or RLHFError naming where and what is wrong."""
     if not isinstance(record, dict):
         raise RLHFError(f"{where}: expected a JSON object, got a {type(record).__name__}")
-    if prompt_key not in record:
-        raise RLHFError(f"{where}: no {prompt_key!r} field (fields: {sorted(record)}); set "
-                        f"data.prompt_key to the field that holds the prompt")
-    prompt = record[prompt_key]
+    prompt = field_at(record, prompt_key)
+    if prompt is _MISSING:
+        raise RLHFError(f"{where}: {_missing(record, prompt_key, 'the prompt', 'data.prompt_key')}")
     if isinstance(prompt, list):
         _check_messages(prompt, where, prompt_key)
     elif not isinstance(prompt, str):
@@ -67,18 +109,25 @@ def check_row(record: Any, where: str, *, prompt_key: str, ground_truth_key: str
                         f"{{role, content}} messages, got {type(prompt).__name__}")
     elif not prompt.strip():
         raise RLHFError(f"{where}: {prompt_key!r} is an empty string")
-    if record.get(ground_truth_key) is None:
-        raise RLHFError(f"{where}: no {ground_truth_key!r} field or it is null (fields: "
-                        f"{sorted(record)}); set data.ground_truth_key to the answer's field")
+    ground_truth = field_at(record, ground_truth_key)
+    if ground_truth is _MISSING:
+        problem = _missing(record, ground_truth_key, "the answer", "data.ground_truth_key")
+        if field_at(record, VERL_GROUND_TRUTH_KEY) not in (_MISSING, None):
+            problem += (f"; this row has verl's layout: set data.ground_truth_key: "
+                        f"{VERL_GROUND_TRUTH_KEY}")
+        raise RLHFError(f"{where}: {problem}")
+    if ground_truth is None:
+        raise RLHFError(f"{where}: {ground_truth_key!r} is null; every row needs its answer")
     data_source = record.get("data_source")
     if data_source is None:
         data_source = DEFAULT_DATA_SOURCE
     elif not isinstance(data_source, str):
         raise RLHFError(f"{where}: 'data_source' must be a string, got "
                         f"{type(data_source).__name__}")
-    extra = {k: v for k, v in record.items() if k not in (prompt_key, ground_truth_key)}
+    taken = (_top_field(record, prompt_key), _top_field(record, ground_truth_key))
+    extra = {k: v for k, v in record.items() if k not in taken}
     extra["data_source"] = data_source
-    return PromptRow(prompt=prompt, ground_truth=record[ground_truth_key],
+    return PromptRow(prompt=prompt, ground_truth=ground_truth,
                      data_source=data_source, extra=extra, location=where)
 
 

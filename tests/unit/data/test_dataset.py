@@ -88,6 +88,52 @@ def test_messages_rows_from_parquet(tmp_path, tokenizer):
     assert ds.ground_truth == ["7"] and ds.raw_prompt == ["3+4="]
 
 
+def verl_row(question, answer, index):
+    """A row as verl's GSM8K preparation writes it."""
+    return {"data_source": "openai/gsm8k", "ability": "math",
+            "prompt": [{"role": "user", "content": question}],
+            "reward_model": {"style": "rule", "ground_truth": answer},
+            "extra_info": {"split": "train", "index": index}}
+
+
+def test_verl_parquet_is_read_as_is_with_a_dotted_key(tmp_path, tokenizer):
+    path = write_parquet(tmp_path / "verl.parquet", [verl_row("3+4=", "7", 0),
+                                                     verl_row("5+5=", "10", 1)])
+    cfg = DataConfig(ground_truth_key="reward_model.ground_truth", max_prompt_length=64)
+    ds = build_prompt_dataset([path], tokenizer, cfg)
+    assert ds.ground_truth == ["7", "10"] and ds.raw_prompt == ["3+4=", "5+5="]
+    assert ds.data_source == ["openai/gsm8k"] * 2
+    # reward_model is where the answer came from; extra_info stays whole for verl's scorers
+    assert ds.extra[1] == {"data_source": "openai/gsm8k", "ability": "math",
+                           "extra_info": {"split": "train", "index": 1}}
+    nested_prompt = write_jsonl(tmp_path / "n.jsonl", [{"q": {"text": "1+1="}, "a": "2"}])
+    assert PromptDataset.from_files([nested_prompt], tokenizer, prompt_key="q.text",
+                                    ground_truth_key="a", max_prompt_length=64).raw_prompt == ["1+1="]
+    # a top-level field whose name holds a dot wins over the nested reading
+    dotted = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "a.b": "top", "a": {"b": "in"}}])
+    assert PromptDataset.from_files([dotted], tokenizer, ground_truth_key="a.b",
+                                    max_prompt_length=64).ground_truth == ["top"]
+
+
+def test_missing_dotted_keys_name_the_key_and_the_row(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "v.jsonl", [verl_row("1+1=", "2", 0), verl_row("2+2=", "4", 1)])
+    with pytest.raises(RLHFError, match=rf"{path}:1: no 'ground_truth' field .*verl's layout: "
+                                        r"set data.ground_truth_key: reward_model.ground_truth"):
+        PromptDataset.from_files([path], tokenizer, max_prompt_length=64)
+    with pytest.raises(RLHFError, match=rf"{path}:1: no 'reward_model.answer' field "
+                                        r"\('reward_model' has fields \['ground_truth', 'style'\]"):
+        PromptDataset.from_files([path], tokenizer, ground_truth_key="reward_model.answer",
+                                 max_prompt_length=64)
+    with pytest.raises(RLHFError, match=rf"{path}:1: no 'data_source.name' field: 'data_source' "
+                                        r"is a str, not an object"):
+        PromptDataset.from_files([path], tokenizer, ground_truth_key="data_source.name",
+                                 max_prompt_length=64)
+    with pytest.raises(RLHFError, match=r"no 'chat.messages' field .*data.prompt_key"):
+        PromptDataset.from_files([path], tokenizer, prompt_key="chat.messages",
+                                 ground_truth_key="reward_model.ground_truth",
+                                 max_prompt_length=64)
+
+
 def test_without_a_chat_template_prompts_are_encoded_plainly(tmp_path, plain_tokenizer):
     path = write_jsonl(tmp_path / "p.jsonl", arith_rows(2))
     ds = PromptDataset.from_files([path], plain_tokenizer, max_prompt_length=64)
@@ -128,7 +174,7 @@ GOOD = json.dumps({"prompt": "1+1=", "ground_truth": "2"})
     ('{"prompt": [{"role": "user"}], "ground_truth": "2"}', "message 0 of 'prompt'"),
     ('{"prompt": ["hi"], "ground_truth": "2"}', "message 0 of 'prompt'"),
     ('{"prompt": "1+1="}', "no 'ground_truth' field"),
-    ('{"prompt": "1+1=", "ground_truth": null}', "no 'ground_truth' field or it is null"),
+    ('{"prompt": "1+1=", "ground_truth": null}', "'ground_truth' is null"),
     ('{"prompt": "1+1=", "ground_truth": "2", "data_source": 5}',
      "'data_source' must be a string"),
     ('{"prompt": [{"role": "robot", "content": "x"}], "ground_truth": "2"}',
@@ -156,7 +202,7 @@ def test_bad_files(tmp_path, tokenizer):
     assert f"{not_parquet}: not a readable Parquet file" in error([not_parquet])
     no_truth = write_parquet(tmp_path / "nt.parquet", [{"prompt": "a", "ground_truth": "1"},
                                                        {"prompt": "b", "ground_truth": None}])
-    assert f"{no_truth} row 2: no 'ground_truth'" in error([no_truth])
+    assert f"{no_truth} row 2: 'ground_truth' is null" in error([no_truth])
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(GOOD.encode() + b"\n" + b'{"prompt": "caf\xe9"}\n')
     assert f"{latin}:2: not UTF-8" in error([latin])
