@@ -203,7 +203,8 @@ def _first_record(path: Path):
 def _check_reward_imports(cfg: JobConfig) -> list[str]:
     try:
         check_reward_functions([fn.path for fn in cfg.reward.functions],
-                               timeout_s=cfg.reward.import_timeout_s)
+                               timeout_s=cfg.reward.import_timeout_s,
+                               conventions=[fn.convention for fn in cfg.reward.functions])
     except ConfigError as e:
         return [str(e)]  # may span lines: a raising import comes with the user's traceback
     return _check_env_import(cfg)

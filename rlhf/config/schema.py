@@ -503,6 +503,12 @@ class CriticConfig(TrainRoleConfig):
             raise ConfigError("model_path must not be empty; use null for model.path")
 
 
+# How a reward function is called (rlhf.rewards.protocol): ours, verl's compute_score, or
+# told apart by its parameters (verl's has solution_str).
+RewardConvention = Literal["auto", "rlhf", "verl"]
+REWARD_CONVENTIONS: tuple[str, ...] = get_args(RewardConvention)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RewardFunctionConfig:
     """One rule-based reward function and its weight in the total reward."""
@@ -511,6 +517,10 @@ class RewardFunctionConfig:
     """'package.module:function' or 'path/to/file.py:function'."""
     weight: float = 1.0
     """Multiplier of this function's score in the summed reward."""
+    convention: RewardConvention = "auto"
+    """How it is called: rlhf = fn(*, prompt, response, ground_truth, extra); verl =
+    compute_score(data_source, solution_str, ground_truth, extra_info); auto = verl's when the
+    function has a solution_str parameter, else ours."""
 
     def __post_init__(self):
         if not is_function_spec(self.path):

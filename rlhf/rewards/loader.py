@@ -18,8 +18,15 @@ from pathlib import Path
 from types import ModuleType
 
 from rlhf.config.paths import is_file_target
+from rlhf.config.schema import REWARD_CONVENTIONS
 from rlhf.errors import ConfigError, RLHFError
-from rlhf.rewards.protocol import EXPECTED_SIGNATURE, REWARD_KWARGS
+from rlhf.rewards.protocol import (
+    EXPECTED_SIGNATURE,
+    REWARD_KWARGS,
+    VERL_KWARGS,
+    VERL_SIGNATURE,
+    VerlReward,
+)
 
 
 def _forms(what: str) -> str:
@@ -41,17 +48,25 @@ def load_object(spec: str, *, what: str = "reward function") -> object:
     return getattr(module, name)
 
 
-def load_reward_function(spec: str) -> Callable:
-    """The callable named by spec, checked to accept the reward keyword arguments."""
+def load_reward_function(spec: str, *, convention: str = "auto") -> Callable:
+    """The callable named by spec, checked to accept the reward keyword arguments; a verl
+    function (convention 'verl', or 'auto' and a `solution_str` parameter) comes wrapped in a
+    VerlReward that takes them."""
     fn = load_object(spec, what="reward function")
     if not callable(fn):
         raise RLHFError(f"reward function {spec!r}: {spec.rpartition(':')[2]} is a "
                         f"{type(fn).__name__}, not a function; expected {EXPECTED_SIGNATURE}")
+    if convention not in REWARD_CONVENTIONS:
+        raise RLHFError(f"reward function {spec!r}: convention must be one of "
+                        f"{', '.join(REWARD_CONVENTIONS)}, got {convention!r}")
+    if convention == "verl" or (convention == "auto" and "solution_str" in _keyword_names(fn)):
+        return VerlReward(fn, check_verl_signature(fn, spec))
     check_signature(fn, spec)
     return fn
 
 
-def check_reward_functions(specs: list[str], *, timeout_s: float = 60.0) -> None:
+def check_reward_functions(specs: list[str], *, timeout_s: float = 60.0,
+                           conventions: list[str] | None = None) -> None:
     """Import every reward function in a child process that may take `timeout_s` seconds, so
     an import that raises, exits or hangs is reported by name before any worker starts.
 
@@ -59,12 +74,13 @@ def check_reward_functions(specs: list[str], *, timeout_s: float = 60.0) -> None
     """
     if not specs:
         return
-    code = ("import sys; from rlhf.rewards.loader import _check_in_child; "
-            "_check_in_child(sys.argv[1:])")
+    conventions = conventions or ["auto"] * len(specs)
+    code = ("import sys, json; from rlhf.rewards.loader import _check_in_child; "
+            "_check_in_child(*json.loads(sys.argv[1]))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     try:
-        done = subprocess.run([sys.executable, "-c", code, *specs], capture_output=True,
-                              env=env, timeout=timeout_s)
+        done = subprocess.run([sys.executable, "-c", code, json.dumps([specs, conventions])],
+                              capture_output=True, env=env, timeout=timeout_s)
         stdout, stderr, exit_code = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as e:
         stdout, stderr, exit_code = e.stdout or b"", e.stderr or b"", None
@@ -76,15 +92,15 @@ def check_reward_functions(specs: list[str], *, timeout_s: float = 60.0) -> None
 _MARK = "@@rlhf-reward-import@@ "
 
 
-def _check_in_child(specs: list[str]) -> None:
+def _check_in_child(specs: list[str], conventions: list[str]) -> None:
     """The child's side of check_reward_functions: one marked JSON line per event on stdout."""
     def say(**event) -> None:
         print(_MARK + json.dumps(event), flush=True)
 
-    for i, spec in enumerate(specs):
+    for i, (spec, convention) in enumerate(zip(specs, conventions)):
         say(start=i)
         try:
-            load_reward_function(spec)
+            load_reward_function(spec, convention=convention)
         except RLHFError as e:
             say(error=i, message=str(e))
     say(done=True)
@@ -181,6 +197,35 @@ def _close_names(module: ModuleType, name: str) -> str:
     return "; it defines no public functions"
 
 
+def _keyword_names(fn: Callable) -> set[str]:
+    """Parameters fn takes by keyword; empty when it has no signature to read."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return set()
+    return {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_verl_signature(fn: Callable, spec: str) -> tuple[str, ...]:
+    """The verl arguments to pass fn (those it names, or all four to **kwargs); RLHFError when
+    it needs an argument verl never passes or takes none of verl's by keyword."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return VERL_KWARGS
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return VERL_KWARGS
+    names = tuple(k for k in VERL_KWARGS if k in _keyword_names(fn))
+    required_extra = [p.name for p in params if p.default is p.empty and p.name not in names
+                      and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+    if required_extra or "solution_str" not in names:
+        problem = (f"requires {', '.join(required_extra)}, which verl never passes"
+                   if required_extra else "does not take solution_str by keyword")
+        raise RLHFError(f"reward function {spec!r} (verl convention) has signature "
+                        f"{inspect.signature(fn)} and {problem}; expected {VERL_SIGNATURE}")
+    return names
+
+
 def check_signature(fn: Callable, spec: str) -> None:
     """Raise RLHFError unless fn can be called as fn(prompt=, response=, ground_truth=, extra=)."""
     try:
@@ -201,4 +246,5 @@ def check_signature(fn: Callable, spec: str) -> None:
             problems.append(f"requires {', '.join(required_extra)}, which is never passed")
         raise RLHFError(f"reward function {spec!r} has signature {signature} and "
                         f"{' and '.join(problems)}; expected {EXPECTED_SIGNATURE} "
-                        f"(a trailing **kwargs also accepts them)")
+                        f"(a trailing **kwargs also accepts them), or verl's "
+                        f"{VERL_SIGNATURE}")

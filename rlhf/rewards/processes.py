@@ -52,9 +52,9 @@ def spawn_child(module: str) -> tuple[subprocess.Popen, Connection]:
 class _Worker:
     """One process, its pipe, and the calls it still owes (sample, function) in order."""
 
-    def __init__(self, specs: list[str]):
+    def __init__(self, loads: list[tuple[str, str]]):
         self.proc, self.conn = spawn_child("rlhf.rewards.worker")
-        self.conn.send(specs)
+        self.conn.send(loads)
         self.ready = False
         self.owed: deque[tuple[int, int]] = deque()
         self.task_items: list = []  # (index, sample) pairs of the current chunk, by index
@@ -83,11 +83,13 @@ class _Worker:
 
 
 class RewardProcesses:
-    """num_workers spawned processes running the functions of specs; see the module docstring."""
+    """num_workers spawned processes running the functions of `loads`, (spec, convention)
+    pairs (see rlhf.rewards.loader.load_reward_function); see the module docstring."""
 
-    def __init__(self, specs: Sequence[str], *, num_workers: int, timeout_s: float):
-        self._specs, self._timeout_s = list(specs), timeout_s
-        self._workers: list[_Worker] = [_Worker(self._specs) for _ in range(num_workers)]
+    def __init__(self, loads: Sequence[tuple[str, str]], *, num_workers: int, timeout_s: float):
+        self._loads, self._timeout_s = list(loads), timeout_s
+        self._specs = [spec for spec, _ in self._loads]
+        self._workers: list[_Worker] = [_Worker(self._loads) for _ in range(num_workers)]
         self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
     def run(self, samples: list[dict]) -> Iterator[tuple[int, int, Outcome]]:
@@ -193,7 +195,7 @@ class RewardProcesses:
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._specs)
+        self._workers[self._workers.index(worker)] = _Worker(self._loads)
 
     def close(self) -> None:
         """Stop every worker: ask politely, then kill whatever is still running."""

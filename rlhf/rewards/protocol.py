@@ -18,6 +18,10 @@ entries that are logged as metrics, averaged per batch as `reward/<function>/<ke
 samples that report the key. Non-numeric dict entries (strings, None) are ignored, so a
 function may carry debugging text. NaN, infinity, None, strings, tensors and dicts without
 "score" are errors that name the function, the sample and the value.
+
+verl's convention, `compute_score(data_source, solution_str, ground_truth, extra_info)`, is
+taken as well (`VerlReward`): the loader recognises it by a `solution_str` parameter, or
+reward.functions[].convention declares it.
 """
 
 import math
@@ -27,6 +31,9 @@ from typing import Any
 REWARD_KWARGS = ("prompt", "response", "ground_truth", "extra")
 EXPECTED_SIGNATURE = ("def fn(*, prompt: str, response: str, ground_truth, extra: dict) "
                       "-> float | dict")
+VERL_KWARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+VERL_SIGNATURE = ("def compute_score(data_source, solution_str, ground_truth, extra_info=None) "
+                  "-> float | dict")
 # Keys the runner writes itself under reward/<function>/; a function may not report them.
 RESERVED_METRICS = ("score", "errors", "timeouts", "fallbacks")
 
@@ -84,3 +91,18 @@ def parse_reward_output(value: Any) -> tuple[float, dict[str, float]]:
             metrics[key] = _finite(metric, f"metric {key!r}")
         return score, metrics
     return _finite(value, "the returned value"), {}
+
+
+class VerlReward:
+    """A verl reward function called with our keyword arguments: data_source and extra_info
+    come from `extra` (extra_info is the row's verl field, {} without one), solution_str is
+    the response. Only the verl arguments the function names are passed."""
+
+    def __init__(self, fn, names: tuple[str, ...] = VERL_KWARGS):
+        self.fn, self.names = fn, names
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+
+    def __call__(self, *, prompt: str, response: str, ground_truth, extra: dict):
+        verl_args = {"data_source": extra.get("data_source"), "solution_str": response,
+                     "ground_truth": ground_truth, "extra_info": extra.get("extra_info") or {}}
+        return self.fn(**{name: verl_args[name] for name in self.names})

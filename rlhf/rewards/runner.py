@@ -72,14 +72,15 @@ class RewardRunner:
     """Weighted rule-based reward functions run in num_workers processes with a per-call timeout.
 
     functions: (spec, weight) pairs; none for a job scored by a reward model alone (every
-    total is then 0 and the model's score is added by the caller). on_error "raise" stops at
+    total is then 0 and the model's score is added by the caller). conventions: how each is
+    called (auto, rlhf, verl; see rlhf.rewards.protocol), auto for all when None. on_error "raise" stops at
     the first failure; "fallback" gives the failed call fallback_score (before weighting) and
     counts it in the metrics.
     """
 
     def __init__(self, functions: Sequence[tuple[str, float]], *, num_workers: int = 2,
                  timeout_s: float = 10.0, on_error: OnError = "raise",
-                 fallback_score: float = 0.0):
+                 fallback_score: float = 0.0, conventions: Sequence[str] | None = None):
         if on_error not in ("raise", "fallback"):
             raise RLHFError(f"on_error must be 'raise' or 'fallback', got {on_error!r}")
         if num_workers < 0 or not timeout_s > 0 or not math.isfinite(fallback_score):
@@ -89,8 +90,9 @@ class RewardRunner:
         self.weights = [float(weight) for _, weight in functions]
         self.names = function_names(self.specs)
         self.on_error, self.fallback_score, self.timeout_s = on_error, fallback_score, timeout_s
-        self._functions = [load_reward_function(spec) for spec in self.specs]
-        self._processes = (RewardProcesses(self.specs, num_workers=num_workers, timeout_s=timeout_s)
+        loads = list(zip(self.specs, conventions or ["auto"] * len(self.specs), strict=True))
+        self._functions = [load_reward_function(spec, convention=c) for spec, c in loads]
+        self._processes = (RewardProcesses(loads, num_workers=num_workers, timeout_s=timeout_s)
                            if num_workers > 0 and self.specs else None)
         self._closed = False
 
@@ -99,7 +101,8 @@ class RewardRunner:
         """A runner for a RewardConfig's functions, workers, timeout and error policy."""
         return cls([(fn.path, fn.weight) for fn in cfg.functions], num_workers=cfg.num_workers,
                    timeout_s=cfg.timeout_s, on_error=cfg.on_error,
-                   fallback_score=cfg.fallback_score)
+                   fallback_score=cfg.fallback_score,
+                   conventions=[fn.convention for fn in cfg.functions])
 
     def score(self, prompts: Sequence[str], responses: Sequence[str],
               ground_truths: Sequence, extras: Sequence[dict] | None = None) -> RewardResult:

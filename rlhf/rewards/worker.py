@@ -62,8 +62,8 @@ def serve_loop(conn: Connection, load: Callable, handle: Callable) -> None:
         handle(loaded, task, conn.send)
 
 
-def _load_functions(specs: list[str]) -> list[Callable]:
-    return [load_reward_function(spec) for spec in specs]
+def _load_functions(loads: list[tuple[str, str]]) -> list[Callable]:
+    return [load_reward_function(spec, convention=convention) for spec, convention in loads]
 
 
 def _score_chunk(functions: list[Callable], task: tuple, send: Callable) -> None:

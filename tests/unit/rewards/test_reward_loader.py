@@ -125,7 +125,7 @@ def test_not_callable(tmp_path):
     ("(response, ground_truth)", "does not accept prompt, extra"),
     ("(prompt, response, ground_truth, extra, /)", "does not accept prompt, response"),
     ("(*, prompt, response, ground_truth, extra, scale)", "requires scale"),
-    ("(solution_str, ground_truth, **kwargs)", "requires solution_str"),
+    ("(text, ground_truth, **kwargs)", "requires text"),
 ])
 def test_wrong_signature_explains_the_expected_one(tmp_path, signature, problem):
     path = write(tmp_path / "sig.py", f"def f{signature}:\n    return 1.0\n")
