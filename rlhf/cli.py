@@ -167,6 +167,33 @@ def _config_schema(args) -> int:
     return 0
 
 
+def _config_from_verl(args) -> int:
+    from rlhf.config.from_verl import check_translation, read_verl_config, render, translate
+
+    source = Path(args.verl_config)
+    translation = translate(read_verl_config(source, args.overrides))
+    text = render(translation, source_name=source.name)
+    if args.out is None:
+        print(text, end="")
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {len(translation.mapped)} translated keys to {args.out}", file=sys.stderr)
+    for verl_key, why in translation.no_equivalent:
+        print(f"no equivalent: {verl_key}: {why}", file=sys.stderr)
+    if translation.unknown:
+        print(f"not translated (not in the table): {', '.join(translation.unknown)}",
+              file=sys.stderr)
+    for note in translation.notes:
+        print(f"note: {note}", file=sys.stderr)
+    problem = check_translation(translation)
+    if problem is not None:
+        print(f"the translation does not load yet; fix it before `rlhf train`:\n{problem}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
 def _make_tiny_model(args) -> int:
     from rlhf.config.schema import TinyModelConfig
     from rlhf.demo.tiny_model import make_tiny_model
@@ -283,6 +310,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "completion and checks (docs/reference/config.md#editor-support)")
     schema.add_argument("out", nargs="?", help="file to write; default: standard output")
     schema.set_defaults(run=_config_schema)
+    from_verl = config_commands.add_parser(
+        "from-verl", help="translate a verl PPO/GRPO config into ours and say what has no "
+                          "equivalent (docs/guides/coming-from-verl.md); exit status 1 when "
+                          "the translation does not load yet")
+    from_verl.add_argument("verl_config", help="verl YAML: nested sections or dotted keys")
+    from_verl.add_argument("overrides", nargs="*", metavar="verl.key=value",
+                           help="verl-style overrides on top, e.g. actor_rollout_ref.rollout.n=8")
+    from_verl.add_argument("-o", "--out", help="file to write; default: standard output")
+    from_verl.set_defaults(run=_config_from_verl)
 
     tiny = commands.add_parser(
         "make-tiny-model", help="write a random-init Hugging Face model folder and its tokenizer")

@@ -1,6 +1,7 @@
-"""Writes the generated parts of the docs: the CLI reference (every parser's --help) and the
-configuration reference (from the config dataclasses). tests/unit/test_docs.py fails when a
-page differs from what this prints, so the pages cannot drift from the code.
+"""Writes the generated parts of the docs: the CLI reference (every parser's --help), the
+configuration reference (from the config dataclasses) and the verl key table (from
+rlhf.config.from_verl). tests/unit/test_docs.py fails when a page differs from what this
+prints, so the pages cannot drift from the code.
 
     PYTHONPATH=. python docs/scripts/generate.py          # rewrite the generated blocks
 """
@@ -65,7 +66,15 @@ def config_reference() -> str:
     return rest.lstrip("\n").replace("\n#### ", "\n## ")
 
 
-GENERATED = {"reference/cli.md": cli_reference, "reference/config.md": config_reference}
+def verl_key_table() -> str:
+    """The verl key table `rlhf config from-verl` translates by."""
+    from rlhf.config.from_verl import key_table_markdown
+
+    return key_table_markdown()
+
+
+GENERATED = {"reference/cli.md": cli_reference, "reference/config.md": config_reference,
+             "guides/coming-from-verl.md": verl_key_table}
 
 
 def expected(page: str) -> str:
