@@ -114,16 +114,26 @@ class WeightSenderMixin:
                 "sync/full_bytes": full_bytes}
 
 
+# The rollout fields a call may replace through batch.meta["sampling"].
+SAMPLING_OVERRIDES = {"n", "temperature", "top_p", "top_k"}
+
+
 def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str, env: bool) -> Batch:
     """`replica.generate` on this rank's `prompt_ids` (the actor's colocated replica or a
-    separate rollout rank's), after checking the driver's `batch.meta["seed"]`; with `env`
+    separate rollout rank's), after checking the driver's `batch.meta["seed"]`, with the
+    sampling settings of `batch.meta["sampling"]` if any (sampled validation); with `env`
     (rollout.env set), multi-turn episodes started from the batch's dataset rows."""
     require_fields(batch, ("prompt_ids",), where)
     seed = batch.meta.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ValueError(f"batch.meta['seed'] must be an int, got {seed!r}")
+    sampling = batch.meta.get("sampling")
+    if sampling is not None and not set(sampling) <= SAMPLING_OVERRIDES:
+        raise ValueError(f"batch.meta['sampling'] may set {sorted(SAMPLING_OVERRIDES)}, got "
+                         f"{sorted(sampling)}")
     rows = env_rows(batch) if env else None
-    return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows)
+    return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows,
+                            sampling=sampling)
 
 
 def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:

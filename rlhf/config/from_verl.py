@@ -68,6 +68,14 @@ def _skip(value: Any, source: Source) -> Any:
     raise Skip
 
 
+def _if_val_sampling(value: Any, source: Source) -> Any:
+    """val_kwargs apply only with do_sample: greedy validation (verl's default) is always
+    reported here."""
+    if not source.flat.get(_VAL_KWARGS + "do_sample"):
+        raise Skip
+    return value
+
+
 def _freq(value: Any, source: Source) -> int:
     """verl's -1 (or null) means never; ours is 0."""
     return 0 if value is None or value < 0 else int(value)
@@ -198,6 +206,7 @@ def _reward_model(value: Any, source: Source) -> Any:
     return value
 
 
+_VAL_KWARGS = "actor_rollout_ref.rollout.val_kwargs."
 _SHARDING = ("this engine shards by tp/pp with ZeRO-1 (and offload) instead of FSDP; set "
              "ROLE.parallel.tp/pp (docs/guides/coming-from-verl.md#sharding)")
 _TOKENS = "micro-batches here are cut by a token budget (ROLE.max_tokens_per_micro_batch)"
@@ -296,6 +305,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     VerlKey("actor_rollout_ref.rollout.max_num_seqs", ("rollout.max_num_seqs",)),
     VerlKey("actor_rollout_ref.rollout.enforce_eager", ("rollout.enforce_eager",)),
     VerlKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", note=_TOKENS),
+    VerlKey(_VAL_KWARGS + "do_sample", note="false: greedy validation only, always reported "
+            "here; true: the val_kwargs below set trainer.val_sampling", convert=_skip),
+    VerlKey(_VAL_KWARGS + "n", ("trainer.val_sampling.n",), convert=_if_val_sampling),
+    VerlKey(_VAL_KWARGS + "temperature", ("trainer.val_sampling.temperature",),
+            convert=_if_val_sampling),
+    VerlKey(_VAL_KWARGS + "top_p", ("trainer.val_sampling.top_p",), convert=_if_val_sampling),
+    VerlKey(_VAL_KWARGS + "top_k", ("trainer.val_sampling.top_k",), convert=_if_val_sampling),
     VerlKey("actor_rollout_ref.ref.fsdp_config.param_offload", ("ref.offload.params",)),
     VerlKey("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", note=_TOKENS),
     # ---- critic (gae)

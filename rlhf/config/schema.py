@@ -779,6 +779,30 @@ class DataConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ValSamplingConfig:
+    """Sampled validation: n answers to each held-out prompt beside the greedy one, scored as
+    val/reward_mean@sampled and val/pass@k (docs/reference/metrics.md)."""
+
+    n: int = 0
+    """Answers sampled per validation prompt; 0 = greedy validation only."""
+    temperature: float = 1.0
+    """Sampling temperature of those answers, in (0, 2]."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Sample among the k most likely tokens; -1 = off."""
+    pass_score: float = 1.0
+    """An answer passes when its reward is at least this; pass@k counts passes."""
+
+    def __post_init__(self):
+        require_min(self, 0, "n")
+        require_range(self, "temperature", 0, 2, low_open=True)
+        require_range(self, "top_p", 0, 1, low_open=True)
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"top_k must be -1 (off) or at least 1, got {self.top_k}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class TrainerConfig:
     """The training loop, its devices and its outputs."""
 
@@ -823,6 +847,8 @@ class TrainerConfig:
     output_dir/mlflow.db."""
     val_before_train: bool = True
     """Validate once before the first step (when val_every > 0), as the baseline."""
+    val_sampling: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    """Sampled validation (n answers per prompt, pass@k) beside the greedy answers."""
     ray_metrics: bool = True
     """Export every logged metric as a Ray gauge (Ray dashboard, Prometheus)."""
     max_keep: int = 0

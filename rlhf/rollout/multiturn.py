@@ -66,10 +66,11 @@ class EpisodeRunner:
         self.env: tuple | None = None  # (EnvRunner, TurnRenderer, tokenizer)
 
     def play(self, engine, prompts: list[list[int]], seeds: list[int],
-             env_rows: list[dict] | None, *, first: int, n: int,
-             greedy: bool) -> tuple[Batch, dict[str, float]]:
+             env_rows: list[dict] | None, *, first: int, n: int, greedy: bool,
+             config: RolloutConfig | None = None) -> tuple[Batch, dict[str, float]]:
         """An episode per (prompt, seed): the prompts of rows `first`.. of the driver's batch,
-        `n` samples each, prompt-major; (their Batch, this rank's metric sums)."""
+        `n` samples each, prompt-major; (their Batch, this rank's metric sums). `config`
+        replaces the runner's sampling settings for this call."""
         if env_rows is None or len(env_rows) * n != len(prompts):
             raise ValueError("a multi-turn rollout needs each prompt's row (prompt, "
                              "ground_truth, extra) for its environment")
@@ -85,7 +86,7 @@ class EpisodeRunner:
                             env_rows[i // n]) for i, (prompt, seed) in enumerate(zip(prompts, seeds))]
         sums = run_episodes(engine, episodes, runner=runner, renderer=renderer,
                             decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                            config=self.config, greedy=greedy)
+                            config=config or self.config, greedy=greedy)
         return episodes_to_batch(episodes), sums
 
 

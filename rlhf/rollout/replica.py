@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -86,17 +86,19 @@ class RolloutReplica:
     # ---- sampling ----------------------------------------------------------------------------
 
     def generate(self, prompts: Ragged, *, greedy: bool, seed: int | None,
-                 env_rows: list[dict] | None = None) -> Batch:
+                 env_rows: list[dict] | None = None, sampling: dict | None = None) -> Batch:
         """`response_ids` and `rollout_log_probs` of this rank's prompts (n samples each,
         prompt-major) and metrics over the whole group in meta; collective over the group.
         With rollout.env, each sample is a multi-turn episode started from its `env_rows`
-        entry (prompt, ground_truth, extra): see rlhf.rollout.multiturn."""
+        entry (prompt, ground_truth, extra): see rlhf.rollout.multiturn. `sampling` replaces
+        rollout fields for this call (sampled validation: n, temperature, top_p, top_k)."""
         start = time.perf_counter()
         call = self.calls
         self.calls += 1
         mine = [row.tolist() for row in prompts.to_list()]
         first = self._first_position(mine)
-        n = 1 if greedy else self.spec.config.n
+        config = self.spec.config if sampling is None else replace(self.spec.config, **sampling)
+        n = 1 if greedy else config.n
         rows, skip = self._replica_rows(mine, first)
         call_seed = seed if seed is not None else derive_seed(self.spec.config.seed, call)
         seeds = [s for pos, _ in rows for s in request_seeds(
@@ -105,9 +107,9 @@ class RolloutReplica:
         sampler = self.ensure_sampler()  # on every rank at once: building may be collective
         if self.episodes is not None:  # rollout.tp is 1: no replica peers share the requests
             batch, env_sums = self.episodes.play(sampler, repeated, seeds, env_rows, first=first,
-                                                 n=n, greedy=greedy)
+                                                 n=n, greedy=greedy, config=config)
         else:
-            params = sampling_params(self.spec.config, greedy=greedy, seeds=seeds)
+            params = sampling_params(config, greedy=greedy, seeds=seeds)
             completions = sampler.generate(repeated, params)[skip * n:(skip + len(mine)) * n]
             batch, env_sums = _to_batch(completions, meta={}), None
         slept = sampler.sleep()  # a sleeping engine (colocated, CUDA) releases its weights here

@@ -63,6 +63,7 @@ from rlhf.trainer.recipes import (
 )
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
 from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
+from rlhf.trainer.validation import validation_metrics
 
 
 def step_seed(base: int, step: int) -> int:
@@ -315,12 +316,13 @@ class PPOTrainer:
     def _prompts(self, step: int) -> Batch:
         return next(self.loader).with_meta(seed=step_seed(self.cfg.rollout.seed, step))
 
-    def _rollout(self, prompts: Batch, timer: SectionTimer, *, greedy: bool) -> tuple[Batch, dict]:
+    def _rollout(self, prompts: Batch, timer: SectionTimer, *, greedy: bool,
+                 n: int | None = None) -> tuple[Batch, dict]:
         with timer("sync_weights"):
             sync = self.rollouts.sync()
         with timer("generate"):
             out = self.rollouts.generate(prompts, greedy=greedy)
-        batch, metrics = self.rollouts.assemble(prompts, out, greedy=greedy,
+        batch, metrics = self.rollouts.assemble(prompts, out, greedy=greedy, n=n,
                                                 version=self.rollouts.policy_version)
         return batch, {**metrics, **sync}
 
@@ -367,18 +369,30 @@ class PPOTrainer:
         return metrics, batch
 
     def validate(self) -> dict[str, float]:
-        """Greedy responses to every held-out prompt: val/accuracy is their mean reward."""
+        """A greedy answer to every held-out prompt (val/reward_mean@greedy, alias
+        val/accuracy), and with trainer.val_sampling.n, n sampled answers (pass@k); overall
+        and per data source (rlhf.trainer.validation)."""
         loader = PromptLoader(self.val_data, batch_size=self.cfg.data.val_batch_size,
                               shuffle=False, drop_last=False)
-        timer, scores, lengths = SectionTimer(), [], []
+        sampling = self.cfg.trainer.val_sampling
+        timer, sources, greedy, sampled, lengths = SectionTimer(), [], [], [], []
         with timer("validate"):
             for _ in range(loader.batches_per_epoch):
                 prompts = next(loader).with_meta(seed=VAL_SEED)
                 batch, _ = self._rollout(prompts, timer, greedy=True)
                 batch_scores, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
-                scores += batch_scores.tolist()
+                sources += prompts["data_source"]
+                greedy += batch_scores.tolist()
                 lengths += batch["response_ids"].lengths.tolist()
-        return {"val/accuracy": sum(scores) / len(scores),
+                if sampling.n:
+                    settings = {"n": sampling.n, "temperature": sampling.temperature,
+                                "top_p": sampling.top_p, "top_k": sampling.top_k}
+                    batch, _ = self._rollout(prompts.with_meta(sampling=settings), timer,
+                                             greedy=False, n=sampling.n)
+                    batch_scores, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
+                    sampled += batch_scores.view(len(prompts), sampling.n).tolist()
+        return {**validation_metrics(sources, greedy, sampled or None,
+                                     pass_score=sampling.pass_score),
                 "val/response_length": sum(lengths) / len(lengths),
                 "timing/validate": timer.seconds["timing/validate"]}
 

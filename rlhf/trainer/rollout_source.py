@@ -86,13 +86,13 @@ class RolloutSource:
         view = self.rollout if self.rollout is not None else self.actor
         return view.generate(prompts, greedy=greedy, blocking=blocking)
 
-    def assemble(self, prompts: Batch, out: Batch, *, greedy: bool,
-                 version: int) -> tuple[Batch, dict[str, float]]:
-        """Prompts repeated per sample with the sampled fields and their policy version; the
-        rollout metrics."""
+    def assemble(self, prompts: Batch, out: Batch, *, greedy: bool, version: int,
+                 n: int | None = None) -> tuple[Batch, dict[str, float]]:
+        """Prompts repeated per sample (n of them; rollout.n when None) with the sampled fields
+        and their policy version; the rollout metrics."""
         metrics = dict(out.meta.get("metrics", {}))
         fields = Batch({k: out[k] for k in out.keys()})  # the rollout's meta stays out
-        n = 1 if greedy else self.n
+        n = 1 if greedy else n or self.n
         batch = prompts.repeat_interleave(n).union(fields)
         batch = batch.union(Batch({VERSION: torch.full((len(batch),), version,
                                                        dtype=torch.int64)}))

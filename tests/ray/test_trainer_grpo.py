@@ -105,3 +105,48 @@ def test_on_policy_grpo_takes_old_log_probs_from_the_update(groups, tmp_path):
     # vLLM samples from the policy the trainer scores: the gap is rounding only
     assert records[0]["rollout/logprob_gap_mean"] < 1e-3
     assert records[0]["actor/kl_ref"] == 0.0 and records[1]["actor/kl_ref"] != 0.0
+
+
+# A verl reward file, unchanged; it fails the job unless verl's arguments reach it intact.
+VERL_REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if data_source != "arith" or extra_info["split"] not in ("train", "test"):
+        raise ValueError(f"verl arguments lost: {data_source!r}, {extra_info!r}")
+    return {"score": float(solution_str.strip() == ground_truth), "verl_rows": 1.0}
+'''
+
+
+def verl_parquet(src: str, dst: Path, split: str) -> str:
+    """The rows of `src` in verl's layout: a chat prompt, the answer under reward_model."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [json.loads(line) for line in Path(src).read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": row["data_source"], "ability": "math",
+         "prompt": [{"role": "user", "content": row["prompt"]}],
+         "reward_model": {"style": "rule", "ground_truth": row["ground_truth"]},
+         "extra_info": {"split": split, "index": i}} for i, row in enumerate(rows)]), dst)
+    return str(dst)
+
+
+def test_verl_rows_and_reward_run_unchanged_with_sampled_validation(groups, tmp_path):
+    assets = groups[1]
+    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    cfg = job_config(
+        assets, tmp_path / "verl-run", algorithm=GRPO,
+        reward={"functions": [{"path": f"{tmp_path / 'verl_reward.py'}:compute_score"}]},
+        data={"train_files": [verl_parquet(assets["train"], tmp_path / "train.parquet", "train")],
+              "val_files": [verl_parquet(assets["val"], tmp_path / "val.parquet", "test")],
+              "ground_truth_key": "reward_model.ground_truth"},
+        trainer={"total_steps": 3, "save_every": 0, "val_every": 3, "val_before_train": False,
+                 "val_sampling": {"n": 4, "temperature": 1.0}})
+    fit(groups, cfg)
+    records = read_metrics(cfg.trainer.output_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["reward/compute_score/verl_rows"] == 1.0 for r in records)
+    val = records[-1]
+    assert val["val/accuracy"] == val["val/reward_mean@greedy"]
+    passes = [val[f"val/pass@{k}"] for k in (1, 2, 4)]
+    assert 0.0 <= passes[0] <= passes[1] <= passes[2] <= 1.0
+    assert val["val/pass@1"] == pytest.approx(val["val/reward_mean@sampled"])  # 0/1 rewards

@@ -143,7 +143,7 @@ def test_metric_names_logged_by_the_quickstart_are_documented():
     """Every name a real quickstart run wrote (tests/unit/quickstart_metric_names.txt, the keys
     of its metrics.jsonl) is on the metrics page, by name or by a `<...>` pattern."""
     text = (DOCS / "reference" / "metrics.md").read_text(encoding="utf-8")
-    names = set(re.findall(r"`([a-z_]+/[a-z0-9_<>/]+)`", text))
+    names = set(re.findall(r"`([a-z_]+/[a-z0-9_<>/@]+)`", text))
     patterns = [re.compile(re.sub(r"<[^>]+>", "[a-z_]+", n) + "$") for n in names if "<" in n]
     for name in (REPO / "tests" / "unit" / "quickstart_metric_names.txt").read_text().split():
         assert name in names or any(p.match(name) for p in patterns), \

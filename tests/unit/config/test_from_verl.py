@@ -39,6 +39,7 @@ actor_rollout_ref:
     name: vllm
     tensor_model_parallel_size: 2
     n: 4
+    val_kwargs: {{do_sample: true, n: 8, temperature: 0.6, top_p: 0.95}}
 algorithm:
   adv_estimator: grpo
   kl_ctrl: {{type: fixed, kl_coef: 0.002}}
@@ -92,6 +93,8 @@ def test_a_verl_grpo_config_translates_and_loads(verl_job, tmp_path, capsys):
         (f"{tmp_path}/my_reward.py:my_score", "verl")]
     assert (cfg.trainer.nnodes, cfg.trainer.ranks_per_node) == (2, 4)
     assert (cfg.trainer.val_every, cfg.trainer.save_every) == (0, 10)
+    sampling = cfg.trainer.val_sampling
+    assert (sampling.n, sampling.temperature, sampling.top_p) == (8, 0.6, 0.95)
     assert cfg.trainer.total_steps == 3 * (10 // 4)  # epochs counted in the Parquet file's rows
     assert cfg.trainer.loggers == ("console", "wandb", "jsonl")
     assert "no equivalent: actor_rollout_ref.actor.strategy: this engine shards by tp/pp" in err
@@ -110,6 +113,9 @@ def test_verl_defaults_fill_unset_keys_and_a_bad_result_says_so(tmp_path, capsys
     assert tree["actor"]["ppo_mini_batch_size"] == tree["critic"]["ppo_mini_batch_size"] == 256
     assert any("looks like a hub name" in note for note in translation.notes)
     assert [key for key, _ in translation.no_equivalent] == ["trainer.total_epochs"]
+    greedy_only = translate({"actor_rollout_ref.rollout.val_kwargs.n": 4,
+                             "actor_rollout_ref.rollout.val_kwargs.do_sample": False})
+    assert "val_sampling" not in greedy_only.tree.get("trainer", {})
     path = tmp_path / "v.yaml"
     path.write_text("actor_rollout_ref.actor.kl_loss_type: full\n")
     assert main(["config", "from-verl", str(path)]) == 1

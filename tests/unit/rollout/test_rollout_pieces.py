@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlhf.config import RolloutConfig, config_from_dict
+from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
 from rlhf.models.export import ExportStream
@@ -330,3 +331,26 @@ def test_an_actor_worker_builds_its_engine_only_on_first_use(tmp_path, world):
     actor = ActorWorker(context(ProcessGroupCache(), "actor"), config=make_config(policy))
     assert actor.rollout.sampler is None and not actor.rollout.stale
     assert actor.sync_weights()["sync/skipped"] == 1.0 and actor.rollout.sampler is None
+
+
+def test_a_call_may_replace_the_sampling_settings(world):
+    """Sampled validation: batch.meta["sampling"] reaches the replica, which samples n answers
+    at that temperature for this call only."""
+    from workers.rollout import sample_rollouts
+
+    replica = fake_replica(world, n=2, max_new_tokens=4, temperature=1.0)
+    params_seen = []
+    generate = replica.sampler.generate
+    replica.sampler.generate = lambda prompts, params: (params_seen.extend(params),
+                                                        generate(prompts, params))[1]
+    prompts = Batch({"prompt_ids": Ragged.from_list([torch.tensor([1, 2]), torch.tensor([3])])})
+    settings = {"n": 3, "temperature": 0.6, "top_p": 0.9, "top_k": 5}
+    out = sample_rollouts(replica, prompts.with_meta(seed=9, sampling=settings), greedy=False,
+                          where="test", env=False)
+    assert [r.tolist()[0] for r in out["response_ids"].to_list()] == [2, 2, 2, 1, 1, 1]
+    assert {(p.temperature, p.top_p, p.top_k) for p in params_seen} == {(0.6, 0.9, 5)}
+    assert len(replica.generate(prompts["prompt_ids"], greedy=False, seed=9)) == 4  # n=2 again
+    assert params_seen[-1].temperature == 1.0
+    with pytest.raises(ValueError, match=r"may set \['n', 'temperature', 'top_k', 'top_p'\]"):
+        sample_rollouts(replica, prompts.with_meta(sampling={"max_new_tokens": 9}), greedy=False,
+                        where="test", env=False)
