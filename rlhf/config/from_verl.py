@@ -428,7 +428,7 @@ def translate(verl_tree: Mapping) -> Translation:
         tree = merge_trees(tree, {"critic": {"ppo_mini_batch_size": actor["ppo_mini_batch_size"]}})
     known = {entry.verl for entry in VERL_KEYS}
     unknown = sorted(key for key in flat if key not in known)
-    if not tree.get("reward", {}).get("functions") and "reward" not in tree:
+    if "reward" not in tree:
         source.notes.append("no custom_reward_function: verl scores by data_source with its "
                             "built-in scorers; name ours in reward.functions, e.g. "
                             "rlhf.rewards.gsm8k:score (GSM8K) or rlhf.rewards.math:boxed (MATH)")
