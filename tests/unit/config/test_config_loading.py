@@ -264,7 +264,7 @@ def test_config_to_dict_is_plain_and_complete():
     assert list(data) == [f.name for f in dataclasses.fields(JobConfig)]
     assert data["actor"]["optim"]["betas"] == [0.9, 0.999]
     assert data["reward"]["functions"] == [{"path": "rlhf.rewards.arith:exact_match",
-                                            "weight": 1.0}]
+                                            "weight": 1.0, "convention": "auto"}]
     assert config_from_dict(data) == cfg
 
 
