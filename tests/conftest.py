@@ -10,6 +10,7 @@ reported as skipped, naming the package, instead of as a collection error, and t
 import datetime
 import importlib
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -76,11 +77,35 @@ RANK_PRELOAD = ["pytest", "torch", "torch.distributed", "transformers", "rlhf.de
                 "rlhf.engine", "rlhf.models.build", "rlhf.parallel.mesh"]
 
 
+# The suite mostly waits (Ray actors and vLLM engines starting, gloo ranks meeting, polls), so
+# with pytest-xdist installed it runs in WORKERS processes, a test file to each at a time (its
+# module fixtures built once); `-n N` on the command line chooses otherwise, `-n 0` runs it in
+# this process. Each worker that reaches tests/ray starts its own local Ray cluster.
+WORKERS = min(4, (os.cpu_count() or 1) + 1)
+# Files that start processes go out first so that none of them is left to run alone at the end.
+SLOW_FIRST = ("tests/ray/", "tests/unit/bench/", "tests/unit/rollout/", "tests/dist/")
+
+
 def pytest_configure(config):
+    worker = hasattr(config, "workerinput")
+    if (not worker and config.pluginmanager.hasplugin("xdist")
+            and config.option.numprocesses is None and not config.option.collectonly):
+        config.option.numprocesses = WORKERS
+        config.option.tx = ["popen"] * WORKERS
+        config.option.dist = "loadfile"
     fork_ranks_from_a_server(RANK_PRELOAD)
 
 
+def _slowness(item) -> int:
+    if item.get_closest_marker("vllm"):
+        return 0
+    path = item.nodeid
+    return next((i for i, prefix in enumerate(SLOW_FIRST) if path.startswith(prefix)),
+                len(SLOW_FIRST))
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slowness)  # stable: a file's tests keep their order
     if installed("vllm"):
         return
     skip = pytest.mark.skip(reason="marked vllm: needs vllm, which is not installed here")

@@ -34,7 +34,7 @@ ENGINE_1B = ["--size", "1b", "--steps", "3", "--tokens", "8192", "--seq-len", "1
 # temporary one for what should not travel with the results (the tiny model).
 STEPS = (
     ("attention", ["rlhf.cli", "bench", "attention"], 90),
-    ("pytest", ["pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider",
+    ("pytest", ["pytest", "-m", "gpu", "-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
                 "--junitxml={out}/pytest.xml", "tests"], 200),
     ("tiny_model", ["rlhf.cli", "make-tiny-model", "{scratch}/tiny", "--layers", "4", "--hidden",
                     "256", "--heads", "8", "--kv-heads", "4", "--intermediate", "512",

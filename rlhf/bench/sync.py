@@ -44,15 +44,16 @@ def run(args: argparse.Namespace) -> int:
     moved, seconds = int(best["sync/bytes"]), best["sync/seconds"]
     memcpy_gb_per_s = moved / 1e9 / memcpy_seconds(moved, repeats=max(args.repeats, 5))
     gb_per_s = moved / 1e9 / seconds
+    figures = {  # four significant figures: a slow sync under load must not print 0
+        "seconds": seconds, "gather_s": best["sync/gather_s"],
+        "broadcast_s": best["sync/broadcast_s"], "reload_s": best["sync/reload_s"],
+        "gb_per_s": gb_per_s, "all_replicas_gb_per_s": len(ranks) * gb_per_s,
+        "memcpy_gb_per_s": memcpy_gb_per_s, "of_memcpy": gb_per_s / memcpy_gb_per_s,
+    }
     print(json.dumps({
         "bench": "sync", "tp": args.tp, "pp": args.pp, "bucket_mb": args.bucket_mb,
-        "bytes_per_replica": moved, "replicas": len(ranks), "seconds": round(seconds, 4),
-        "gather_s": round(best["sync/gather_s"], 4),
-        "broadcast_s": round(best["sync/broadcast_s"], 4),
-        "reload_s": round(best["sync/reload_s"], 4),
-        "gb_per_s": round(gb_per_s, 3), "all_replicas_gb_per_s": round(len(ranks) * gb_per_s, 3),
-        "memcpy_gb_per_s": round(memcpy_gb_per_s, 3),
-        "of_memcpy": round(gb_per_s / memcpy_gb_per_s, 4),
+        "bytes_per_replica": moved, "replicas": len(ranks),
+        **{k: float(f"{v:.4g}") for k, v in figures.items()},
     }), flush=True)
     return 0
 

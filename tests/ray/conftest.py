@@ -7,6 +7,7 @@ import pytest
 ray = pytest.importorskip("ray", reason="tests/ray needs ray, which is not installed here")
 
 NUM_CPUS = 8  # logical CPUs: more ranks than the machine's cores, each rank uses one thread
+STARTS = 3
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +22,17 @@ def ray_cluster():
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OMP_NUM_THREADS", "1")
         env.setenv("MKL_NUM_THREADS", "1")
-        ray.init(num_cpus=NUM_CPUS, include_dashboard=False, logging_level="WARNING",
-                 log_to_driver=True)
+        # Ray gives its raylet a fixed 30 s to register; on a loaded machine (the suite's other
+        # workers starting clusters of their own) it can miss that once, so start it again.
+        for attempt in range(STARTS):
+            try:
+                ray.init(num_cpus=NUM_CPUS, include_dashboard=False, logging_level="WARNING",
+                         log_to_driver=True)
+                break
+            except Exception as exc:
+                if "timed out during startup" not in str(exc) or attempt == STARTS - 1:
+                    raise
+                ray.shutdown()
     yield
     ray.shutdown()
 

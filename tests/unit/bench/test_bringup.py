@@ -102,7 +102,7 @@ def test_smoke_steps_run_and_write_logs_results_and_summary(tmp_path):
 def test_pytest_collects_without_ray_skipping_what_needs_it():
     """A module that imports Ray is reported skipped with the reason; the rest runs."""
     code = BARE + ("import pytest\n"
-                   "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', "
+                   "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', '-p', 'no:xdist', "
                    "'tests/unit/controller/test_worker_device.py', 'tests/unit/bench/test_flops.py']))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=580, cwd=ROOT)

@@ -247,11 +247,11 @@ def test_an_empty_batch(fns):
 
 
 def test_a_worker_that_cannot_load_the_function_is_reported(tmp_path):
-    # Loads in the driver, fails in the worker (a `python -c` process), like an import that
-    # depends on the process it runs in.
+    # Loads in the driver, fails in the worker (started with the driver's pid as its last
+    # argument), like an import that depends on the process it runs in.
     path = tmp_path / "worker_only.py"
-    path.write_text("import sys\nif sys.argv[0] == '-c':\n    raise RuntimeError('not here')\n"
-                    "def f(**kw):\n    return 1.0\n")
+    path.write_text("import os, sys\nif sys.argv[-1] == str(os.getppid()):\n"
+                    "    raise RuntimeError('not here')\ndef f(**kw):\n    return 1.0\n")
     with RewardRunner([(f"{path}:f", 1.0)], num_workers=1) as runner:
         with pytest.raises(RLHFError, match="(?s)could not load the reward functions.*"
                                             "RuntimeError: not here"):
