@@ -211,6 +211,49 @@ def _make_tiny_model(args) -> int:
     return 0
 
 
+def _add_preprocess_command(commands: argparse._SubParsersAction) -> None:
+    """`rlhf preprocess-data`: files in, an indexed dataset folder out (rlhf.data.preprocess)."""
+    from rlhf.config.schema import DataConfig, SFTConfig
+
+    pre = commands.add_parser(
+        "preprocess-data", help="tokenise JSONL / Parquet files or Hugging Face datasets folders "
+                                "once into an indexed dataset folder, which data.train_files or "
+                                "sft.train_files then read by memory map")
+    pre.add_argument("inputs", nargs="+", help=".jsonl or .parquet files, or folders written by "
+                                               "datasets' save_to_disk, read in this order")
+    pre.add_argument("--out", required=True, help="folder to create (written whole or not at all)")
+    pre.add_argument("--tokenizer", required=True,
+                     help="the model's folder (or model.tokenizer_path): the job refuses a "
+                          "dataset made with another tokenizer or chat template")
+    pre.add_argument("--kind", default="prompts",
+                     help="prompts: RL rows (prompt, ground truth, other fields); sft: "
+                          "prompt/answer rows or chat transcripts, with the loss mask")
+    pre.add_argument("--prompt-key", default=DataConfig.prompt_key)
+    pre.add_argument("--ground-truth-key", default=DataConfig.ground_truth_key)
+    pre.add_argument("--response-key", default=SFTConfig.response_key, help="--kind sft")
+    pre.add_argument("--messages-key", default=SFTConfig.messages_key,
+                     help="--kind sft: a row with this field is a chat transcript")
+    pre.add_argument("--split", default=None, help="the split of a DatasetDict folder")
+    pre.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                     help="tokenizing processes (default: one per core)")
+    pre.add_argument("--overwrite", action="store_true", help="replace an existing folder")
+    pre.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pre.set_defaults(run=_preprocess_data)
+
+
+def _preprocess_data(args) -> int:
+    from rlhf.data.preprocess import Job, preprocess
+
+    job = Job(kind=args.kind, tokenizer_path=args.tokenizer, prompt_key=args.prompt_key,
+              ground_truth_key=args.ground_truth_key, response_key=args.response_key,
+              messages_key=args.messages_key)
+    manifest = preprocess(args.inputs, args.out, job, workers=args.workers, split=args.split,
+                          overwrite=args.overwrite, progress=not args.no_progress)
+    print(f"wrote {manifest['rows']} {args.kind} rows, {manifest['tokens']} tokens "
+          f"({manifest['dtype']}) to {args.out} in {manifest['seconds']:.1f} s", flush=True)
+    return 0
+
+
 def _make_dataset(args) -> int:
     n = _make_calc(args) if args.task == "calc" else _make_arith(args)
     print(f"wrote {n} {args.kind} rows to {args.out}")
@@ -375,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "the traces (the tool's result turn), as the rollout will")
     data.add_argument("--overwrite", action="store_true", help="replace an existing file")
     data.set_defaults(run=_make_dataset)
+    _add_preprocess_command(commands)
 
     verify = commands.add_parser(
         "verify-model", help="compare a model folder in a parallel layout with transformers in "

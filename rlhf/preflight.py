@@ -24,6 +24,7 @@ from typing import Literal
 from rlhf.algorithms import algorithm_needs
 from rlhf.config import AlgorithmNeeds, JobConfig, job_roles, sft_output_path
 from rlhf.data.dataset import SUFFIXES, _jsonl_records, _parquet_records, check_row
+from rlhf.data.indexed import PROMPTS, SFT, IndexedDataset
 from rlhf.envs.worker import load_env_class
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.rewards.loader import check_reward_functions
@@ -69,7 +70,7 @@ def preflight(cfg: JobConfig, *, command: Command, ray_address: str | None) -> P
         problems += _check_reward_imports(cfg)
     if command == "sft" or (command == "show" and cfg.sft.total_steps > 0):
         problems += _check_data(cfg.sft.train_files, "sft.train_files", cfg.sft.prompt_key,
-                                cfg.sft.response_key)
+                                cfg.sft.response_key, messages_key=cfg.sft.messages_key)
     if not (cfg.ray.address or ray_address):
         problems += _check_local_pool(cfg, command)
     if len(problems) == 1:
@@ -167,11 +168,17 @@ def _tokenizer_folder(path: str, key: str, hint: str = "") -> Iterator[str]:
 
 # ---- data ------------------------------------------------------------------------------------
 
-def _check_data(files, key: str, prompt_key: str, answer_key: str) -> Iterator[str]:
+def _check_data(files, key: str, prompt_key: str, answer_key: str, *,
+                messages_key: str | None = None) -> Iterator[str]:
+    """Each file's first row checks; a folder is an indexed dataset of the kind `key` reads.
+    With messages_key (sft), a row holding it is a chat transcript."""
     for i, name in enumerate(files):
         path, where = Path(name), f"{key}[{i}]={name!r}"
         if path.is_dir():
-            yield f"{where} is a folder, not a file; list the .jsonl or .parquet files in it"
+            try:
+                IndexedDataset(path, kind=SFT if messages_key else PROMPTS)
+            except RLHFError as e:
+                yield f"{where}: {e}"
         elif path.suffix not in SUFFIXES:
             yield (f"{where}: unsupported data file type {path.suffix!r}; use JSON Lines "
                    "(.jsonl) or Parquet (.parquet)")
@@ -182,7 +189,8 @@ def _check_data(files, key: str, prompt_key: str, answer_key: str) -> Iterator[s
                 found = _first_record(path)
                 if found is None:
                     yield f"{where} holds no rows"
-                else:
+                elif not (messages_key and isinstance(found[1], dict)
+                          and messages_key in found[1]):
                     check_row(found[1], found[0], prompt_key=prompt_key,
                               ground_truth_key=answer_key)
             except OSError as e:

@@ -577,11 +577,18 @@ class SFTConfig(ForwardRoleConfig):
     """Activation recomputation: none, attention_block (each layer's attention block) or full
     (whole layers)."""
     train_files: tuple[str, ...] = ()
-    """Prompt/answer files, JSONL or Parquet; required by `rlhf sft`."""
+    """Prompt/answer or chat transcript files, JSONL or Parquet, or folders made by
+    `rlhf preprocess-data --kind sft`; required by `rlhf sft`."""
+    train_weights: tuple[float, ...] = ()
+    """One weight per train_files folder: blend them in these proportions; empty = each row
+    once per epoch."""
     prompt_key: str = "prompt"
     """Field of each row that holds the prompt (rendered like data.prompt_key)."""
     response_key: str = "response"
     """Field of each row that holds the answer text to imitate (the EOS token is appended)."""
+    messages_key: str = "messages"
+    """Field of a chat transcript row (system/user/assistant/tool messages), rendered with the
+    chat template; the loss counts only the assistant turns. Rows without it are prompt/answer."""
     batch_size: int = 32
     """Samples per optimizer step."""
     total_steps: int = 0
@@ -598,12 +605,23 @@ class SFTConfig(ForwardRoleConfig):
         super().__post_init__()
         require_min(self, 1, "batch_size", "log_every")
         require_min(self, 0, "total_steps")
-        for key in ("prompt_key", "response_key"):
+        for key in ("prompt_key", "response_key", "messages_key"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")
+        require_weights(self)
         for key in ("init_path", "output_path"):
             if getattr(self, key) == "":
                 raise ConfigError(f"{key} must not be empty; use null for the default")
+
+
+def require_weights(obj) -> None:
+    """train_weights is empty or one positive weight per train_files entry."""
+    weights, files = obj.train_weights, obj.train_files
+    if weights and len(weights) != len(files):
+        raise ConfigError(f"train_weights has {len(weights)} weights for {len(files)} "
+                          f"train_files; give one per file, or none")
+    if any(not w > 0 for w in weights):
+        raise ConfigError(f"train_weights must be positive, got {list(weights)}")
 
 
 # AlgorithmConfig's fields that name a registry entry (or a user function, 'module:function').
@@ -749,9 +767,14 @@ class DataConfig:
     """Prompt datasets (JSONL or Parquet files) and how they are batched."""
 
     train_files: tuple[str, ...] = ()
-    """Training files, JSONL or Parquet (a path or a list of paths); required."""
+    """Training files, JSONL or Parquet (a path or a list of paths), or folders made by
+    `rlhf preprocess-data` (read by memory map); required."""
+    train_weights: tuple[float, ...] = ()
+    """One weight per train_files folder: blend them in these proportions; empty = each row
+    once per epoch."""
     val_files: tuple[str, ...] = ()
-    """Validation files, JSONL or Parquet; needed when trainer.val_every > 0."""
+    """Validation files, JSONL or Parquet, or preprocessed folders; needed when
+    trainer.val_every > 0."""
     prompt_key: str = "prompt"
     """Field of each row that holds the prompt: a string or a list of {role, content} messages
     (a dotted key such as a.b reads a nested field)."""
@@ -776,6 +799,7 @@ class DataConfig:
         for key in ("prompt_key", "ground_truth_key"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")
+        require_weights(self)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,8 @@ Either key may be dotted to reach into nested objects: verl's rows keep the answ
 `reward_model.ground_truth` and are read as they are with that key.
 With a chat template the prompt is rendered with add_generation_prompt=True (a string
 becomes one user message) and encoded without adding special tokens again; without one, a
-string prompt is encoded plainly (with the tokenizer's usual special tokens).
+string prompt is encoded plainly (with the tokenizer's usual special tokens). Folders made by
+`rlhf preprocess-data` are read by memory map instead (rlhf.data.indexed, rlhf.data.blend).
 """
 
 import json
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 
 from rlhf.data.batch import Batch
+from rlhf.data.blend import Rows, open_datasets
+from rlhf.data.indexed import IndexedPromptDataset, is_indexed
 from rlhf.data.ragged import Ragged
 from rlhf.errors import RLHFError
 
@@ -159,12 +162,10 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path} row {row_no}", record
 
 
-def read_rows(files: Sequence[str | Path], *, prompt_key: str = "prompt",
-              ground_truth_key: str = "ground_truth") -> list[PromptRow]:
-    """Checked rows of the JSONL (.jsonl) and Parquet (.parquet) files, in order."""
+def file_records(files: Sequence[str | Path]) -> Iterator[tuple[str, Any]]:
+    """(location, parsed record) of every row of the JSONL and Parquet files, in order."""
     if not files:
         raise RLHFError("no data files given; list them in data.train_files / data.val_files")
-    rows = []
     for file in map(Path, files):
         if file.suffix not in SUFFIXES:
             raise RLHFError(f"{file}: unsupported data file type {file.suffix!r}; use JSON Lines "
@@ -172,10 +173,14 @@ def read_rows(files: Sequence[str | Path], *, prompt_key: str = "prompt",
         if not file.is_file():
             raise RLHFError(f"data file {str(file)!r} does not exist (relative paths start at "
                             f"the working directory {str(Path.cwd())!r})")
-        records = _jsonl_records(file) if file.suffix == ".jsonl" else _parquet_records(file)
-        rows += [check_row(record, where, prompt_key=prompt_key, ground_truth_key=ground_truth_key)
-                 for where, record in records]
-    return rows
+        yield from _jsonl_records(file) if file.suffix == ".jsonl" else _parquet_records(file)
+
+
+def read_rows(files: Sequence[str | Path], *, prompt_key: str = "prompt",
+              ground_truth_key: str = "ground_truth") -> list[PromptRow]:
+    """Checked rows of the JSONL (.jsonl) and Parquet (.parquet) files, in order."""
+    return [check_row(record, where, prompt_key=prompt_key, ground_truth_key=ground_truth_key)
+            for where, record in file_records(files)]
 
 
 def question_text(prompt: str | list[dict]) -> str:
@@ -267,8 +272,20 @@ class PromptDataset:
         })
 
 
-def build_prompt_dataset(files: Sequence[str | Path], tokenizer, data_cfg) -> PromptDataset:
-    """A PromptDataset of files, with the keys, length limit and filtering of a DataConfig."""
+def build_prompt_dataset(files: Sequence[str | Path], tokenizer, data_cfg, *,
+                         weights: Sequence[float] = ()) -> PromptDataset | Rows:
+    """A PromptDataset of files, with the keys, length limit and filtering of a DataConfig;
+    folders made by `rlhf preprocess-data` are read by memory map instead, several (or
+    `weights`) blended."""
+    if any(is_indexed(f) for f in files):
+        return open_datasets(
+            [str(f) for f in files], weights, seed=data_cfg.seed, what="data",
+            open_one=lambda f: IndexedPromptDataset(
+                f, tokenizer, max_prompt_length=data_cfg.max_prompt_length,
+                filter_overlong=data_cfg.filter_overlong_prompts))
+    if weights:
+        raise RLHFError("data.train_weights blend preprocessed folders; make them with "
+                        "`rlhf preprocess-data` and list the folders in data.train_files")
     return PromptDataset.from_files(
         files, tokenizer, prompt_key=data_cfg.prompt_key,
         ground_truth_key=data_cfg.ground_truth_key, max_prompt_length=data_cfg.max_prompt_length,
@@ -282,7 +299,7 @@ class PromptLoader:
     is False; drop_last drops an epoch's final partial batch.
     """
 
-    def __init__(self, dataset: PromptDataset, *, batch_size: int, shuffle: bool = True,
+    def __init__(self, dataset: PromptDataset | Rows, *, batch_size: int, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = True):
         if batch_size < 1:
             raise RLHFError(f"batch_size must be at least 1, got {batch_size}")

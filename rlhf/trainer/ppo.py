@@ -165,7 +165,8 @@ class PPOTrainer:
         self.job_name, self.progress = job_name, progress
         self.output_dir = Path(cfg.trainer.output_dir)
         data = cfg.data
-        self.loader = PromptLoader(build_prompt_dataset(data.train_files, tokenizer, data),
+        self.loader = PromptLoader(build_prompt_dataset(data.train_files, tokenizer, data,
+                                                        weights=data.train_weights),
                                    batch_size=data.train_batch_size, shuffle=data.shuffle,
                                    seed=data.seed)
         self.val_data = (build_prompt_dataset(data.val_files, tokenizer, data)

@@ -1,4 +1,5 @@
-"""`rlhf sft`: supervised fine-tuning on prompt/answer rows with the SFTWorker role."""
+"""`rlhf sft`: supervised fine-tuning on prompt/answer rows or chat transcripts (rlhf.data.sft_rows)
+with the SFTWorker role."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import torch
 from rlhf.config import JobConfig, sft_output_path
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import BatchSplit, split_role_batch
-from rlhf.data.dataset import PromptDataset, PromptLoader, read_rows
+from rlhf.data.dataset import PromptLoader
 from rlhf.data.fields import sample_lengths
 from rlhf.data.packing import shared_prompt_lens
 from rlhf.data.ragged import Ragged
+from rlhf.data.sft_rows import build_sft_dataset
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder
 from rlhf.trainer.jobs import RoleGroups, ensure_model, load_tokenizer
@@ -20,7 +22,8 @@ from rlhf.trainer.metrics import MetricsLogger
 
 
 def response_ids(texts: list, tokenizer) -> Ragged:
-    """The answer tokens of each text followed by EOS: what the policy learns to emit."""
+    """The answer tokens of each text followed by EOS: what the policy learns to emit (the
+    response of a prompt/answer row, rlhf.data.sft_rows)."""
     if tokenizer.eos_token_id is None:
         raise RLHFError("the tokenizer has no eos token; SFT appends it to every answer")
     ids = tokenizer([str(t) for t in texts], add_special_tokens=False)["input_ids"]
@@ -38,11 +41,9 @@ def run_sft(cfg: JobConfig, *, job_name: str, progress: bool = True) -> list[dic
         raise RLHFError(f"{out} already holds a model; delete it or set sft.output_path")
     init = ensure_model(sft.init_path or cfg.model.path, cfg.model.tiny)
     tokenizer = load_tokenizer(cfg.model.tokenizer_path or init)
-    rows = read_rows(sft.train_files, prompt_key=sft.prompt_key,
-                     ground_truth_key=sft.response_key)
-    loader = PromptLoader(PromptDataset(rows, tokenizer,
-                                        max_prompt_length=cfg.data.max_prompt_length),
-                          batch_size=sft.batch_size, shuffle=True, seed=cfg.data.seed)
+    dataset = build_sft_dataset(sft, tokenizer, max_prompt_length=cfg.data.max_prompt_length,
+                                seed=cfg.data.seed)
+    loader = PromptLoader(dataset, batch_size=sft.batch_size, shuffle=True, seed=cfg.data.seed)
     from workers.sft import SFTWorker
 
     groups = RoleGroups(cfg, {"sft": (SFTWorker, {"config": cfg, "init_path": str(init)})},
@@ -53,9 +54,7 @@ def run_sft(cfg: JobConfig, *, job_name: str, progress: bool = True) -> list[dic
     try:
         view = groups.views["sft"]
         for step in range(1, sft.total_steps + 1):
-            batch = next(loader)
-            batch = batch.union(Batch({"response_ids": response_ids(batch["ground_truth"],
-                                                                     tokenizer)}))
+            batch = next(loader)  # prompt_ids, response_ids and the loss mask
             metrics = view.train_step(batch, split=_ep_split(batch, sft, dp=view.layout.dp))
             if step % sft.log_every == 0 or step == sft.total_steps:
                 records.append(logger.log(step, metrics))

@@ -89,7 +89,8 @@ BROKEN = {
     "csv train file": (["data.train_files=[{root}/table.csv]"],
                        "data.train_files[0]='{root}/table.csv': unsupported data file type"),
     "folder as data file": (["data.train_files=[{root}/a_folder]"],
-                            "data.train_files[0]='{root}/a_folder' is a folder, not a file"),
+                            "data.train_files[0]='{root}/a_folder': {root}/a_folder is not a "
+                            "complete indexed dataset (no manifest.json)"),
     "first row lacks the prompt key": (["data.train_files=[{root}/no_prompt.jsonl]"],
                                        "data.train_files[0]: {root}/no_prompt.jsonl:1: no "
                                        "'prompt' field"),
