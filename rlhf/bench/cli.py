@@ -12,7 +12,8 @@ import importlib
 # name -> module under rlhf.bench; imported only when the parser is built.
 BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout": "rollout",
                                "engine": "engine", "attention": "attention",
-                               "step": "step", "fixed-memory": "fixed_memory", "gap": "gap"}
+                               "step": "step", "fixed-memory": "fixed_memory", "gap": "gap",
+                               "data": "data"}
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
