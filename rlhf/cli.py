@@ -263,7 +263,7 @@ def _make_dataset(args) -> int:
 def _make_arith(args) -> int:
     from rlhf.demo.arithmetic_data import ArithTask, write_arith_dataset
 
-    _reject(args, "arith", digits=args.digits, model=args.model)
+    _reject(args, "arith", digits=args.digits, model=args.model, messages=args.messages or None)
     if args.kind == "direct":
         raise RLHFError("--kind direct is for calc; arith's answer-only rows are --kind sft")
     form = args.form or "expr"
@@ -280,6 +280,9 @@ def _make_calc(args) -> int:
     from rlhf.trainer.jobs import load_tokenizer
 
     _reject(args, "calc", form=args.form, max_value=args.max_value, terms=args.terms)
+    if args.messages and args.kind not in TRACE_KINDS:
+        raise RLHFError(f"--messages writes the episodes of --kind {'|'.join(TRACE_KINDS)} as "
+                        f"chat transcripts; drop it for --kind {args.kind}")
     given = {"ops": args.ops}
     if args.digits is not None:
         try:
@@ -290,7 +293,7 @@ def _make_calc(args) -> int:
     tokenizer = load_tokenizer(args.model) if args.model and args.kind in TRACE_KINDS else None
     return write_calc_dataset(Path(args.out), task=task, n=args.n, seed=args.seed,
                               kind=args.kind, split=args.split, tokenizer=tokenizer,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, messages=args.messages)
 
 
 def _reject(args, task: str, **flags) -> None:
@@ -416,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--model", default=None,
                       help="calc --kind sft|format: the model folder whose chat template renders "
                            "the traces (the tool's result turn), as the rollout will")
+    data.add_argument("--messages", action="store_true",
+                      help="calc --kind sft|format: write each episode as a chat transcript "
+                           "(`messages`), of which rlhf sft trains on the model's turns only, "
+                           "instead of one `response` text trained on whole")
     data.add_argument("--overwrite", action="store_true", help="replace an existing file")
     data.set_defaults(run=_make_dataset)
     _add_preprocess_command(commands)

@@ -9,7 +9,8 @@ digits[1] digits; the ground truth is its exact value ("17856"). With the defaul
 SFT rows are whole episodes written as the one `response` text that `rlhf sft` trains on: the
 model's call turn, the tool's result as the chat template renders it for that turn
 (rlhf.envs.render.TurnRenderer, exactly what the multi-turn rollout appends), then the final
-answer, the tool's result copied. Kinds: "sft" calls with the right expression; "format" calls
+answer, the tool's result copied; or, with `messages`, as a chat transcript, of which
+`rlhf sft` trains on the model's turns only. Kinds: "sft" calls with the right expression; "format" calls
 with the prompt's operands but an operator drawn at random from `ops`, so a policy warm-started
 on it calls and answers well-formed but is right only when the draw matches, and RL must teach
 using the prompt's operator; "direct" answers without the tool (the no-tool baseline).
@@ -95,17 +96,31 @@ def trace_text(expression: str, result: str, *, renderer: TurnRenderer) -> str:
     return tool_call_text(expression) + eos + observation + result
 
 
+def transcript(prompt: str, expression: str, result: str) -> list[dict]:
+    """One episode as chat messages: the user's problem, the model's call, the tool's result and
+    the model's answer; `rlhf sft` trains on the two assistant turns only."""
+    return [{"role": "user", "content": prompt},
+            {"role": "assistant", "content": tool_call_text(expression)},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": result}]
+
+
 def write_calc_dataset(out: Path, *, task: CalcTask, n: int, seed: int, kind: str = "rl",
-                       split: str = "all", tokenizer=None, overwrite: bool = False) -> int:
+                       split: str = "all", tokenizer=None, overwrite: bool = False,
+                       messages: bool = False) -> int:
     """Write n JSONL rows to out atomically and return n.
 
     Every row has prompt, ground_truth, data_source; kind "sft" / "format" add `response`, a
-    whole tool-use episode rendered with `tokenizer`'s chat template (required for them);
-    "direct" adds `response` = the answer alone.
+    whole tool-use episode rendered with `tokenizer`'s chat template (required for them), or
+    with `messages` the episode as a chat transcript instead; "direct" adds `response` = the
+    answer alone.
     """
+    if messages and kind not in TRACE_KINDS:
+        raise ConfigError(f"messages applies to the episode kinds {', '.join(TRACE_KINDS)}, "
+                          f"not {kind!r}")
     if kind not in KINDS:
         raise ConfigError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    if kind in TRACE_KINDS and tokenizer is None:
+    if kind in TRACE_KINDS and tokenizer is None and not messages:
         raise ConfigError(f"kind {kind!r} writes tool-use traces through a chat template: give "
                           f"the model folder whose tokenizer renders them (--model DIR)")
     out = Path(out)
@@ -113,7 +128,7 @@ def write_calc_dataset(out: Path, *, task: CalcTask, n: int, seed: int, kind: st
         raise RLHFError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
     if out.is_dir():
         raise RLHFError(f"{out} is a folder; give a file path for the JSONL dataset")
-    renderer = TurnRenderer(tokenizer) if kind in TRACE_KINDS else None
+    renderer = TurnRenderer(tokenizer) if kind in TRACE_KINDS and not messages else None
     # Its own stream, so the problems of a format file are those of the rl/sft files.
     pick = random.Random(f"calc-format-{seed}")
     problems = draw_problems(task, n=n, seed=seed, split=split)
@@ -126,7 +141,10 @@ def write_calc_dataset(out: Path, *, task: CalcTask, n: int, seed: int, kind: st
             elif kind in TRACE_KINDS:
                 op = p["op"] if kind == "sft" else pick.choice(task.ops)
                 a, b = p["operands"]
-                record["response"] = trace_text(f"{a}{op}{b}", str(evaluate([a, b], [op])),
-                                                renderer=renderer)
+                result = str(evaluate([a, b], [op]))
+                if messages:
+                    record["messages"] = transcript(p["prompt"], f"{a}{op}{b}", result)
+                else:
+                    record["response"] = trace_text(f"{a}{op}{b}", result, renderer=renderer)
             f.write(json.dumps(record) + "\n")
     return len(problems)

@@ -100,3 +100,31 @@ def test_a_malformed_expression_fails_without_a_syntax_warning():
         with pytest.raises(ValueError, match="unsupported expression"):
             calculator("3or 4")
     assert not [w for w in caught if issubclass(w.category, SyntaxWarning)]
+
+
+@pytest.mark.parametrize("kind", ["sft", "format"])
+def test_a_transcript_row_trains_on_the_episodes_model_turns_only(tmp_path, tok, kind):
+    """`--messages` rows, rendered by `rlhf sft`, are the prompt plus the rollout's episode token
+    for token (the trace of the `response` rows), with the loss on the model's turns only:
+    the episode's model_mask."""
+    from rlhf.data.sft_rows import SFTDataset, SFTKeys
+
+    write_calc_dataset(tmp_path / "r.jsonl", task=CalcTask(), n=5, seed=2, kind=kind,
+                       tokenizer=tok)
+    write_calc_dataset(tmp_path / "m.jsonl", task=CalcTask(), n=5, seed=2, kind=kind,
+                       messages=True)
+    records = [json.loads(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    rows = [(f"m:{i}", json.loads(line)) for i, line in
+            enumerate((tmp_path / "m.jsonl").read_text().splitlines())]
+    prompts = PromptDataset(read_rows([tmp_path / "r.jsonl"], ground_truth_key="response"), tok,
+                            max_prompt_length=64).prompt_ids.to_list()
+    traces = response_ids([r["response"] for r in records], tok).to_list()
+    chats = SFTDataset(rows, tok, keys=SFTKeys(), max_prompt_length=64)
+    eos = tok.eos_token_id
+    for (_, row), prompt, trace, ids, mask in zip(rows, prompts, traces, chats.ids, chats.mask):
+        assert ids.tolist() == prompt.tolist() + trace.tolist()
+        call = tok.encode(row["messages"][1]["content"], add_special_tokens=False) + [eos]
+        answer = tok.encode(row["messages"][3]["content"], add_special_tokens=False) + [eos]
+        tool = len(trace) - len(call) - len(answer)
+        assert mask.tolist() == ([False] * len(prompt) + [True] * len(call) + [False] * tool
+                                 + [True] * len(answer))
