@@ -10,14 +10,15 @@ import torch
 from transformers import AutoTokenizer
 
 from rlhf.cli import main
-from rlhf.config.schema import DataConfig, TinyModelConfig
+from rlhf.config.schema import DataConfig, SFTConfig, TinyModelConfig
 from rlhf.data.blend import BlendedDataset, split_by_weight
 from rlhf.data.dataset import PromptDataset, PromptLoader, build_prompt_dataset, read_rows
 from rlhf.data.indexed import IndexedDataset, IndexedPromptDataset
 from rlhf.data.preprocess import Job, preprocess
-from rlhf.data.sft_rows import IndexedSFTDataset, SFTDataset, SFTKeys
+from rlhf.data.sft_rows import IndexedSFTDataset, SFTDataset, SFTKeys, build_sft_dataset
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.errors import RLHFError
+from rlhf.preflight import _check_data
 from tests.unit.data.test_dataset import arith_rows, write_jsonl, write_parquet
 
 TINY = TinyModelConfig(num_layers=1, hidden_size=64, num_heads=2, num_kv_heads=1,
@@ -202,6 +203,16 @@ def test_sft_rows_read_by_memory_map_equal_the_in_memory_samples(tmp_path, model
     data = IndexedDataset(tmp_path / "sft", kind="sft")
     assert data.manifest["max_prompt_length"] == max(
         int(np.argmax(data.row_mask(i))) for i in range(len(data)))
+    # sft.train_files chooses the reader; the job's checks accept the folder for sft only.
+    folder = str(tmp_path / "sft")
+    assert isinstance(build_sft_dataset(SFTConfig(train_files=(folder,)), tokenizer,
+                                        max_prompt_length=64, seed=0), IndexedSFTDataset)
+    assert isinstance(build_sft_dataset(SFTConfig(train_files=(str(path),)), tokenizer,
+                                        max_prompt_length=64, seed=0), SFTDataset)
+    assert list(_check_data([folder], "sft.train_files", "prompt", "response",
+                            messages_key="messages")) == []
+    assert "is a 'sft' dataset but a 'prompts' one" in next(
+        _check_data([folder], "data.train_files", "prompt", "ground_truth"))
 
 
 def read_records(path):
