@@ -277,6 +277,9 @@ def build_prompt_dataset(files: Sequence[str | Path], tokenizer, data_cfg, *,
     """A PromptDataset of files, with the keys, length limit and filtering of a DataConfig;
     folders made by `rlhf preprocess-data` are read by memory map instead, several (or
     `weights`) blended."""
+    if weights and not data_cfg.shuffle:
+        raise RLHFError("data.train_weights with data.shuffle: false would visit the blended "
+                        "datasets one after another; set data.shuffle: true to mix them")
     if any(is_indexed(f) for f in files):
         return open_datasets(
             [str(f) for f in files], weights, seed=data_cfg.seed, what="data",

@@ -172,6 +172,9 @@ def test_a_blend_gives_each_dataset_its_weight_and_names_the_mix(tmp_path, model
         one = blend.datasets[which[k]].batch(torch.tensor([rows[k]]))
         assert sub["prompt_ids"][k].tolist() == one["prompt_ids"][0].tolist()
     assert split_by_weight(10, [1, 1, 1]) == [4, 3, 3]
+    with pytest.raises(RLHFError, match="set data.shuffle: true to mix them"):
+        build_prompt_dataset([str(f) for f in folders], tokenizer,
+                             DataConfig(shuffle=False), weights=[1.0, 1.0])
     with pytest.raises(RLHFError, match="mixes indexed dataset folders with the files"):
         build_prompt_dataset([str(folders[0]), str(tmp_path / "big.jsonl")], tokenizer, cfg)
 
