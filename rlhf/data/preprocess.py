@@ -232,8 +232,11 @@ def preprocess(inputs: Sequence[str | Path], out: str | Path, job: Job, *, worke
     fingerprint["name"] = str(job.tokenizer_path)
     start = time.perf_counter()
     with atomic_folder(out) as tmp:
-        totals = _write_rows(tmp, inputs, job, tokenizer, dtype=dtype, workers=workers,
-                             split=split, progress=progress)
+        try:
+            totals = _write_rows(tmp, inputs, job, tokenizer, dtype=dtype, workers=workers,
+                                 split=split, progress=progress)
+        except RLHFError as e:
+            raise RLHFError(_with_flags(str(e), job)) from None
         manifest = {"format": FORMAT, "kind": job.kind, **totals, "dtype": dtype.name,
                     "tokenizer": fingerprint, "sources": [str(p) for p in inputs],
                     "split": split, "keys": {k: v for k, v in asdict(job).items()
@@ -241,6 +244,13 @@ def preprocess(inputs: Sequence[str | Path], out: str | Path, job: Job, *, worke
                     "seconds": round(time.perf_counter() - start, 3)}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return manifest
+
+
+def _with_flags(message: str, job: Job) -> str:
+    """A row check's message with the config keys it names as this command's flags."""
+    answer = "--response-key" if job.kind == SFT else "--ground-truth-key"
+    return (message.replace("set data.prompt_key", "pass --prompt-key")
+            .replace("set data.ground_truth_key", f"pass {answer}"))
 
 
 def _write_rows(tmp: Path, inputs, job: Job, tokenizer, *, dtype: np.dtype, workers: int,

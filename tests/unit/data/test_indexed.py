@@ -97,7 +97,8 @@ def test_bad_input_stops_with_the_row_and_leaves_no_folder(tmp_path, model, toke
         preprocess([bad], out, Job(kind="prompts", tokenizer_path=model), progress=False)
     assert list(tmp_path.iterdir()) == [bad]  # neither the folder nor its temporary one
     no_answer = write_jsonl(tmp_path / "na.jsonl", [{"prompt": "1+1="}])
-    with pytest.raises(RLHFError, match="na.jsonl:1: no 'ground_truth' field"):
+    with pytest.raises(RLHFError, match="na.jsonl:1: no 'ground_truth' field .* pass "
+                                        "--ground-truth-key"):
         preprocess([no_answer], out, Job(kind="prompts", tokenizer_path=model), progress=False)
     # A folder without its manifest (a run killed before the rename) is refused, by name.
     (tmp_path / "half").mkdir()
