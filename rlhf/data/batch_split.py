@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rlhf.data.balancing import assign_micro_batches, check_lengths
+from rlhf.data.cost_model import Shape
+from rlhf.data.micro_batching import CostPlan, plan_by_cost
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,12 @@ class BatchSplit:
 def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: int | None = None,
                 max_seqs: int | None = None, cost: Callable[[int], float] | None = None,
                 what: str = "mini_size", shared: Sequence[int] | None = None,
-                keep_empty: bool = False) -> BatchSplit:
+                keep_empty: bool = False, cost_plan: CostPlan | None = None) -> BatchSplit:
     """Split samples of packed `lengths` over `dp` groups: consecutive mini-batches of
     `mini_size` samples (None: one mini-batch of all), each balanced over the groups and
-    packed under `max_tokens` (and `max_seqs`) per micro-batch. `what` names `mini_size` in
+    packed under `max_tokens` (and `max_seqs`) per micro-batch, or, with `cost_plan`, cut and
+    ordered by the cost model (rlhf.data.micro_batching; each sample still within
+    `max_tokens`). `what` names `mini_size` in
     errors (say, "actor.ppo_mini_batch_size * rollout.n"). `shared[i]`: prompt tokens sample
     i reads from the first sample of its run (packing's shared prompts); not with `max_seqs`,
     which counts samples, so a sample cap splits sample by sample (packing still shares).
@@ -103,8 +107,13 @@ def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: 
         units = share_units(lengths[start:start + size],
                             shared[start:start + size] if shared and max_seqs is None else None,
                             max_tokens)
-        sub = assign_micro_batches([tokens for _, tokens in units], dp=dp, max_tokens=max_tokens,
-                                   max_seqs=max_seqs, cost=cost)
+        if cost_plan is None:
+            sub = assign_micro_batches([tokens for _, tokens in units], dp=dp,
+                                       max_tokens=max_tokens, max_seqs=max_seqs, cost=cost)
+        else:
+            shapes = [unit_shape(samples, tokens, lengths[start:start + size])
+                      for samples, tokens in units]
+            sub = plan_by_cost(shapes, dp=dp, plan=cost_plan, max_seqs=max_seqs)
         costs.append(sub.rank_costs)
         for g in range(dp):
             mbs, counts = [], []
@@ -138,6 +147,13 @@ def share_units(lengths: Sequence[int], shared: Sequence[int] | None,
     return units
 
 
+def unit_shape(samples: Sequence[int], tokens: int, lengths: Sequence[int]) -> Shape:
+    """The cost model's shape of a balancing unit: its packed tokens, and its samples' count
+    and (squared) lengths, each attending over its prompt and response."""
+    return Shape(tokens, len(samples), sum(lengths[i] ** 2 for i in samples),
+                 max(lengths[i] ** 2 for i in samples))
+
+
 def role_budget(role) -> tuple[int, int | None]:
     """(max_tokens, max_seqs) per micro-batch of a role config: its
     `max_tokens_per_micro_batch` and, for a training role, its `micro_batch_size`."""
@@ -145,12 +161,13 @@ def role_budget(role) -> tuple[int, int | None]:
 
 
 def split_role_batch(lengths: Sequence[int], role, *, dp: int, mini_size: int | None = None,
-                     what: str = "mini_size", shared: Sequence[int] | None = None) -> BatchSplit:
+                     what: str = "mini_size", shared: Sequence[int] | None = None,
+                     cost_plan: CostPlan | None = None) -> BatchSplit:
     """`split_batch` under a role config's budget (`role_budget`); `shared` (the batch's
     shared_prompt_lens) is used when the role shares prompts (`share_prompts`); empty
-    micro-batches are kept at ep > 1."""
+    micro-batches are kept at ep > 1; `cost_plan`: cut by the cost model (see `split_batch`)."""
     max_tokens, max_seqs = role_budget(role)
     return split_batch(lengths, dp=dp, max_tokens=max_tokens, max_seqs=max_seqs,
                        mini_size=mini_size, what=what,
                        shared=shared if role.share_prompts else None,
-                       keep_empty=role.parallel.ep > 1)
+                       keep_empty=role.parallel.ep > 1, cost_plan=cost_plan)
