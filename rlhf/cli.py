@@ -87,8 +87,16 @@ def _train(args) -> int:
     from rlhf.trainer.preemption import Preempted
 
     cfg = _start(args, "train")
+    cost_models = None
+    if cfg.trainer.micro_batching == "cost_model":
+        from rlhf.plan.profile import load_cost_models
+
+        try:
+            cost_models = load_cost_models(cfg)
+        except ValueError as exc:
+            raise RLHFError(str(exc)) from None
     try:
-        records = run_train(cfg, progress=not args.no_progress)
+        records = run_train(cfg, progress=not args.no_progress, cost_models=cost_models)
     except Preempted as stopped:
         print(f"preempted: {stopped}", file=sys.stderr, flush=True)
         return EXIT_PREEMPTED
@@ -332,6 +340,19 @@ def _import_gguf(args) -> int:
     return 0
 
 
+def _profile(args) -> int:
+    from rlhf.plan.profile import profile
+
+    if args.repeats < 1:
+        raise RLHFError("--repeats must be at least 1")
+    try:
+        profile(_load(args), repeats=args.repeats, force=args.force,
+                progress=lambda line: print(line, flush=True))
+    except ValueError as exc:
+        raise RLHFError(str(exc)) from None
+    return 0
+
+
 def _doctor(args) -> int:
     from rlhf.doctor import run_doctor
 
@@ -469,6 +490,17 @@ def build_parser() -> argparse.ArgumentParser:
     gguf.add_argument("out", help="folder to create")
     gguf.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     gguf.set_defaults(run=_import_gguf)
+
+    prof = commands.add_parser(
+        "profile", help="measure each role's time and memory per micro-batch shape on its "
+                        "layout, fit a cost model and write it (trainer.cost_model_path) for "
+                        "trainer.micro_batching=cost_model")
+    add_job_arguments(prof, example="trainer.output_dir=outputs/run actor.parallel.pp=2")
+    prof.add_argument("--repeats", type=int, default=3,
+                      help="timed runs per micro-batch shape (median; one more untimed)")
+    prof.add_argument("--force", action="store_true",
+                      help="measure again even where the fingerprint still matches")
+    prof.set_defaults(run=_profile)
 
     doctor = commands.add_parser("doctor", help="check that torch, vLLM, Ray and transformers load")
     doctor.set_defaults(run=_doctor)

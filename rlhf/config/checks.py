@@ -219,6 +219,10 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
         yield (f"{name}.parallel.ep={parallel.ep} does not divide the {dp} data-parallel ranks of "
                f"{name} ({where} / (tp * pp)); expert parallelism is carved out of data "
                "parallelism, so choose an ep that divides dp")
+    if parallel.ep > 1 and cfg.trainer.micro_batching == "cost_model":
+        yield (f"{name}.parallel.ep={parallel.ep} needs every rank of an ep group to run as many "
+               "micro-batches, which trainer.micro_batching=cost_model does not plan; use "
+               "token_budget")
     if role.dtype == "float16" and cfg.trainer.device == "cpu":
         yield f"{name}.dtype=float16 is not supported on cpu; use float32, bfloat16 or auto"
     sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_tokens

@@ -17,7 +17,7 @@ from rlhf.config.schema import ALGORITHM_ENTRIES, JobConfig
 PATH_KEYS = (
     "model.path", "model.tokenizer_path", "critic.model_path", "reward.model_path",
     "data.train_files", "data.val_files", "sft.train_files", "sft.init_path", "sft.output_path",
-    "trainer.output_dir", "trainer.resume",
+    "trainer.output_dir", "trainer.resume", "trainer.cost_model_path",
 )
 # Keys holding 'package.module:name' or 'path/to/file.py:name'; only the file form is a path.
 OBJECT_KEYS = ("reward.functions[].path", "rollout.env.path",

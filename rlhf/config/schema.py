@@ -909,6 +909,14 @@ class TrainerConfig:
     max_hours: float | None = None
     """Stop like on a signal (checkpoint, status 75) when another step would end past this many
     hours of training: set it below a scheduler's time limit; null = no limit."""
+    micro_batching: Literal["token_budget", "cost_model"] = "token_budget"
+    """How each role's batches are cut into micro-batches: token_budget (first-fit under
+    max_tokens_per_micro_batch, DP ranks balanced by an analytic cost) or cost_model (the cut
+    and order that minimise the time `rlhf profile` predicts, under its memory limit; not with
+    parallel.ep > 1)."""
+    cost_model_path: str | None = None
+    """The cost model file `rlhf profile` writes and cost_model reads; null =
+    output_dir/cost_model.json."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")

@@ -200,8 +200,9 @@ def load_tokenizer(path: str | Path):
 FINAL_MODEL = "hf_model"
 
 
-def run_train(cfg, *, progress: bool = True) -> list[dict]:
-    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model.
+def run_train(cfg, *, progress: bool = True, cost_models=None) -> list[dict]:
+    """Build the job's worker groups, train, export the policy to OUTPUT_DIR/hf_model;
+    `cost_models`: the roles' measured costs for trainer.micro_batching=cost_model.
 
     `rlhf train` checks the job's inputs first (rlhf.preflight); callers of this function
     directly may too."""
@@ -220,7 +221,8 @@ def run_train(cfg, *, progress: bool = True) -> list[dict]:
                         role_configs=role_configs)
     try:
         trainer = PPOTrainer(cfg, groups.views, tokenizer=tokenizer,
-                             job_name=cfg.trainer.experiment_name, progress=progress)
+                             job_name=cfg.trainer.experiment_name, progress=progress,
+                             cost_models=cost_models)
         records = trainer.fit()
         with atomic_folder(out / FINAL_MODEL) as tmp:
             trainer.export_policy(tmp)

@@ -19,7 +19,7 @@ one trains (one batch a step: dynamic sampling needs async_mode off).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -38,6 +38,7 @@ from rlhf.config.roles import ACTOR, CRITIC, REF
 from rlhf.controller import RoleView
 from rlhf.controller.nodes import check_user_files, user_files
 from rlhf.data.batch import Batch
+from rlhf.data.cost_model import RoleCost
 from rlhf.data.dataset import PromptLoader, build_prompt_dataset
 from rlhf.data.fields import response_mask
 from rlhf.data.ragged import Ragged
@@ -160,8 +161,9 @@ class PPOTrainer:
     """Drives `views` (actor, and critic / ref / reward when the config uses them)."""
 
     def __init__(self, cfg: JobConfig, views: dict[str, RoleView], *, tokenizer, job_name: str,
-                 progress: bool = True):
+                 progress: bool = True, cost_models: Mapping[str, RoleCost] | None = None):
         self.cfg, self.views, self.tokenizer = cfg, views, tokenizer
+        self.cost_models = cost_models  # trainer.micro_batching=cost_model: `rlhf profile`'s
         self.job_name, self.progress = job_name, progress
         self.output_dir = Path(cfg.trainer.output_dir)
         data = cfg.data
@@ -246,7 +248,8 @@ class PPOTrainer:
                 batch, scores, metrics = fill_batch(
                     lambda r: next(self.loader).with_meta(seed=round_seed(seed, r)),
                     lambda prompts: self._generate_and_score(prompts, timer), cfg)
-            splits = StepSplits(cfg, {k: v.layout.dp for k, v in views.items()}, batch)
+            splits = StepSplits(cfg, {k: v.layout.dp for k, v in views.items()}, batch,
+                                cost_models=self.cost_models)
             fused = fuse_old_log_probs(cfg, self.needs, step=step)
             if not fused and "old_log_probs" not in batch:  # async: may be the rollout's
                 with timer("old_log_prob"):
@@ -306,7 +309,8 @@ class PPOTrainer:
         with timer("reward"):
             rm = None
             if cfg.reward.model_path:
-                split = StepSplits(cfg, {"reward": self.views["reward"].layout.dp}, batch)
+                split = StepSplits(cfg, {"reward": self.views["reward"].layout.dp}, batch,
+                                   cost_models=self.cost_models)
                 rm = self.views["reward"].compute_rm_score(
                     batch, split=split.forward("reward"))["rm_scores"]
             scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,

@@ -3,18 +3,25 @@ and the one decision whether old log-probs get their own pass.
 
 The driver sees every sample and every role's layout, so it splits and the workers execute
 (see rlhf/data/batch_split.py). Calls that split alike (same DP size, budget, sample cap and
-mini-batch size: say the actor's and the reference's forward passes) share one split.
+mini-batch size: say the actor's and the reference's forward passes) share one split. With
+trainer.micro_batching=cost_model each role's pass is cut by its measured cost model
+(`rlhf profile`; rlhf.data.micro_batching), the pipeline order chosen by simulating the
+role's schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 
 from rlhf.config import AlgorithmNeeds, JobConfig
 from rlhf.data.batch import Batch
 from rlhf.data.batch_split import BatchSplit, role_budget, split_role_batch
+from rlhf.data.cost_model import RoleCost
 from rlhf.data.fields import sample_lengths
+from rlhf.data.micro_batching import CostPlan, memory_limit
 from rlhf.data.packing import shared_prompt_lens
+from rlhf.engine.pipeline_order import forward_only_order, training_orders
 
 
 def fuse_old_log_probs(cfg: JobConfig, needs: AlgorithmNeeds, *, step: int) -> bool:
@@ -33,11 +40,37 @@ def fuse_old_log_probs(cfg: JobConfig, needs: AlgorithmNeeds, *, step: int) -> b
             and not old_is_rollout)
 
 
-class StepSplits:
-    """Splits the role calls of one step on `batch`; `dp` maps role key -> its DP size."""
+def cost_plan(role, cost: RoleCost, phase: str) -> CostPlan:
+    """How the cost-model planner cuts `phase` ("forward", "forward_backward") of a role
+    config: its measured cost, the memory its token budget allows, its pipeline schedule."""
+    pp, vpp = role.parallel.pp, role.parallel.vpp
+    orders = (partial(_forward_orders, pp=pp, vpp=vpp) if phase == "forward"
+              else partial(_training_orders, pp=pp, vpp=vpp))
+    measured = cost.phase(phase)
+    return CostPlan(measured, memory_limit(measured, role.max_tokens_per_micro_batch), pp=pp,
+                    vpp=vpp, orders_for=orders if pp > 1 else None,
+                    forward=cost.phases.get("forward"))
 
-    def __init__(self, cfg: JobConfig, dp: Mapping[str, int], batch: Batch):
+
+def _forward_orders(m: int, *, pp: int, vpp: int):
+    return [forward_only_order(m, pp=pp, vpp=vpp)] * pp
+
+
+def _training_orders(m: int, *, pp: int, vpp: int):
+    return training_orders(m, pp=pp, vpp=vpp)[0]
+
+
+class StepSplits:
+    """Splits the role calls of one step on `batch`; `dp` maps role key -> its DP size;
+    `cost_models` (role key -> RoleCost) cut them when trainer.micro_batching is cost_model."""
+
+    def __init__(self, cfg: JobConfig, dp: Mapping[str, int], batch: Batch, *,
+                 cost_models: Mapping[str, RoleCost] | None = None):
         self.cfg, self.dp = cfg, dict(dp)
+        self.cost_models = cost_models if cfg.trainer.micro_batching == "cost_model" else None
+        if cfg.trainer.micro_batching == "cost_model" and cost_models is None:
+            raise ValueError("trainer.micro_batching=cost_model needs the roles' cost models: "
+                             "run `rlhf profile CONFIG`, then pass them (rlhf train loads them)")
         self.lengths = sample_lengths(batch)
         self.shared = shared_prompt_lens(batch["prompt_ids"])
         self._splits: dict[tuple, BatchSplit] = {}
@@ -65,8 +98,16 @@ class StepSplits:
         role = getattr(self.cfg, key)
         spec = (self.dp[key], mini_size, *role_budget(role), role.share_prompts,
                 role.parallel.ep > 1)  # ep > 1 keeps empty micro-batches
+        plan = None
+        if self.cost_models is not None:
+            if key not in self.cost_models:
+                raise ValueError(f"the cost models have no role {key!r}; run `rlhf profile "
+                                 "CONFIG` on this job's config")
+            phase = "forward" if mini_size is None else "forward_backward"
+            plan = cost_plan(role, self.cost_models[key], phase)
+            spec = (*spec, key, phase)  # each role's pass has its own measured cost
         if spec not in self._splits:
             self._splits[spec] = split_role_batch(self.lengths, role, dp=self.dp[key],
                                                   mini_size=mini_size, what=what,
-                                                  shared=self.shared)
+                                                  shared=self.shared, cost_plan=plan)
         return self._splits[spec]

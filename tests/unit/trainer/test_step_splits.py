@@ -85,3 +85,30 @@ def test_update_plans_step_on_the_same_samples_at_every_dp():
         StepSplits(config(actor_mini=1), {"actor": 4}, batch).update("actor")
     with pytest.raises(ValueError, match=r"send a multiple of 8"):
         StepSplits(config(actor_mini=4), {"actor": 2}, batch[:12]).update("actor")
+
+
+def test_cost_model_splits_each_pass_by_its_phase_and_needs_the_models():
+    from rlhf.data.cost_model import PhaseCost, RoleCost, StageCost
+
+    cfg = dataclasses.replace(config(actor_mini=2, train_batch=4),
+                              trainer=TrainerConfig(micro_batching="cost_model"))
+    batch = make_batch(8)
+    with pytest.raises(ValueError, match="rlhf profile"):
+        StepSplits(cfg, {"actor": 2}, batch)
+    # A forward whose per-micro-batch constant dominates and whose memory is that of its
+    # longest sequence (one micro-batch per group, past the token budget), and an update
+    # whose quadratic memory term allows few tokens per micro-batch.
+    forward = PhaseCost((StageCost({"const": 1.0, "tokens": 1e-6}, {"max_sq": 1.0}),), {})
+    update = PhaseCost((StageCost({"const": 1e-6, "tokens": 1e-3}, {"sum_sq": 1.0}),), {})
+    models = {"actor": RoleCost({}, {"forward": forward, "forward_backward": update})}
+    splits = StepSplits(cfg, {"actor": 2}, batch, cost_models=models)
+    fwd, upd = splits.forward("actor"), splits.update("actor")
+    assert [len(g.mini_batches[0]) for g in fwd.groups] == [1, 1]
+    assert sum(fwd.groups[0].token_counts[0]) + sum(fwd.groups[1].token_counts[0]) > 2 * 64
+    limit = 64 * 64  # memory of one sequence filling the budget: max_tokens_per_micro_batch
+    lengths = splits.lengths
+    for rows, group in zip(upd.rows, upd.groups):
+        for mini in group.mini_batches:
+            for mb in mini:
+                assert sum(lengths[rows[i]] ** 2 for i in mb) <= limit
+    assert upd.num_mini_batches == 2 and sorted(r for g in upd.rows for r in g) == list(range(8))
