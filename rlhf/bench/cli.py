@@ -13,7 +13,7 @@ import importlib
 BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout": "rollout",
                                "engine": "engine", "attention": "attention",
                                "step": "step", "fixed-memory": "fixed_memory", "gap": "gap",
-                               "data": "data"}
+                               "data": "data", "cost-model": "cost_model"}
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

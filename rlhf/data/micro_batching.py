@@ -1,8 +1,8 @@
 """Micro-batches planned by a measured cost model (DynaPipe): `trainer.micro_batching: cost_model`.
 
 Per mini-batch, on the driver, for one role's pass:
-1. balance the samples over DP ranks by their predicted time (`sample_cost`, the one cost
-   function both modes read: the analytic one without a cost model);
+1. balance the samples over DP ranks by their predicted time (`PhaseCost.marginal_time`, in
+   place of token_budget's analytic `balancing.default_cost`);
 2. per rank, cut the length-sorted samples into contiguous micro-batches by dynamic
    programming (`optimal_cut`), minimising the predicted pass time
    sum_j t_j + (pp - 1) * max_j t_j (t_j: the slowest stage's time on micro-batch j; the second
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from rlhf.data.balancing import MicroBatchAssignment, balanced_partition, default_cost
+from rlhf.data.balancing import MicroBatchAssignment, balanced_partition
 from rlhf.data.cost_model import PhaseCost, Shape
 
 # An order step as rlhf.engine.pipeline_order writes it: (kind "F"/"B", micro-batch, chunk).
@@ -28,14 +28,6 @@ OrdersFor = Callable[[int], Sequence[Sequence[StepTuple]]]
 # them, exactly, when there are no more distinct values than this).
 MAX_THRESHOLDS = 64
 ORDERS = ("small_large_small", "ascending", "descending")
-
-
-def sample_cost(phase: PhaseCost | None) -> Callable[[Shape], float]:
-    """The per-sample cost DP balancing evens out: the analytic `default_cost` of its tokens
-    without a cost model (token_budget), else the cost model's predicted time."""
-    if phase is None:
-        return lambda shape: default_cost(shape.tokens)
-    return phase.marginal_time
 
 
 @dataclass(frozen=True)
@@ -177,21 +169,28 @@ def ordered(bins: list[list[int]], times: Sequence[float], how: str) -> list[int
 def choose_order(bins: list[list[int]], shapes: Sequence[Shape], plan: CostPlan
                  ) -> tuple[list[int], float]:
     """(the order of `bins` the simulated schedule runs fastest, its predicted seconds); the
-    small-large-small order, unsimulated, at pp = 1."""
+    small-large-small order at pp = 1, where the order does not matter."""
     mb_shapes = [_sum_shapes(shapes[i] for i in b) for b in bins]
     times = [plan.phase.bottleneck(s) for s in mb_shapes]
-    if plan.pp == 1 or plan.orders_for is None or not bins:
-        return ordered(bins, times, ORDERS[0]), pass_time(times, plan.pp)
-    steps = plan.orders_for(len(bins))
+    candidates = ORDERS if plan.pp > 1 and plan.orders_for is not None else ORDERS[:1]
     best: tuple[float, list[int]] | None = None
-    for how in ORDERS:
+    for how in candidates:
         order = ordered(bins, times, how)
-        fwd, bwd, p2p = _step_times(plan, [mb_shapes[k] for k in order])
-        seconds = simulate_pipeline(steps, forward=fwd, backward=bwd, p2p=p2p, pp=plan.pp)
+        seconds = predict_pass(plan, [mb_shapes[k] for k in order])
         if best is None or seconds < best[0] - 1e-12:
             best = (seconds, order)
     assert best is not None
     return best[1], best[0]
+
+
+def predict_pass(plan: CostPlan, shapes: Sequence[Shape]) -> float:
+    """Predicted seconds of a pass over micro-batches of these shapes in this order: the
+    simulated schedule at pp > 1, the sum of their times at pp = 1."""
+    if plan.pp == 1 or plan.orders_for is None or not shapes:
+        return pass_time([plan.phase.bottleneck(s) for s in shapes], plan.pp)
+    fwd, bwd, p2p = _step_times(plan, shapes)
+    return simulate_pipeline(plan.orders_for(len(shapes)), forward=fwd, backward=bwd, p2p=p2p,
+                             pp=plan.pp)
 
 
 def _step_times(plan: CostPlan, shapes: Sequence[Shape]):
@@ -226,7 +225,7 @@ def plan_by_cost(shapes: Sequence[Shape], *, dp: int, plan: CostPlan,
     `rank_costs` are the predicted pass seconds of each rank."""
     if dp < 1:
         raise ValueError(f"dp must be at least 1, got {dp}")
-    parts = balanced_partition([sample_cost(plan.phase)(s) for s in shapes], dp)
+    parts = balanced_partition([plan.phase.marginal_time(s) for s in shapes], dp)
     micro, seconds = [], []
     for part in parts:
         ids = sorted(part, key=lambda i: (shapes[i].tokens, shapes[i].sum_sq, i))

@@ -124,16 +124,20 @@ def grid(max_tokens: int, *, seed: int = 0) -> list[list[int]]:
     return shapes
 
 
-def profile(cfg: JobConfig, *, repeats: int = 3, force: bool = False,
-            progress: Progress = print) -> tuple[CostModelFile, Path]:
-    """Measure (or reuse) every role's cost model and write the job's file; (file, path)."""
+def profile(cfg: JobConfig, *, repeats: int = 3, force: bool = False, progress: Progress = print,
+            roles: Sequence[str] | None = None) -> tuple[CostModelFile, Path]:
+    """Measure (or reuse) every role's cost model (or those of `roles`; the file keeps the
+    others') and write the job's file; (file, path)."""
     path = cost_model_path(cfg)
     old = CostModelFile.load(path) if not force else CostModelFile()
-    out = CostModelFile()
+    out = CostModelFile({k: v for k, v in old.roles.items() if roles is not None
+                         and k not in roles})
     measured: dict[str, RoleCost] = {}  # by digest: roles on the same setup share one profile
     folders = ModelFolders(cfg)
     try:
         for key, (spec, fp) in job_fingerprints(cfg).items():
+            if roles is not None and key not in roles:
+                continue
             reuse = old.matching(key, fp) or measured.get(digest(fp))
             if reuse is not None:
                 progress(f"profile: {key}: reusing the cost model measured on this setup")

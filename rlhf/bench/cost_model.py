@@ -1,0 +1,162 @@
+"""Cost-model accuracy on fresh lengths, and step time with token_budget vs cost_model.
+
+Profiles the job (`rlhf profile`, reused while its fingerprint matches), then draws `--batches`
+batches of `--samples` lengths from a log-normal distribution (median `--median` tokens,
+spread `--sigma`, clipped to the role's budget): many short sequences, a few very long, a
+distribution the profile's grid never saw. Each batch is split both ways over the role's DP
+ranks (rlhf.data.batch_split: token_budget, and cost_model with the role's measured cost),
+and every DP rank's pass (`--phase`) runs on one replica of the role's layout (tp * pp
+processes), one rank after another: the step's time is the slowest rank's pass, as DP ranks
+run side by side on their own devices. Each cost-model micro-batch also runs alone. Prints
+one JSON line: median and p90 absolute relative error of the predicted micro-batch times
+and pass times (pp > 1: the simulated schedule), and the median step time of each mode with
+their micro-batch counts and predicted DP imbalance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from rlhf.data.batch_split import BatchSplit, split_batch
+from rlhf.data.cost_model import Shape
+from rlhf.data.micro_batching import predict_pass
+from rlhf.plan import profile as prof
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="job config (YAML)")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides")
+    parser.add_argument("--role", default="actor", help="the role whose passes run")
+    parser.add_argument("--phase", choices=("forward", "forward_backward"),
+                        default="forward_backward")
+    parser.add_argument("--batches", type=int, default=3, help="fresh batches")
+    parser.add_argument("--samples", type=int, default=32, help="samples per batch")
+    parser.add_argument("--median", type=int, default=96, help="median sample length")
+    parser.add_argument("--sigma", type=float, default=1.0, help="log-normal spread of lengths")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per pass (median)")
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rlhf.config import load_config
+    from rlhf.config.paths import resolve_paths
+
+    cfg = resolve_paths(load_config(args.config, args.overrides), base=Path.cwd())
+    print(json.dumps(bench(cfg, args)), flush=True)
+    return 0
+
+
+def lengths(n: int, *, median: int, sigma: float, most: int, seed: int) -> list[int]:
+    """Log-normal sample lengths (median `median`, spread `sigma`) clipped to [4, most]."""
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(n, generator=gen) * sigma + float(torch.log(torch.tensor(
+        float(median)))))
+    return raw.clamp(4, most).long().tolist()
+
+
+def bench(cfg, args) -> dict:
+    """The JSON line (module docstring)."""
+    models, _ = prof.profile(cfg, roles=[args.role],
+                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    specs = prof.job_fingerprints(cfg)
+    if args.role not in specs:
+        raise SystemExit(f"error: the job has no role {args.role!r}; it has {sorted(specs)}")
+    spec, fp = specs[args.role]
+    cost = models.roles[args.role]
+    role = getattr(cfg, args.role)
+    from rlhf.trainer.step_splits import cost_plan
+
+    plan = cost_plan(role, cost, args.phase)
+    batches = [lengths(args.samples, median=args.median, sigma=args.sigma, most=spec.tokens,
+                       seed=args.seed + b) for b in range(args.batches)]
+    splits = {mode: [split_batch(b, dp=spec.dp, max_tokens=spec.tokens,
+                                 cost_plan=plan if mode == "cost_model" else None)
+                     for b in batches] for mode in ("token_budget", "cost_model")}
+    jobs, keys = [], []
+    for mode, per_batch in splits.items():
+        for b, split in enumerate(per_batch):
+            for g, micro in enumerate(_rank_micro_batches(split, batches[b])):
+                jobs.append((args.phase, micro))
+                keys.append(("pass", mode, b, g))
+                if mode == "cost_model":
+                    for mb in micro:
+                        jobs.append((args.phase, [mb]))
+                        keys.append(("micro", mode, b, g))
+    folders = prof.ModelFolders(cfg)
+    try:
+        ranks = prof.run_on_layout(spec, folders.of(spec), jobs, repeats=args.repeats,
+                                   threads=fp["threads"])
+    finally:
+        folders.close()
+    wall = [max(r["wall"][k] for r in ranks) for k in range(len(jobs))]
+    phase = plan.phase
+    micro_err, pass_err = [], []
+    step: dict[str, list[float]] = {"token_budget": [], "cost_model": []}
+    for mode in splits:
+        for b in range(len(batches)):
+            rank_walls = []
+            for k, key in enumerate(keys):
+                if key[1:3] != (mode, b):
+                    continue
+                shapes = [Shape.of(mb) for mb in jobs[k][1]]
+                if key[0] == "micro":
+                    micro_err.append(_rel(phase.time(shapes[0]), wall[k]))
+                else:
+                    pass_err.append(_rel(predict_pass(plan, shapes), wall[k]))
+                    rank_walls.append(wall[k])
+            step[mode].append(max(rank_walls))
+    tb, cm = (statistics.median(step[m]) for m in ("token_budget", "cost_model"))
+    return {"bench": "cost-model", "role": args.role, "phase": args.phase,
+            "tp": spec.parallel.tp, "pp": spec.parallel.pp, "vpp": spec.parallel.vpp,
+            "dp": spec.dp, "dtype": str(spec.dtype).removeprefix("torch."),
+            "machine": fp["machine"], "threads": fp["threads"], "batches": len(batches),
+            "samples": args.samples, "median_length": args.median, "sigma": args.sigma,
+            "max_tokens": spec.tokens,
+            "micro_batch_median_abs_rel_error": _q(micro_err, 0.5),
+            "micro_batch_p90_abs_rel_error": _q(micro_err, 0.9),
+            "pass_median_abs_rel_error": _q(pass_err, 0.5),
+            "pass_p90_abs_rel_error": _q(pass_err, 0.9),
+            "micro_batches_measured": len(micro_err), "passes_measured": len(pass_err),
+            "step_s_token_budget": round(tb, 4), "step_s_cost_model": round(cm, 4),
+            "speedup": round(tb / cm, 3),
+            "micro_batches_token_budget": _mean_count(splits["token_budget"]),
+            "micro_batches_cost_model": _mean_count(splits["cost_model"]),
+            "predicted_imbalance_token_budget": _imbalance(splits["token_budget"], batches, plan),
+            "predicted_imbalance_cost_model": _imbalance(splits["cost_model"], batches, plan)}
+
+
+def _rank_micro_batches(split: BatchSplit, lengths: list[int]) -> list[list[list[int]]]:
+    """Per DP rank, its micro-batches (one mini-batch) as sample lengths, in run order."""
+    return [[[lengths[rows[i]] for i in mb] for mb in group.mini_batches[0]]
+            for rows, group in zip(split.rows, split.groups)]
+
+
+def _imbalance(splits: list[BatchSplit], batches: list[list[int]], plan) -> float:
+    """Mean over batches of the slowest DP rank's predicted pass over the mean rank's."""
+    out = []
+    for split, lengths in zip(splits, batches):
+        times = [predict_pass(plan, [Shape.of(mb) for mb in micro])
+                 for micro in _rank_micro_batches(split, lengths)]
+        out.append(max(times) / (sum(times) / len(times)))
+    return round(statistics.fmean(out), 4)
+
+
+def _mean_count(splits: list[BatchSplit]) -> float:
+    return round(statistics.fmean(len(g.mini_batches[0]) for s in splits for g in s.groups), 2)
+
+
+def _rel(predicted: float, measured: float) -> float:
+    return abs(predicted / measured - 1)
+
+
+def _q(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 4)
