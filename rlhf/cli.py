@@ -341,13 +341,12 @@ def _import_gguf(args) -> int:
 
 
 def _profile(args) -> int:
-    from rlhf.plan.profile import profile
+    from rlhf.plan.profile import Say, profile
 
     if args.repeats < 1:
         raise RLHFError("--repeats must be at least 1")
     try:
-        profile(_load(args), repeats=args.repeats, force=args.force,
-                progress=lambda line: print(line, flush=True))
+        profile(_load(args), repeats=args.repeats, force=args.force, progress=Say())
     except ValueError as exc:
         raise RLHFError(str(exc)) from None
     return 0

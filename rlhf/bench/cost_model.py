@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal spread of lengths")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per pass (median)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--details", action="store_true",
+                        help="first, one JSON line per pass and micro-batch run (predicted and "
+                             "measured seconds)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,8 +64,7 @@ def lengths(n: int, *, median: int, sigma: float, most: int, seed: int) -> list[
 
 def bench(cfg, args) -> dict:
     """The JSON line (module docstring)."""
-    models, _ = prof.profile(cfg, roles=[args.role],
-                             progress=lambda line: print(line, file=sys.stderr, flush=True))
+    models, _ = prof.profile(cfg, roles=[args.role], progress=prof.Say("stderr"))
     specs = prof.job_fingerprints(cfg)
     if args.role not in specs:
         raise SystemExit(f"error: the job has no role {args.role!r}; it has {sorted(specs)}")
@@ -95,9 +96,9 @@ def bench(cfg, args) -> dict:
     finally:
         folders.close()
     wall = [max(r["wall"][k] for r in ranks) for k in range(len(jobs))]
-    phase = plan.phase
     micro_err, pass_err = [], []
     step: dict[str, list[float]] = {"token_budget": [], "cost_model": []}
+    details = []
     for mode in splits:
         for b in range(len(batches)):
             rank_walls = []
@@ -105,12 +106,19 @@ def bench(cfg, args) -> dict:
                 if key[1:3] != (mode, b):
                     continue
                 shapes = [Shape.of(mb) for mb in jobs[k][1]]
+                details.append((*key, [s.tokens for s in shapes], predict_pass(plan, shapes),
+                                wall[k]))
                 if key[0] == "micro":
-                    micro_err.append(_rel(phase.time(shapes[0]), wall[k]))
+                    micro_err.append(_rel(predict_pass(plan, shapes), wall[k]))
                 else:
                     pass_err.append(_rel(predict_pass(plan, shapes), wall[k]))
                     rank_walls.append(wall[k])
             step[mode].append(max(rank_walls))
+    if args.details:
+        for kind, mode, b, g, tokens, predicted, measured in details:
+            print(json.dumps({"bench": "cost-model", "kind": kind, "mode": mode, "batch": b,
+                              "dp_rank": g, "tokens": tokens, "predicted_s": round(predicted, 4),
+                              "measured_s": round(measured, 4)}), flush=True)
     tb, cm = (statistics.median(step[m]) for m in ("token_budget", "cost_model"))
     return {"bench": "cost-model", "role": args.role, "phase": args.phase,
             "tp": spec.parallel.tp, "pp": spec.parallel.pp, "vpp": spec.parallel.vpp,

@@ -18,6 +18,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,17 @@ from rlhf.data.cost_model import (
 from rlhf.plan.inputs import RoleSpec, hardware, role_specs
 
 Progress = Callable[[str], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Say:
+    """Progress lines to stdout or stderr, flushed; picklable, so a measuring rank says them."""
+
+    stream: str = "stdout"
+
+    def __call__(self, line: str) -> None:
+        print(line, file=sys.stderr if self.stream == "stderr" else sys.stdout, flush=True)
+
 GRID_LENGTHS = (16, 48, 128, 384, 1024, 3072, 8192)
 P2P_FEATURES = ("const", "tokens")
 
@@ -124,10 +136,10 @@ def grid(max_tokens: int, *, seed: int = 0) -> list[list[int]]:
     return shapes
 
 
-def profile(cfg: JobConfig, *, repeats: int = 3, force: bool = False, progress: Progress = print,
+def profile(cfg: JobConfig, *, repeats: int = 3, force: bool = False, progress: Progress = Say(),
             roles: Sequence[str] | None = None) -> tuple[CostModelFile, Path]:
     """Measure (or reuse) every role's cost model (or those of `roles`; the file keeps the
-    others') and write the job's file; (file, path)."""
+    others') and write the job's file; (file, path). `progress` must pickle (ranks call it)."""
     path = cost_model_path(cfg)
     old = CostModelFile.load(path) if not force else CostModelFile()
     out = CostModelFile({k: v for k, v in old.roles.items() if roles is not None
