@@ -1,16 +1,17 @@
 """Cost-model accuracy on fresh lengths, and step time with token_budget vs cost_model.
 
-Profiles the job (`rlhf profile`, reused while its fingerprint matches), then draws `--batches`
-batches of `--samples` lengths from a log-normal distribution (median `--median` tokens,
-spread `--sigma`, clipped to the role's budget): many short sequences, a few very long, a
-distribution the profile's grid never saw. Each batch is split both ways over the role's DP
-ranks (rlhf.data.batch_split: token_budget, and cost_model with the role's measured cost),
-and every DP rank's pass (`--phase`) runs on one replica of the role's layout (tp * pp
-processes), one rank after another: the step's time is the slowest rank's pass, as DP ranks
-run side by side on their own devices. Each cost-model micro-batch also runs alone. Prints
-one JSON line: median and p90 absolute relative error of the predicted micro-batch times
-and pass times (pp > 1: the simulated schedule), and the median step time of each mode with
-their micro-batch counts and predicted DP imbalance.
+Profiles the job (`rlhf profile`, reused while its fingerprint matches unless
+`--fresh-profile`), then draws `--batches` batches of `--samples` lengths from a log-normal
+distribution (median `--median` tokens, spread `--sigma`, clipped to the role's budget): many
+short sequences, a few very long, a distribution the profile's grid never saw. Each batch is
+split both ways over the role's DP ranks (rlhf.data.batch_split: token_budget, and
+cost_model with the role's measured cost), and every DP rank's pass (`--phase`) runs on one
+replica of the role's layout (tp * pp processes), one rank after another, both modes' passes
+back to back: the step's time is the slowest rank's pass, as DP ranks run side by side on
+their own devices. Each cost-model micro-batch also runs alone. Prints (after `--details`'
+line per run) one JSON line: median and p90 absolute relative error of the predicted
+micro-batch times and pass times (pp > 1: the simulated schedule), and the median step time
+of each mode with their micro-batch counts and predicted DP imbalance.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sigma", type=float, default=1.0, help="log-normal spread of lengths")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per pass (median)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--fresh-profile", action="store_true",
+                        help="profile again even where the fingerprint matches (a shared "
+                             "machine's speed drifts between a profile and a later run)")
     parser.add_argument("--details", action="store_true",
                         help="first, one JSON line per pass and micro-batch run (predicted and "
                              "measured seconds)")
@@ -64,7 +68,8 @@ def lengths(n: int, *, median: int, sigma: float, most: int, seed: int) -> list[
 
 def bench(cfg, args) -> dict:
     """The JSON line (module docstring)."""
-    models, _ = prof.profile(cfg, roles=[args.role], progress=prof.Say("stderr"))
+    models, _ = prof.profile(cfg, roles=[args.role], force=args.fresh_profile,
+                             progress=prof.Say("stderr"))
     specs = prof.job_fingerprints(cfg)
     if args.role not in specs:
         raise SystemExit(f"error: the job has no role {args.role!r}; it has {sorted(specs)}")
@@ -80,9 +85,12 @@ def bench(cfg, args) -> dict:
                                  cost_plan=plan if mode == "cost_model" else None)
                      for b in batches] for mode in ("token_budget", "cost_model")}
     jobs, keys = [], []
-    for mode, per_batch in splits.items():
-        for b, split in enumerate(per_batch):
-            for g, micro in enumerate(_rank_micro_batches(split, batches[b])):
+    # The two modes' passes of one batch and rank run back to back, so a change in the
+    # machine's load during the run slows both alike.
+    for b in range(len(batches)):
+        for g in range(spec.dp):
+            for mode, per_batch in splits.items():
+                micro = _rank_micro_batches(per_batch[b], batches[b])[g]
                 jobs.append((args.phase, micro))
                 keys.append(("pass", mode, b, g))
                 if mode == "cost_model":

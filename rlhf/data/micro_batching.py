@@ -5,8 +5,9 @@ Per mini-batch, on the driver, for one role's pass:
    place of token_budget's analytic `balancing.default_cost`);
 2. per rank, cut the length-sorted samples into contiguous micro-batches by dynamic
    programming (`optimal_cut`), minimising the predicted pass time
-   sum_j t_j + (pp - 1) * max_j t_j (t_j: the slowest stage's time on micro-batch j; the second
-   term is the pipeline's fill and drain), each micro-batch under the memory limit;
+   sum_j t_j + (pp - 1) * max_j t_j (t_j: the slowest stage's time on micro-batch j plus its
+   p2p messages; the second term is the pipeline's fill and drain), each micro-batch under the
+   memory limit;
 3. with pp > 1, order the micro-batches by simulating the role's schedule (1F1B or
    interleaved, the orders of rlhf.engine.pipeline_order) on the predicted stage times
    (`simulate_pipeline`) for each candidate order and keeping the fastest.
@@ -43,6 +44,12 @@ class CostPlan:
     vpp: int = 1
     orders_for: OrdersFor | None = None
     forward: PhaseCost | None = None
+
+    def micro_batch_cost(self, shape: Shape) -> float:
+        """What one more micro-batch of `shape` adds to the pass: its slowest stage, and its
+        messages between stages (in, and for a backward also out) on the critical path."""
+        messages = 1 if self.forward is self.phase else 2
+        return self.phase.bottleneck(shape) + messages * self.phase.p2p_time(shape)
 
 
 def memory_limit(phase: PhaseCost, max_tokens: int) -> float:
@@ -229,7 +236,7 @@ def plan_by_cost(shapes: Sequence[Shape], *, dp: int, plan: CostPlan,
     micro, seconds = [], []
     for part in parts:
         ids = sorted(part, key=lambda i: (shapes[i].tokens, shapes[i].sum_sq, i))
-        cut = optimal_cut([shapes[i] for i in ids], plan.phase.bottleneck, pp=plan.pp,
+        cut = optimal_cut([shapes[i] for i in ids], plan.micro_batch_cost, pp=plan.pp,
                           fits=lambda s: plan.phase.memory(s) <= plan.memory_limit,
                           max_seqs=max_seqs)
         bins = [sorted(ids[a:b]) for a, b in cut]

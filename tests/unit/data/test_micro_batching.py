@@ -112,7 +112,7 @@ def test_plan_is_deterministic_and_beats_the_token_budget_prediction():
     budget = split_batch(lengths, dp=2, max_tokens=2048)
 
     def predicted(split):
-        return max(pass_time([p.bottleneck(Shape.of([lengths[rows[i]] for i in mb]))
+        return max(pass_time([plan.micro_batch_cost(Shape.of([lengths[rows[i]] for i in mb]))
                               for mb in g.mini_batches[0]], 2)
                    for rows, g in zip(split.rows, split.groups))
     assert predicted(a) < predicted(budget)
