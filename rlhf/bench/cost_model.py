@@ -11,12 +11,14 @@ back to back: the step's time is the slowest rank's pass, as DP ranks run side b
 their own devices. Each cost-model micro-batch also runs alone. Prints (after `--details`'
 line per run) one JSON line: median and p90 absolute relative error of the predicted
 micro-batch times and pass times (pp > 1: the simulated schedule), and the median step time
-of each mode with their micro-batch counts and predicted DP imbalance.
+of each mode with their micro-batch counts and predicted DP imbalance; with pp > 1 also the
+cost-model plans' simulated step under 1F1B and under interleaved 1F1B (vpp = 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -127,6 +129,7 @@ def bench(cfg, args) -> dict:
             print(json.dumps({"bench": "cost-model", "kind": kind, "mode": mode, "batch": b,
                               "dp_rank": g, "tokens": tokens, "predicted_s": round(predicted, 4),
                               "measured_s": round(measured, 4)}), flush=True)
+    schedules = _simulated_schedules(role, cost, args.phase, splits["cost_model"], batches)
     tb, cm = (statistics.median(step[m]) for m in ("token_budget", "cost_model"))
     return {"bench": "cost-model", "role": args.role, "phase": args.phase,
             "tp": spec.parallel.tp, "pp": spec.parallel.pp, "vpp": spec.parallel.vpp,
@@ -144,13 +147,33 @@ def bench(cfg, args) -> dict:
             "micro_batches_token_budget": _mean_count(splits["token_budget"]),
             "micro_batches_cost_model": _mean_count(splits["cost_model"]),
             "predicted_imbalance_token_budget": _imbalance(splits["token_budget"], batches, plan),
-            "predicted_imbalance_cost_model": _imbalance(splits["cost_model"], batches, plan)}
+            "predicted_imbalance_cost_model": _imbalance(splits["cost_model"], batches, plan),
+            **schedules}
 
 
 def _rank_micro_batches(split: BatchSplit, lengths: list[int]) -> list[list[list[int]]]:
     """Per DP rank, its micro-batches (one mini-batch) as sample lengths, in run order."""
     return [[[lengths[rows[i]] for i in mb] for mb in group.mini_batches[0]]
             for rows, group in zip(split.rows, split.groups)]
+
+
+def _simulated_schedules(role, cost, phase: str, splits: list[BatchSplit],
+                         batches: list[list[int]]) -> dict:
+    """pp > 1: the median predicted step of the cost-model plans under 1F1B and interleaved
+    1F1B at vpp = 2, the choice `parallel.vpp` makes when the model is built."""
+    if role.parallel.pp == 1:
+        return {}
+    from rlhf.trainer.step_splits import cost_plan
+
+    out = {}
+    for vpp, name in ((1, "1f1b"), (2, "interleaved_vpp2")):
+        other = dataclasses.replace(role, parallel=dataclasses.replace(role.parallel, vpp=vpp))
+        plan = cost_plan(other, cost, phase)
+        steps = [max(predict_pass(plan, [Shape.of(mb) for mb in micro])
+                     for micro in _rank_micro_batches(split, lengths))
+                 for split, lengths in zip(splits, batches)]
+        out[f"simulated_step_s_{name}"] = round(statistics.median(steps), 4)
+    return out
 
 
 def _imbalance(splits: list[BatchSplit], batches: list[list[int]], plan) -> float:

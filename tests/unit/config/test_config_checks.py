@@ -55,6 +55,8 @@ BAD = {
     "ep-positive": (["actor.parallel.ep=0"], "actor.parallel.ep"),
     "ep-vs-experts": (["model.tiny.arch=qwen3_moe", "trainer.ranks_per_node=6", "rollout.n=2",
                        "actor.parallel.ep=3"], "actor.parallel.ep=3 does not divide the model's 8"),
+    "cost-model-vs-ep": (["model.tiny.arch=qwen3_moe", "actor.parallel.ep=2",
+                          "trainer.micro_batching=cost_model"], "which trainer.micro_batching"),
     "vpp-stages-vs-layers": (["actor.parallel.pp=2", "actor.parallel.vpp=4"], "actor.parallel.vpp"),
     "layers-per-stage-length": (["actor.parallel.pp=2", "actor.parallel.layers_per_stage=[4]"],
                                 "actor.parallel.layers_per_stage"),
