@@ -62,3 +62,32 @@ def test_data_parallel_update_equals_single_rank(folders, world):
         torch.testing.assert_close(rank_result[1].values, single[1].values, atol=TOL, rtol=0)
         torch.testing.assert_close(rank_result[2].values, single[2].values, atol=TOL, rtol=0)
     assert not torch.allclose(single[1].values, batch["old_log_probs"].values, atol=1e-4)
+
+
+def test_cost_model_split_trains_like_the_token_budget(folders, world):
+    """Another cut of the same mini-batch into micro-batches (the cost model's: one micro-batch
+    past the 24-token budget) takes the same optimizer step: losses are normalised globally."""
+    import dataclasses
+
+    from rlhf.config import TrainerConfig
+    from rlhf.data.cost_model import PhaseCost, RoleCost, StageCost
+
+    policy, _ = folders
+    results = []
+    for mode in ("token_budget", "cost_model"):
+        cfg = make_config(policy)
+        cfg = dataclasses.replace(cfg, trainer=TrainerConfig(micro_batching=mode))
+        actor = ActorWorker(context(world, "actor"), config=cfg)
+        batch, _ = rl_batch(actor, seed=7)
+        # a constant per micro-batch and memory of the longest sequence: one micro-batch
+        stage = StageCost({"const": 1.0, "tokens": 1e-6}, {"max_sq": 1.0})
+        models = {"actor": RoleCost({}, {p: PhaseCost((stage,), {})
+                                         for p in ("forward", "forward_backward")})}
+        split = StepSplits(cfg, {"actor": 1}, batch, cost_models=models).update("actor")
+        results.append((len(split.groups[0].mini_batches[0]),
+                        split_call(actor.update_actor, batch, split, 0),
+                        actor.compute_log_prob(batch)["old_log_probs"]))
+    (budget_mbs, budget, budget_lp), (cost_mbs, cost, cost_lp) = results
+    assert cost_mbs == 1 < budget_mbs
+    assert cost["actor/pg_loss"] == pytest.approx(budget["actor/pg_loss"], abs=1e-5, rel=1e-4)
+    torch.testing.assert_close(cost_lp.values, budget_lp.values, atol=TOL, rtol=0)
