@@ -10,7 +10,6 @@ reported as skipped, naming the package, instead of as a collection error, and t
 import datetime
 import importlib
 import importlib.util
-import os
 import sys
 
 import pytest
@@ -77,13 +76,15 @@ RANK_PRELOAD = ["pytest", "torch", "torch.distributed", "transformers", "rlhf.de
                 "rlhf.engine", "rlhf.models.build", "rlhf.parallel.mesh"]
 
 
-# The suite mostly waits (Ray actors and vLLM engines starting, gloo ranks meeting, polls), so
-# with pytest-xdist installed it runs in WORKERS processes, a test file to each at a time (its
-# module fixtures built once); `-n N` on the command line chooses otherwise, `-n 0` runs it in
-# this process. Each worker that reaches tests/ray starts its own local Ray cluster.
-WORKERS = min(4, (os.cpu_count() or 1) + 1)
+# With pytest-xdist installed the suite runs on two workers: every tests/ray file on one (one
+# local Ray cluster, as without xdist: two clusters on this 2-core machine starve each other's
+# raylets and health checks), the other files one at a time each on the other, so the Ray tier
+# overlaps the rest instead of following it. `-n N` chooses otherwise, `-n 0` runs it in this
+# process (for --pdb).
+WORKERS = 2
+RAY_TIER = "tests/ray/"
 # Files that start processes go out first so that none of them is left to run alone at the end.
-SLOW_FIRST = ("tests/ray/", "tests/unit/bench/", "tests/unit/rollout/", "tests/dist/")
+SLOW_FIRST = (RAY_TIER, "tests/unit/bench/", "tests/unit/rollout/", "tests/dist/")
 
 
 def pytest_configure(config):
@@ -92,7 +93,7 @@ def pytest_configure(config):
             and config.option.numprocesses is None and not config.option.collectonly):
         config.option.numprocesses = WORKERS
         config.option.tx = ["popen"] * WORKERS
-        config.option.dist = "loadfile"
+        config.option.dist = "loadgroup"
     fork_ranks_from_a_server(RANK_PRELOAD)
 
 
@@ -106,6 +107,9 @@ def _slowness(item) -> int:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowness)  # stable: a file's tests keep their order
+    for item in items:  # xdist's loadgroup hands out a group whole; ignored without xdist
+        path = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(RAY_TIER) else path))
     if installed("vllm"):
         return
     skip = pytest.mark.skip(reason="marked vllm: needs vllm, which is not installed here")
