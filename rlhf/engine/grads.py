@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from rlhf.engine.zero import Partition
 from rlhf.models.param_table import ParamTable
@@ -133,7 +134,7 @@ def _squared_norm(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *,
               and (count_replicated or table.entries[p.param].shard is not None)]
     total = torch.zeros((), dtype=torch.float32, device=grads.flat.device)
     if pieces:
-        total += torch.stack(torch._foreach_norm(pieces)).square().sum()
+        total += get_total_norm(pieces).square()
     if grads.part.shards > 1:
         dist.all_reduce(total, group=data_group(grads, mesh))
     if grads.expert:
@@ -143,9 +144,16 @@ def _squared_norm(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *,
 
 @torch.no_grad()
 def clip_(grads: GradBuffer, total_norm: Tensor, max_norm: float, *, rank: int) -> None:
-    """Scale the owned grads by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does."""
-    coef = (max_norm / (total_norm + 1e-6)).clamp(max=1.0)
-    torch._foreach_mul_(owned_views(grads, rank), coef)
+    """Scale the owned grads by min(1, max_norm / (norm + 1e-6)): torch's
+    `clip_grads_with_norm_` with the global norm."""
+    # torch's clipping scales its arguments' `.grad`: leaf holders sharing the owned ranges'
+    # storage carry them (built per call: offloading may have moved the buffer).
+    holders = []
+    for view in owned_views(grads, rank):
+        holder = view.detach()
+        holder.grad = view
+        holders.append(holder)
+    clip_grads_with_norm_(holders, max_norm, total_norm)
 
 
 def gather_grads(grads: GradBuffer, mesh: ParallelMesh) -> Tensor:

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
+from torch.optim._functional import adamw
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
 from rlhf.config.schema import OptimizerConfig
 from rlhf.engine.zero import Partition, Piece, partition
@@ -55,10 +57,14 @@ class ShardedAdamW:
     the shard size) and, for a low-precision model, an fp32 master copy of the shard; an fp32
     model is its own master. `copy_to_model` writes the updated shard back into the model
     parameters (all-gathered over DP bucket by bucket under ZeRO-1).
+
+    The step is torch's own AdamW (`torch.optim._functional.adamw`) on the owned piece views:
+    its fused kernel where the device has one (`fused=None`), else its foreach kernels.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], part: Partition, *, rank: int,
-                 config: OptimizerConfig, dp_group: ProcessGroup | None, device: torch.device):
+                 config: OptimizerConfig, dp_group: ProcessGroup | None, device: torch.device,
+                 fused: bool | None = None):
         dtypes = {p.dtype for p in params}
         if len(dtypes) > 1:
             raise ValueError(f"the model mixes parameter dtypes {sorted(map(str, dtypes))}; "
@@ -67,6 +73,12 @@ class ShardedAdamW:
         self.dp_group = dp_group
         self.dtype = dtypes.pop() if dtypes else torch.float32
         self.pieces = part.pieces(rank)
+        self.fused = (torch.device(device).type in _get_fused_kernels_supported_devices()
+                      if fused is None else fused)
+        # Pieces of decayed and of undecayed params: torch's AdamW takes one decay per call.
+        self._decay_groups = [
+            ([k for k, p in enumerate(self.pieces) if decays(self.params[p.param]) == decay],
+             config.weight_decay if decay else 0.0) for decay in (True, False)]
         size = part.shard_size
         self.master = (None if self.dtype == torch.float32
                        else torch.zeros(size, dtype=torch.float32, device=device))
@@ -94,27 +106,26 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def step(self, grads: Tensor, *, lr: float, step: int) -> None:
-        """One AdamW step (1-based `step`) from the synced flat fp32 `grads` buffer; torch
-        AdamW's arithmetic, op for op."""
-        if not self.pieces:
-            return
+        """One AdamW step (1-based `step`) from the synced flat fp32 `grads` buffer."""
         beta1, beta2 = self.config.betas
         values, moments = self._values(), self._state(self.exp_avg)
         squares = self._state(self.exp_avg_sq)
         offsets = self.part.offsets
         piece_grads = [grads[offsets[p.param] + p.start:offsets[p.param] + p.stop]
                        for p in self.pieces]
-        decayed = [v for v, p in zip(values, self.pieces) if decays(self.params[p.param])]
-        if decayed and self.config.weight_decay:
-            torch._foreach_mul_(decayed, 1 - lr * self.config.weight_decay)
-        torch._foreach_lerp_(moments, piece_grads, 1 - beta1)
-        torch._foreach_mul_(squares, beta2)
-        torch._foreach_addcmul_(squares, piece_grads, piece_grads, value=1 - beta2)
-        step_size = lr / (1 - beta1 ** step)
-        denom = torch._foreach_sqrt(squares)
-        torch._foreach_div_(denom, math.sqrt(1 - beta2 ** step))
-        torch._foreach_add_(denom, self.config.eps)
-        torch._foreach_addcdiv_(values, moments, denom, value=-step_size)
+        for picks, weight_decay in self._decay_groups:
+            if not picks:
+                continue
+            # torch's AdamW counts steps in tensors it increments first; the fused kernel
+            # reads them on the device, the foreach one on the host.
+            where = values[0].device if self.fused else torch.device("cpu")
+            steps = list(torch.full((len(picks),), step - 1, dtype=torch.float32,
+                                    device=where).unbind())
+            adamw([values[k] for k in picks], [piece_grads[k] for k in picks],
+                  [moments[k] for k in picks], [squares[k] for k in picks], [], steps,
+                  foreach=not self.fused, fused=self.fused, amsgrad=False, beta1=beta1,
+                  beta2=beta2, lr=lr, weight_decay=weight_decay, eps=self.config.eps,
+                  maximize=False)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
