@@ -338,6 +338,9 @@ class OptimizerConfig:
     """Clip the global gradient norm to this value; null = no clipping."""
     distributed: bool | None = None
     """ZeRO-1: shard fp32 masters and Adam moments over the role's DP ranks; null = on if dp > 1."""
+    overlap_grad_reduce: bool = True
+    """Start each grad bucket's data-parallel sum during the last micro-batch's backward, as
+    soon as its grads are final (the same sums as after backward, hidden behind compute)."""
 
     def __post_init__(self):
         if self.lr <= 0:

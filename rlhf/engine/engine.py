@@ -25,6 +25,7 @@ returns the same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -38,7 +39,7 @@ from torch import Tensor
 import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
 from rlhf.config.schema import AUTO_DTYPE, Dtype, LoraConfig, OptimizerConfig, ParallelConfig
-from rlhf.engine.grads import GradBuffer, clip_, gather_grads, grad_norm, scatters_grads, sync_grads
+from rlhf.engine.grads import GradBuffer, GradSync, clip_, gather_grads, grad_norm, scatters_grads
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
@@ -64,12 +65,12 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 class _ParamSet:
     """Parameters that sync and step together (the dense ones over dp; at ep > 1 the routed
-    experts over edp): their table indices, grads, shard rank, optimizer and table."""
+    experts over edp): their table indices, grads, shard rank, optimizer, table and sync."""
 
     def __init__(self, ids: list[int], grads: GradBuffer, rank: int, optimizer: ShardedAdamW,
-                 table: ParamTable):
+                 table: ParamTable, sync: GradSync):
         self.ids, self.grads, self.rank, self.optimizer = ids, grads, rank, optimizer
-        self.table, self.expert = table, grads.expert
+        self.table, self.expert, self.sync = table, grads.expert, sync
 
 
 class TrainEngine:
@@ -140,7 +141,8 @@ class TrainEngine:
             optimizer = ShardedAdamW([params[i] for i in ids], part, rank=rank, config=optim,
                                      dp_group=group, device=self.device)
             table = ParamTable(tuple(self.table.entries[i] for i in ids))
-            self._sets.append(_ParamSet(ids, grads, rank, optimizer, table))
+            sync = GradSync(grads, table, mesh, rank=rank, overlap=optim.overlap_grad_reduce)
+            self._sets.append(_ParamSet(ids, grads, rank, optimizer, table, sync))
 
     # ---- the parameter sets, by role (views of self._sets) -----------------------------------
 
@@ -224,10 +226,13 @@ class TrainEngine:
             loss_fn = with_router_aux(loss_fn, coef=self.router_aux_loss_coef,
                                       total_tokens=self._global_tokens(micro_batches))
         self._counted_tokens = None
+        for param_set in self._sets:
+            param_set.sync.reset()
         with timed_all_to_all(self._all_to_all):
             results = self.schedule.forward_backward(micro_batches, loss_fn,
                                                      outputs=self._outputs(outputs),
-                                                     temperature=temperature)
+                                                     temperature=temperature,
+                                                     final_backward=self._final_backward)
         self.sync_grads()
         return reduce_metrics(results, self.mesh, device=self.device)
 
@@ -236,8 +241,22 @@ class TrainEngine:
         `forward_backward` calls it. Collective over the role's ranks."""
         self._require_optimizer("sync_grads")
         for param_set in self._sets:
-            sync_grads(param_set.grads, param_set.table, self.mesh, rank=param_set.rank)
+            param_set.sync.finish()
         self._grads_synced = True
+
+    @contextlib.contextmanager
+    def _final_backward(self) -> Iterator[None]:
+        """Around a backward whose grads are the last of the mini-batch (the schedule enters
+        it for each model chunk's backward of the last micro-batch): buckets whose grads are
+        all final start their DP sum (`GradSync`, with optim.overlap_grad_reduce)."""
+        for param_set in self._sets:
+            param_set.grads.final = True
+        try:
+            with torch.profiler.record_function("final_backward"):  # a span in traces
+                yield
+        finally:
+            for param_set in self._sets:
+                param_set.grads.final = False
 
     def step(self) -> dict[str, float]:
         """Clip the global grad norm, take one AdamW step at `lr_at(step)`, zero the grads.

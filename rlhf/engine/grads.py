@@ -2,14 +2,22 @@
 
 Every trainable parameter's grad accumulates (over micro-batches, in fp32) into its range of
 the flat buffer laid out by a `zero.Partition`; a hook moves each backward's `param.grad`
-there, so parameters never keep a `.grad`. `sync_grads` is the one grad sync, run by
-training and by `rlhf verify-model`:
+there, so parameters never keep a `.grad`. `GradSync` is the one grad sync, run by training
+and by `rlhf verify-model`:
 
-1. grads partial over TP (`ParamInfo.tp_partial_grad`) are summed over TP;
-2. the two copies of a parameter shared across pipeline stages are summed (`shared`);
-3. over DP the grads are SUMMED (loss_fn normalises by global counts): reduce-scattered into
-   each rank's shard under ZeRO-1 when `GradBuffer.scatter` (only the owned ranges are then
-   valid), else all-reduced whole. `scatters_grads` decides `scatter` once, from the backend.
+1. over DP the grads are SUMMED (loss_fn normalises by global counts), bucket by bucket:
+   reduce-scattered into each rank's shard under ZeRO-1 when `GradBuffer.scatter` (only the
+   owned ranges are then valid), else all-reduced whole. `scatters_grads` decides `scatter`
+   once, from the backend;
+2. grads partial over TP (`ParamInfo.tp_partial_grad`) are summed over TP (every TP rank
+   lays its parameters out alike, so its owned ranges are the same ones);
+3. the two copies of a parameter shared across pipeline stages are summed (`shared`); the
+   buckets holding one take their DP sum only after this (the stages' buckets differ).
+
+With `overlap`, step 1 starts during the backward of the last micro-batch: a bucket's
+collective is launched (async) once all its parameters' grads are final, buckets in one fixed
+order on every rank, and `GradSync.finish` waits for them before steps 2 and 3. The sums, and
+their order, are the synchronous path's.
 
 With expert parallelism (ep > 1) the routed experts' parameters have a buffer of their own
 (`GradBuffer.expert`): the ep ranks of a dp group hold different experts, so their grads are
@@ -22,7 +30,7 @@ expert buffer's over edp (ZeRO-1) and the ep group (each rank holds other expert
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +57,10 @@ class GradBuffer:
         self.params, self.part, self.scatter = list(params), part, scatter
         self.expert = expert
         self.flat = torch.zeros(part.total, dtype=torch.float32, device=device)
+        # While `final` (the last micro-batch's backward), each accumulated param i is
+        # reported to `on_final(i)`: its grad will not change before the sync.
+        self.final = False
+        self.on_final: Callable[[int], None] | None = None
         for i, param in enumerate(self.params):
             param.register_post_accumulate_grad_hook(self._accumulate(i))
 
@@ -64,6 +76,8 @@ class GradBuffer:
         def hook(param: Tensor) -> None:
             self.view(i).add_(param.grad)  # looked up per call: offload may move the buffer
             param.grad = None
+            if self.final and self.on_final is not None:
+                self.on_final(i)
         return hook
 
 
@@ -80,29 +94,90 @@ def data_group(grads: GradBuffer, mesh: ParallelMesh):
     return mesh.edp_group if grads.expert else mesh.dp_group
 
 
-def sync_grads(grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *, rank: int) -> None:
-    """Sum the grads over TP, pipeline ties and DP (see the module docstring), in place.
-    `table`: the entries of `grads.params`, in order; `rank`: this rank's shard of
-    `grads.part` (its DP or edp rank under ZeRO-1, else 0)."""
-    entries = table.entries
-    partial = [grads.view(i) for i, e in enumerate(entries) if e.tp_partial_grad]
-    all_reduce_tensors(partial, group=mesh.tp_group)  # token chunks -> full-stream grads
-    if mesh.pp_size > 1 and mesh.embedding_group is not None:
-        # Both stages' copies then step identically: the full model's one tied parameter.
-        tied = [grads.view(i) for i, e in enumerate(entries) if e.shared]
-        all_reduce_tensors(tied, group=mesh.embedding_group)
-    group = data_group(grads, mesh)
-    if group_size(group) == 1:
-        return
-    part, flat = grads.part, grads.flat
-    for bucket, (lo, hi) in zip(part.buckets, part.shard_ranges(rank)):
+class GradSync:
+    """The grad sync of one `GradBuffer` (see the module docstring). `table`: the entries of
+    `grads.params`, in order; `rank`: this rank's shard of `grads.part` (its DP or edp rank
+    under ZeRO-1, else 0); `overlap`: start the DP sums during the last backward."""
+
+    def __init__(self, grads: GradBuffer, table: ParamTable, mesh: ParallelMesh, *, rank: int,
+                 overlap: bool):
+        self.grads, self.table, self.mesh, self.rank = grads, table, mesh, rank
+        self.group = data_group(grads, mesh)
+        part = grads.part
+        self._ties = mesh.pp_size > 1 and mesh.embedding_group is not None
+        tied = {b for b, bucket in enumerate(part.buckets) if self._ties and any(
+            table.entries[i].shared for i in range(bucket.first, bucket.stop))}
+        # Backward reaches the last parameters first: buckets start in reverse order.
+        self._early = [b for b in reversed(range(len(part.buckets))) if b not in tied]
+        self._late = sorted(tied)
+        self._bucket_of = [b for b, bucket in enumerate(part.buckets)
+                           for _ in range(bucket.first, bucket.stop)]
+        self.overlap = overlap and group_size(self.group) > 1
+        if self.overlap:
+            grads.on_final = self._final
+        self.overlapped_buckets = 0  # of the last sync: buckets whose sum began in backward
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget a sync in progress (the next backward starts afresh)."""
+        self._waiting = [b.stop - b.first for b in self.grads.part.buckets]
+        self._final_params: set[int] = set()
+        self._next = 0  # the next bucket of self._early to start
+        self._in_flight: list[tuple[object, Tensor | None, int, int]] = []
+
+    def _final(self, i: int) -> None:
+        if i in self._final_params:
+            raise RuntimeError(
+                f"parameter {self.table.entries[i].name} got a second gradient in the last "
+                "micro-batch's backward, after its bucket's reduction may have started; set "
+                "optim.overlap_grad_reduce=false for this model")
+        self._final_params.add(i)
+        self._waiting[self._bucket_of[i]] -= 1
+        while self._next < len(self._early) and self._waiting[self._early[self._next]] == 0:
+            self._start(self._early[self._next])
+            self._next += 1
+
+    def _start(self, b: int) -> None:
+        """Launch bucket b's DP sum (async)."""
+        if group_size(self.group) == 1:
+            return
+        part, flat = self.grads.part, self.grads.flat
+        bucket = part.buckets[b]
         chunk = flat[bucket.start:bucket.start + bucket.numel]
-        if not grads.scatter:
-            dist.all_reduce(chunk, group=group)
-        else:
-            mine = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-            reduce_scatter_single(mine, chunk, group=group)
-            flat[lo:hi].copy_(mine)
+        if not self.grads.scatter:
+            work = dist.all_reduce(chunk, group=self.group, async_op=True)
+            self._in_flight.append((work, None, 0, 0))
+            return
+        lo, hi = part.shard_ranges(self.rank)[b]
+        mine = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
+        work = reduce_scatter_single(mine, chunk, group=self.group, async_op=True)
+        self._in_flight.append((work, mine, lo, hi))
+
+    def _wait(self) -> None:
+        for work, mine, lo, hi in self._in_flight:
+            work.wait()
+            if mine is not None:
+                self.grads.flat[lo:hi].copy_(mine)
+        self._in_flight = []
+
+    def finish(self) -> None:
+        """Complete the sync (collective over TP, pipeline ties and DP): start the buckets not
+        started yet, wait for all, then the TP and tie sums and the tied buckets' DP sums."""
+        grads, entries = self.grads, self.table.entries
+        self.overlapped_buckets = self._next
+        for b in self._early[self._next:]:
+            self._start(b)
+        self._wait()
+        partial = [grads.view(i) for i, e in enumerate(entries) if e.tp_partial_grad]
+        all_reduce_tensors(partial, group=self.mesh.tp_group)  # token chunks -> full stream
+        if self._ties:
+            # Both stages' copies then step identically: the full model's one tied parameter.
+            tied = [grads.view(i) for i, e in enumerate(entries) if e.shared]
+            all_reduce_tensors(tied, group=self.mesh.embedding_group)
+        for b in self._late:
+            self._start(b)
+        self._wait()
+        self.reset()
 
 
 def owned_views(grads: GradBuffer, rank: int) -> list[Tensor]:

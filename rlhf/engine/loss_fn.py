@@ -1,4 +1,5 @@
-"""What a schedule hands a loss function and what it keeps of each micro-batch.
+"""What a schedule hands a loss function, what it keeps of each micro-batch, and the hook
+around the last micro-batch's backward.
 
 Shared by the pp = 1 loop (`schedule.py`) and the pipelined schedules (`pipeline.py`), so
 neither module imports the other for these types.
@@ -7,6 +8,7 @@ neither module imports the other for these types.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -15,6 +17,8 @@ from rlhf.engine.micro_batch import MicroBatch
 
 Outputs = dict[str, Tensor]  # per-token (T,) outputs: "log_probs", "entropy", "values"
 LossFn = Callable[[Outputs, MicroBatch], "tuple[Tensor, dict[str, float | Tensor]]"]
+# Entered around each model chunk's backward of the last micro-batch: the grads final there.
+FinalBackward = Callable[[], AbstractContextManager[None]]
 
 
 @dataclass(frozen=True)

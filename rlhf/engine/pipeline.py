@@ -13,12 +13,20 @@ host).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
-from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
+from rlhf.engine.loss_fn import (
+    FinalBackward,
+    LossFn,
+    MicroBatchResult,
+    Outputs,
+    check_loss,
+    detached,
+)
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline_order import (
     FORWARD,
@@ -87,12 +95,14 @@ class PipelineSchedule:
         return [run.outputs[i] for i in sorted(run.outputs)]
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *,
-                         outputs: tuple[str, ...],
-                         temperature: float = 1.0) -> list[MicroBatchResult]:
-        """Backward of every micro-batch's loss (last stage's results; [] elsewhere)."""
+                         outputs: tuple[str, ...], temperature: float = 1.0,
+                         final_backward: FinalBackward = contextlib.nullcontext
+                         ) -> list[MicroBatchResult]:
+        """Backward of every micro-batch's loss (last stage's results; [] elsewhere);
+        `final_backward()` around each chunk's backward of the last micro-batch."""
         check_outputs(self.model, outputs, temperature)
         run = _Run(self, self._on_device(micro_batches), loss_fn=loss_fn,
-                   outputs=outputs, temperature=temperature)
+                   outputs=outputs, temperature=temperature, final_backward=final_backward)
         order, pair = self.training_order(len(micro_batches))
         run.execute(order, pair=pair)
         self.peak_held, self._last_wait = run.peak_held, run.wait
@@ -133,8 +143,10 @@ class _Run:
     """One pass of a schedule over a micro-batch list: the held activations and the results."""
 
     def __init__(self, schedule: PipelineSchedule, micro_batches: list[MicroBatch], *,
-                 loss_fn: LossFn | None, outputs: tuple[str, ...], temperature: float):
+                 loss_fn: LossFn | None, outputs: tuple[str, ...], temperature: float,
+                 final_backward: FinalBackward = contextlib.nullcontext):
         self.s, self.mbs, self.loss_fn = schedule, micro_batches, loss_fn
+        self.final_backward = final_backward
         self.output_names, self.temperature = outputs, temperature
         self.pending: list[Send] = []  # the last unit's sends, posted with the next receives
         self.held: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -218,9 +230,11 @@ class _Run:
     def backward_step(self, i: int, k: int, received: Tensor | None) -> None:
         chunk = self.s.chunks[k]
         x, y = self.held.pop((i, k))
-        if chunk.has_head:
-            y.backward()
-        else:
-            torch.autograd.backward(y, received)
+        final = self.final_backward if i == len(self.mbs) - 1 else contextlib.nullcontext
+        with final():
+            if chunk.has_head:
+                y.backward()
+            else:
+                torch.autograd.backward(y, received)
         if not chunk.has_embedding:
             self._send(x.grad, i, chunk.virtual_stage - 1, GRADIENT)

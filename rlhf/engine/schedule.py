@@ -9,12 +9,15 @@ the same list, so it knows every micro-batch's token count and hence every send/
 Its results exist on the last stage only (the engine broadcasts the reduced metrics from
 there over the pipeline group; other stages return empty lists). Gradients are left
 accumulated in the parameters; the engine syncs them afterwards, so callers never see which
-schedule ran. At pp = 1 an empty micro-batch is a padding one of expert parallelism: it only
+schedule ran. `forward_backward` enters `final_backward()` around each model chunk's backward
+of the last micro-batch, where the engine's grads become final (it may start their sync then).
+At pp = 1 an empty micro-batch is a padding one of expert parallelism: it only
 joins the MoE layers' token exchanges (`rlhf.models.expert_sharding.idle_expert_exchange`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -22,7 +25,14 @@ import torch
 from torch import nn
 
 from rlhf.data.routes import ROUTES
-from rlhf.engine.loss_fn import LossFn, MicroBatchResult, Outputs, check_loss, detached
+from rlhf.engine.loss_fn import (
+    FinalBackward,
+    LossFn,
+    MicroBatchResult,
+    Outputs,
+    check_loss,
+    detached,
+)
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
 from rlhf.engine.recompute import Recomputed
@@ -45,8 +55,9 @@ class Schedule(Protocol):
                 temperature: float = 1.0) -> list[Outputs]: ...
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn, *,
-                         outputs: tuple[str, ...],
-                         temperature: float = 1.0) -> list[MicroBatchResult]: ...
+                         outputs: tuple[str, ...], temperature: float = 1.0,
+                         final_backward: FinalBackward = contextlib.nullcontext
+                         ) -> list[MicroBatchResult]: ...
 
 
 class NoPipeline:
@@ -90,19 +101,23 @@ class NoPipeline:
         outs = [self._outputs(mb.to(self.device), outputs, temperature) for mb in micro_batches]
         return [{k: v for k, v in out.items() if k != _PADDING} for out in outs]
 
-    def forward_backward(self, micro_batches, loss_fn, *, outputs, temperature=1.0):
+    def forward_backward(self, micro_batches, loss_fn, *, outputs, temperature=1.0,
+                         final_backward: FinalBackward = contextlib.nullcontext):
         check_outputs(self.model, outputs, temperature)
         results = []
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             mb = mb.to(self.device)
+            final = final_backward if i == len(micro_batches) - 1 else contextlib.nullcontext
             if mb.num_tokens == 0:  # a padding micro-batch: backward of the exchanges only
                 exchange = self._padding_outputs(outputs)[_PADDING]
-                exchange.backward()
+                with final():
+                    exchange.backward()
                 results.append(MicroBatchResult(exchange.detach(), {}))
                 continue
             loss, metrics = loss_fn(self._outputs(mb, outputs, temperature, training=True), mb)
             check_loss(loss)
-            loss.backward()  # frees this micro-batch's activations before the next one
+            with final():
+                loss.backward()  # frees this micro-batch's activations before the next one
             results.append(MicroBatchResult(loss.detach(), detached(metrics)))
         return results
 
