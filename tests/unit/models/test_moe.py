@@ -218,3 +218,74 @@ def test_full_recompute_gives_the_same_grads(folder, packed):
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], atol=1e-7), name
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensor -> Python scalar reads (`.item()`, `.tolist()` on the CPU dispatch to
+    `_local_scalar_dense` per element, or are counted by the patched `Tensor.tolist`)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count = 0
+        real = torch.Tensor.tolist
+
+        def tolist(tensor):
+            self.count += 1
+            return real(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_experts_run_as_grouped_gemms_without_a_host_read(models, monkeypatch):
+    """One block: grouped GEMMs (gate and up merged) equal the expert-by-expert loop, forward
+    and grads, an unrouted expert included, and read nothing back to the host."""
+    block = models[0].model.layers["0"].mlp
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(4)
+    x_TH = torch.randn(2, SPEC.hidden_size, generator=gen)  # 4 routes: 2+ of 6 experts idle
+    weights = [p for e in block.experts.values() for p in e.parameters()]
+
+    def run(x):
+        out = block(x, Routing(num_tokens=2))
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in weights]
+        block.zero_grad()
+        return out.detach(), grads
+
+    with _HostReads(monkeypatch) as reads:
+        grouped, grouped_grads = run(x_TH)
+    assert reads.count == 0 and len(calls) == 2  # gate+up, then down
+    with monkeypatch.context() as m:
+        m.setattr("rlhf.models.moe._grouped_mm_takes", lambda x, w: False)
+        looped, looped_grads = run(x_TH)
+    assert len(calls) == 2  # the loop ran
+    torch.testing.assert_close(grouped, looped, rtol=0, atol=1e-6)
+    for got, want in zip(grouped_grads, looped_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    idle = [g.abs().max() == 0 for g in grouped_grads]
+    assert 2 * 3 <= sum(idle) < len(idle)  # the unrouted experts' grads are zeros
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch):
+    from rlhf.models.moe import Expert, grouped_experts
+
+    torch.manual_seed(0)
+    experts = [Expert(64, 32).cuda().bfloat16() for _ in range(6)]
+    counts = torch.tensor([5, 0, 9, 3, 1, 6], device="cuda")
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    grouped = grouped_experts(experts, x, counts).float()
+    looped = torch.cat([e(r) for e, r in zip(experts, x.split(counts.tolist()))]).float()
+    assert len(calls) == 2
+    torch.testing.assert_close(grouped, looped, rtol=2e-2, atol=2e-2)
