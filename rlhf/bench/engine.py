@@ -8,6 +8,9 @@ tokens (sequences of `--seq-len`). JSON lines:
   the matmul weights and causal attention), against the device's peak: a table of dense bf16
   peaks by GPU name on CUDA; on the CPU one thread's fp32 matmul rate measured in this run
   times the threads (so the CPU figure is relative to what torch reaches on this machine).
+- "profile" (with `--profile N`): one step under torch.profiler: the N costliest ops, and the
+  step's wall time split into matmul, attention, elementwise, comms and idle (the roofline's
+  classes; idle = wall minus the ops' own time: the host's gaps on CUDA).
 - "memory": the memory planner's prediction (rlhf.plan.memory, update phase of this one rank)
   against a measurement. CUDA: torch.cuda.max_memory_allocated over a step. CPU: the bytes of
   `TrainEngine.state_tensors()` (exact) and the bytes saved for backward by one micro-batch
@@ -198,26 +201,51 @@ def _step(engine: TrainEngine, mbs: list[MicroBatch], device: torch.device | Non
         split.append((middle - start, time.perf_counter() - middle))
 
 
+# Op-name fragments of each class of `profile_step`'s split, first match wins; other ops
+# (norms, RoPE, activations, copies, the optimizer) are "elementwise".
+OP_CLASSES = (("attention", ("attention", "flash", "fmha", "varlen")),
+              ("comms", ("nccl", "gloo", "c10d", "all_reduce", "allreduce", "all_gather",
+                         "reduce_scatter", "all_to_all", "alltoall")),
+              ("matmul", ("mm", "gemm", "matmul", "cutlass", "xmma", "nvjet")))
+SPLIT = ("matmul", "attention", "elementwise", "comms", "idle")
+
+
+def op_class(name: str) -> str:
+    """The class of `profile_step`'s split an op or kernel named `name` counts in."""
+    lowered = name.lower()
+    return next((cls for cls, parts in OP_CLASSES if any(p in lowered for p in parts)),
+                "elementwise")
+
+
 def profile_step(engine: TrainEngine, mbs: list[MicroBatch], device: torch.device, *,
                  top: int) -> dict:
     """One more step under torch.profiler: the `top` ops and kernels by their own time (the
-    device's on CUDA), with calls, and the step's total, so where the time goes is a figure."""
+    device's on CUDA), with calls, the step's total, and the step's wall time split into
+    matmul, attention, elementwise, comms and idle (wall minus the ops' time)."""
     from torch.profiler import ProfilerActivity, profile
 
     on_cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     _sync(device)
     with profile(activities=activities) as prof:
+        start = time.perf_counter()
         _step(engine, mbs)
         _sync(device)
+        wall_ms = (time.perf_counter() - start) * 1e3
     own = (lambda e: e.self_device_time_total) if on_cuda else (lambda e: e.self_cpu_time_total)
     events = sorted(prof.key_averages(), key=own, reverse=True)
     # CUDA lists each kernel and the aten op that launched it; the op rows (CPU-side names)
     # alone add up to the device's total without counting a kernel twice.
     ops = [e for e in events if not on_cuda or e.self_cpu_time_total > 0]
     total_ms = sum(own(e) for e in ops) / 1e3
+    split = dict.fromkeys(SPLIT, 0.0)
+    for e in ops:
+        split[op_class(e.key)] += own(e) / 1e3
+    split["idle"] = max(0.0, wall_ms - total_ms)
     return {"bench": "engine", "kind": "profile", "time": "device" if on_cuda else "cpu",
-            "total_ms": round(total_ms, 3),
+            "total_ms": round(total_ms, 3), "wall_ms": round(wall_ms, 3),
+            "split_ms": {k: round(v, 3) for k, v in split.items()},
+            "split_share": {k: round(v / max(wall_ms, 1e-9), 4) for k, v in split.items()},
             "top": [{"name": e.key[:80], "ms": round(own(e) / 1e3, 3), "calls": e.count,
                      "share": round(own(e) / 1e3 / max(total_ms, 1e-9), 4)}
                     for e in events[:top]]}

@@ -58,3 +58,24 @@ def test_bench_engine_profiles_a_step_on_request():
     times = [row["ms"] for row in profile["top"]]
     assert times == sorted(times, reverse=True) and 0 < sum(times) <= profile["total_ms"]
     assert any(row["name"] in ("aten::mm", "aten::addmm", "aten::bmm") for row in profile["top"])
+    split = profile["split_ms"]
+    assert list(split) == ["matmul", "attention", "elementwise", "comms", "idle"]
+    assert split["matmul"] > 0 and split["attention"] > 0 and split["elementwise"] > 0
+    assert split["comms"] == 0  # one rank
+    busy = split["matmul"] + split["attention"] + split["elementwise"]
+    assert busy == pytest.approx(profile["total_ms"], rel=1e-3, abs=0.01)
+    assert busy + split["idle"] == pytest.approx(max(profile["wall_ms"], busy), rel=1e-3,
+                                                 abs=0.01)
+
+
+@pytest.mark.parametrize("name,cls", [
+    ("aten::mm", "matmul"), ("aten::_grouped_mm", "matmul"), ("sm90_xmma_gemm_bf16", "matmul"),
+    ("aten::_scaled_dot_product_flash_attention_for_cpu", "attention"),
+    ("flash_fwd_kernel", "attention"), ("c10d::allreduce_", "comms"),
+    ("ncclDevKernel_AllGather_RING_LL", "comms"), ("gloo:all_to_all", "comms"),
+    ("aten::mul", "elementwise"), ("aten::_fused_adamw_", "elementwise"),
+    ("aten::embedding_dense_backward", "elementwise")])
+def test_profile_split_classes(name, cls):
+    from rlhf.bench.engine import op_class
+
+    assert op_class(name) == cls
