@@ -13,7 +13,8 @@ from rlhf.config.paths import OBJECT_KEYS, PATH_KEYS, resolve_paths
 # String keys that are not paths; a new string key must land here or in PATH_KEYS/OBJECT_KEYS.
 NOT_PATHS = {"rollout.stop", "data.prompt_key", "data.ground_truth_key",
              "trainer.experiment_name", "ray.address", "ray.namespace", "sft.prompt_key",
-             "sft.response_key", "sft.messages_key", "actor.lora.target_modules", "critic.lora.target_modules",
+             "sft.response_key", "sft.messages_key", "actor.lora.target_modules",
+             "critic.lora.target_modules",
              "model.tiny.arch",  # a model family name (rlhf.families)
              # a W&B project name, and an MLflow URI (its scheme says where: a server or sqlite:)
              "trainer.wandb_project", "trainer.mlflow_tracking_uri"}
