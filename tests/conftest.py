@@ -105,6 +105,7 @@ def _slowness(item) -> int:
                 len(SLOW_FIRST))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowness)  # stable: a file's tests keep their order
     for item in items:  # xdist's loadgroup hands out a group whole; ignored without xdist
