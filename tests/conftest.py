@@ -93,8 +93,28 @@ def pytest_configure(config):
             and config.option.numprocesses is None and not config.option.collectonly):
         config.option.numprocesses = WORKERS
         config.option.tx = ["popen"] * WORKERS
-        config.option.dist = "loadgroup"
+        config.option.dist = "loadfile"
+        config.stash[_TIERS] = True
     fork_ranks_from_a_server(RANK_PRELOAD)
+
+
+_TIERS = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+    """A file per work unit, except that the whole Ray tier is one (one worker, one cluster).
+    (xdist's own xdist_group marks do not reach its scheduler under this pytest.)"""
+    if not config.stash.get(_TIERS, False):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Tiers(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::")[0]
+            return "ray" if path.startswith(RAY_TIER) else path
+
+    return Tiers(config, log)
 
 
 def _slowness(item) -> int:
@@ -105,12 +125,8 @@ def _slowness(item) -> int:
                 len(SLOW_FIRST))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowness)  # stable: a file's tests keep their order
-    for item in items:  # xdist's loadgroup hands out a group whole; ignored without xdist
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("ray" if path.startswith(RAY_TIER) else path))
     if installed("vllm"):
         return
     skip = pytest.mark.skip(reason="marked vllm: needs vllm, which is not installed here")
