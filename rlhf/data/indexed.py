@@ -157,21 +157,33 @@ def keep_short(data: IndexedDataset, limit: int, *, filter_overlong: bool
     return keep.astype(np.int64)
 
 
-class IndexedPromptDataset:
-    """A prompts dataset folder, read by memory map, with PromptDataset's interface."""
+class KeptRows:
+    """An indexed folder less its rows over max_prompt_length: the datasets' shared part."""
 
-    def __init__(self, folder: str | Path, tokenizer, *, max_prompt_length: int,
-                 filter_overlong: bool = True):
-        self.data = IndexedDataset(folder, kind=PROMPTS, tokenizer=tokenizer)
-        self.keep = keep_short(self.data, max_prompt_length, filter_overlong=filter_overlong)
-        self.num_filtered = 0 if self.keep is None else len(self.data) - len(self.keep)
+    def __init__(self, data: IndexedDataset, max_prompt_length: int, *, filter_overlong: bool):
+        self.data = data
+        self.keep = keep_short(data, max_prompt_length, filter_overlong=filter_overlong)
+        self.num_filtered = 0 if self.keep is None else len(data) - len(self.keep)
 
     def __len__(self) -> int:
         return len(self.data) if self.keep is None else len(self.keep)
 
+    def rows(self, indices: Tensor) -> list[int]:
+        """The folder's row numbers of dataset indices (int64)."""
+        return indices.tolist() if self.keep is None else self.keep[indices.numpy()].tolist()
+
+
+class IndexedPromptDataset(KeptRows):
+    """A prompts dataset folder, read by memory map, with PromptDataset's interface."""
+
+    def __init__(self, folder: str | Path, tokenizer, *, max_prompt_length: int,
+                 filter_overlong: bool = True):
+        super().__init__(IndexedDataset(folder, kind=PROMPTS, tokenizer=tokenizer),
+                         max_prompt_length, filter_overlong=filter_overlong)
+
     def batch(self, indices: Tensor) -> Batch:
         """A Batch of the samples at indices (int64), in that order."""
-        rows = indices.tolist() if self.keep is None else self.keep[indices.numpy()].tolist()
+        rows = self.rows(indices)
         records = [self.data.record(i) for i in rows]
         ids = [torch.from_numpy(self.data.row_ids(i).astype(np.int64)) for i in rows]
         return Batch({

@@ -25,7 +25,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.blend import Rows, open_datasets
 from rlhf.data.dataset import _check_messages, check_row, file_records, tokenize_prompts
 from rlhf.data.fields import MASK
-from rlhf.data.indexed import SFT, IndexedDataset, is_indexed, keep_short
+from rlhf.data.indexed import SFT, IndexedDataset, KeptRows, is_indexed
 from rlhf.data.ragged import Ragged
 from rlhf.errors import RLHFError
 
@@ -169,20 +169,16 @@ class SFTDataset:
         return sft_batch([self.ids[i] for i in idx], [self.mask[i] for i in idx], indices)
 
 
-class IndexedSFTDataset:
+class IndexedSFTDataset(KeptRows):
     """An sft dataset folder, read by memory map, with SFTDataset's interface."""
 
     def __init__(self, folder: str | Path, tokenizer, *, max_prompt_length: int):
-        self.data = IndexedDataset(folder, kind=SFT, tokenizer=tokenizer)
-        self.keep = keep_short(self.data, max_prompt_length, filter_overlong=True)
-        self.num_filtered = 0 if self.keep is None else len(self.data) - len(self.keep)
-
-    def __len__(self) -> int:
-        return len(self.data) if self.keep is None else len(self.keep)
+        super().__init__(IndexedDataset(folder, kind=SFT, tokenizer=tokenizer),
+                         max_prompt_length, filter_overlong=True)
 
     def batch(self, indices: Tensor) -> Batch:
         """The samples at indices (int64), in that order."""
-        rows = indices.tolist() if self.keep is None else self.keep[indices.numpy()].tolist()
+        rows = self.rows(indices)
         return sft_batch([self.data.row_ids(i) for i in rows],
                          [self.data.row_mask(i) for i in rows], indices)
 
