@@ -38,11 +38,14 @@ from rlhf.algorithms.advantages import (
 from rlhf.algorithms.kl import (
                                         AdaptiveKLController,
                                         FixedKLController,
+                                        KLController,
                                         apply_kl_penalty,
                                         build_kl_controller,
                                         get_kl,
+                                        get_kl_controller,
                                         kl,
                                         register_kl,
+                                        register_kl_controller,
 )
 from rlhf.algorithms.losses import (
                                         aggregate,
@@ -65,12 +68,12 @@ from rlhf.algorithms.policy_losses import (
 )
 
 __all__ = [
-    "AdaptiveKLController", "FixedKLController", "aggregate", "algorithm_needs",
+    "AdaptiveKLController", "FixedKLController", "KLController", "aggregate", "algorithm_needs",
     "apply_kl_penalty", "build_kl_controller", "cispo_policy_loss", "compute_advantage",
-    "entropy_bonus", "estimator_needs", "gae", "get_advantage", "get_kl", "get_loss_agg",
+    "entropy_bonus", "estimator_needs", "gae", "get_advantage", "get_kl", "get_kl_controller", "get_loss_agg",
     "get_policy_loss", "grpo", "gspo_policy_loss", "kl", "kl_loss", "loss_normalizers",
     "masked_whiten", "policy_clip", "ppo_policy_loss", "register_advantage", "register_kl",
-    "register_loss_agg", "register_policy_loss", "reinforce_plus_plus",
+    "register_kl_controller", "register_loss_agg", "register_policy_loss", "reinforce_plus_plus",
     "reinforce_plus_plus_baseline", "rloo", "scores_to_token_rewards", "sequence_scores",
     "truncated_is_weights", "value_loss",
 ]

@@ -9,6 +9,7 @@ divergence"): k1 is unbiased but noisy, k3 is unbiased and non-negative, k2 and 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -85,10 +86,37 @@ def apply_kl_penalty(token_scores_T: Tensor, logp_T: Tensor, ref_logp_T: Tensor,
     return token_scores_T - coef * kl_T, segment_sum(kl_T, seg)
 
 
+_CONTROLLERS: dict[str, Callable[..., KLController]] = {}
+FIXED = "fixed"
+"""The controller that never changes the coefficient (the default: nothing to tune)."""
+
+
+class KLController(Protocol):
+    """What the trainer calls on `algorithm.kl_ctrl`'s controller once per step."""
+
+    coef: float
+
+    def update(self, current_kl: float, n_samples: int) -> None: ...
+    def state_dict(self) -> dict[str, float]: ...
+    def load_state_dict(self, state: dict[str, float]) -> None: ...
+
+
+def register_kl_controller(name: str):
+    """Decorator: make `factory(coef, *, target, horizon) -> KLController` an `algorithm.kl_ctrl`.
+    A factory whose `target` has no default needs `algorithm.kl_target` set."""
+    return register(_CONTROLLERS, "KL controller", name)
+
+
+def get_kl_controller(name: str) -> Callable[..., KLController]:
+    """The controller factory registered under `name`, or the user's 'module:function'."""
+    return lookup(_CONTROLLERS, "KL controller", name)
+
+
+@register_kl_controller(FIXED)
 class FixedKLController:
     """A KL coefficient that never changes."""
 
-    def __init__(self, coef: float):
+    def __init__(self, coef: float, *, target: float | None = None, horizon: int | None = None):
         if coef < 0:
             raise ValueError(f"KL coefficient must be non-negative, got {coef}")
         self.coef = float(coef)
@@ -103,18 +131,21 @@ class FixedKLController:
         self.coef = float(state["coef"])
 
 
+@register_kl_controller("adaptive")
 class AdaptiveKLController:
     """Proportional controller of Ziegler et al. (2019) that steers the KL towards `target`.
 
     error = clip(current / target - 1, -0.2, 0.2); coef *= 1 + error * n_samples / horizon.
     """
 
-    def __init__(self, init_coef: float, target: float, horizon: int):
-        if init_coef < 0:
-            raise ValueError(f"KL coefficient must be non-negative, got {init_coef}")
+    def __init__(self, coef: float, *, target: float, horizon: int = 10000):
+        if coef < 0:
+            raise ValueError(f"KL coefficient must be non-negative, got {coef}")
+        if target is None:
+            raise ValueError("kl_ctrl 'adaptive' needs a kl_target")
         if target <= 0 or horizon <= 0:
             raise ValueError(f"target and horizon must be positive, got {target} and {horizon}")
-        self.coef = float(init_coef)
+        self.coef = float(coef)
         self.target = float(target)
         self.horizon = int(horizon)
 
@@ -132,12 +163,6 @@ class AdaptiveKLController:
 
 
 def build_kl_controller(kind: str, *, coef: float, target: float | None = None,
-                        horizon: int = 10000) -> FixedKLController | AdaptiveKLController:
-    """The controller of `algorithm.kl_ctrl` (fixed | adaptive)."""
-    if kind == "fixed":
-        return FixedKLController(coef)
-    if kind == "adaptive":
-        if target is None:
-            raise ValueError("kl_ctrl 'adaptive' needs a kl_target")
-        return AdaptiveKLController(coef, target, horizon)
-    raise ValueError(f"unknown KL controller {kind!r}; known: adaptive, fixed")
+                        horizon: int = 10000) -> KLController:
+    """The controller `algorithm.kl_ctrl` names, registered or the user's."""
+    return get_kl_controller(kind)(coef, target=target, horizon=horizon)

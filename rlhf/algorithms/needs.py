@@ -14,7 +14,8 @@ from collections.abc import Callable
 
 from rlhf.algorithms.advantages import CRITIC_INPUT, GROUP_INPUT, advantage_inputs
 from rlhf.algorithms.group_filters import NO_FILTER, get_group_filter
-from rlhf.algorithms.kl import get_kl
+from rlhf.algorithms.kl import FIXED, get_kl, get_kl_controller
+from rlhf.algorithms.losses import get_loss_agg
 from rlhf.algorithms.policy_losses import POLICY_LOSS_KEYWORDS, get_policy_loss
 from rlhf.config.checks import raise_problems, role_problems
 from rlhf.config.roles import CRITIC, AlgorithmNeeds
@@ -35,6 +36,8 @@ def algorithm_needs(cfg: JobConfig) -> AlgorithmNeeds:
                 args=5, keywords=POLICY_LOSS_KEYWORDS)
     for key in ("kl_penalty", "kl_loss_type"):
         _check_call(problems, f"algorithm.{key}", get_kl, getattr(algo, key), args=2)
+    _check_call(problems, "algorithm.loss_agg_mode", get_loss_agg, algo.loss_agg_mode, args=4)
+    problems += _controller_problems(cfg)
     if needs is not None:  # what else the estimator's entry needs, once it loaded
         problems += _needs_problems(cfg, needs)
     raise_problems(problems)
@@ -101,6 +104,21 @@ def _check_call(problems: list[str], key: str, get: Callable[[str], Callable], n
                         f"{', keywords ' + ', '.join(keywords) if keywords else ''}): {e}; "
                         f"add the missing parameters (or **kwargs)")
     return fn
+
+
+def _controller_problems(cfg: JobConfig) -> list[str]:
+    algo, problems = cfg.algorithm, []
+    factory = _check_call(problems, "algorithm.kl_ctrl", get_kl_controller, algo.kl_ctrl,
+                          args=1, keywords=("target", "horizon"))
+    if factory is None or algo.kl_ctrl == FIXED:
+        return problems
+    if _requires(factory, "target") and algo.kl_target is None:
+        problems.append(f"algorithm.kl_ctrl={algo.kl_ctrl} steers the KL towards a target: set "
+                        f"algorithm.kl_target (a KL per sequence, e.g. 6.0)")
+    if not algo.kl_in_reward:
+        problems.append(f"algorithm.kl_ctrl={algo.kl_ctrl} tunes the in-reward KL penalty: set "
+                        f"algorithm.kl_in_reward=true or algorithm.kl_ctrl={FIXED}")
+    return problems
 
 
 def _requires(fn: Callable, param: str) -> bool:

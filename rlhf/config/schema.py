@@ -629,7 +629,7 @@ def require_weights(obj) -> None:
 
 # AlgorithmConfig's fields that name a registry entry (or a user function, 'module:function').
 ALGORITHM_ENTRIES = ("adv_estimator", "policy_loss", "kl_penalty", "kl_loss_type",
-                     "dynamic_sampling")
+                     "kl_ctrl", "loss_agg_mode", "dynamic_sampling")
 
 
 def require_entry(obj, *names: str) -> None:
@@ -681,8 +681,9 @@ class AlgorithmConfig:
     """KL estimator of the in-reward penalty: k1, k2, k3, abs, or 'package.module:function'."""
     kl_coef: float = 0.001
     """Coefficient of the in-reward KL penalty (initial value when kl_ctrl is adaptive)."""
-    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
-    """Keep kl_coef fixed, or adapt it to reach kl_target."""
+    kl_ctrl: str = "fixed"
+    """Controller of the in-reward KL coefficient: fixed (kl_coef throughout), adaptive (moves
+    it towards kl_target), or your own as 'package.module:function'."""
     kl_target: float | None = None
     """Target KL per sequence of the adaptive controller."""
     kl_horizon: int = 10000
@@ -703,9 +704,9 @@ class AlgorithmConfig:
     """Clip value predictions to old value +- value_clip; null = no clipping."""
     entropy_coeff: float = 0.0
     """Entropy bonus coefficient in the actor loss."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
-    """How token losses are reduced to one number."""
+    loss_agg_mode: str = "token-mean"
+    """How token losses are reduced to one number: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean, seq-mean-token-sum-norm, or your own as 'package.module:function'."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     policy_loss: str = "ppo"
@@ -741,20 +742,13 @@ class AlgorithmConfig:
             raise ConfigError(f"clip_ratio_high must be positive, got {self.clip_ratio_high}")
         if self.clip_ratio_c <= 1:
             raise ConfigError(f"clip_ratio_c must be greater than 1, got {self.clip_ratio_c}")
-        require_positive_or_none(self, "value_clip")
+        require_positive_or_none(self, "value_clip", "kl_target")
         require_range(self, "gspo_clip_low", 0, 1, low_open=True, high_open=True)
         require_min(self, 0, "overlong_buffer", "overlong_penalty", "dynamic_sampling_std")
         require_min(self, 1, "max_sampling_rounds")
         if self.gspo_clip_high <= 0:
             raise ConfigError(f"gspo_clip_high must be positive, got {self.gspo_clip_high}")
         require_entry(self, *ALGORITHM_ENTRIES)
-        if self.kl_ctrl == "adaptive":
-            if self.kl_target is None or self.kl_target <= 0:
-                raise ConfigError(f"kl_ctrl 'adaptive' needs a positive kl_target, got "
-                                  f"{'null' if self.kl_target is None else self.kl_target}")
-            if not self.kl_in_reward:
-                raise ConfigError("kl_ctrl 'adaptive' tunes the in-reward penalty: set "
-                                  "kl_in_reward to true or kl_ctrl to 'fixed'")
         if self.kl_in_reward and self.use_kl_loss:
             raise ConfigError("kl_in_reward and use_kl_loss are both true, so KL is penalised "
                               "twice; keep one of them")

@@ -72,20 +72,20 @@ def test_unknown_names_list_the_registered_ones(getter, kind):
 
 
 def test_config_defaults_are_registered_and_documented():
-    from typing import get_args
-
     from rlhf.algorithms.advantages import _ADVANTAGES
-    from rlhf.algorithms.kl import _KL
+    from rlhf.algorithms.kl import _CONTROLLERS, _KL, get_kl_controller
+    from rlhf.algorithms.losses import _AGGREGATIONS
     from rlhf.config import AlgorithmConfig, reference_markdown
     algo = AlgorithmConfig()
     assert callable(get_advantage(algo.adv_estimator))
     assert callable(get_kl(algo.kl_penalty)) and callable(get_kl(algo.kl_loss_type))
     reference = reference_markdown()
-    for name in (*_ADVANTAGES, *_KL):  # the reference lists every built-in choice
+    assert callable(get_loss_agg(algo.loss_agg_mode))
+    assert callable(get_kl_controller(algo.kl_ctrl))
+    assert len(_AGGREGATIONS) == 4 and len(_CONTROLLERS) == 2
+    # the reference lists every built-in choice
+    for name in (*_ADVANTAGES, *_KL, *_AGGREGATIONS, *_CONTROLLERS):
         assert name in reference, name
-    assert len(get_args(AlgorithmConfig.__annotations__["loss_agg_mode"])) == 4
-    for name in get_args(AlgorithmConfig.__annotations__["loss_agg_mode"]):
-        assert callable(get_loss_agg(name))
 
 
 def test_register_twice_is_an_error():

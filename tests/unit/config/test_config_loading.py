@@ -131,7 +131,6 @@ def test_later_overrides_win_and_nested_mapping_keeps_the_file_values():
     ("actor.optim.lr=[1]", "float", "[1]"),
     ("trainer.ray_metrics=maybe", "bool", "'maybe'"),
     ("rollout.n=null", "int", "null"),
-    ("algorithm.loss_agg_mode=mean", "'token-mean'", "'mean'"),
     # Strict types: a number is never read from a string, an int never from a float, and only
     # true/false are booleans (YAML 1.1's yes/on, 1, or a quoted 'true' are not).
     ("trainer.total_steps='7'", "int", "'7'"),

@@ -54,6 +54,8 @@ def test_bad_recipe_value_is_rejected_naming_the_key(overrides, key, no_model_fo
     ("adv_estimator", "gpro", "grpo", "gae, grpo, reinforce_plus_plus"),
     ("kl_loss_type", "k33", "k3", "abs, k1, k2, k3"),
     ("dynamic_sampling", "std_bellow", "std_below", "all_equal, std_below"),
+    ("loss_agg_mode", "token-mena", "token-mean", "seq-mean-token-sum-norm, token-mean"),
+    ("kl_ctrl", "adaptiv", "adaptive", "adaptive, fixed"),
 ])
 def test_a_misspelt_entry_names_the_closest_and_every_registered_choice(key, typo, guess,
                                                                         choices, no_model_folder):

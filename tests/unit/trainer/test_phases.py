@@ -92,6 +92,26 @@ def best_of_group(scores_N, group_ids, cu_seqlens, mask_T):
 
 def squared(logp_T, ref_logp_T):
     return (logp_T - ref_logp_T) ** 2
+
+
+class Halving:
+    """A KL controller that halves the coefficient every step."""
+
+    def __init__(self, coef, *, target=None, horizon=None):
+        self.coef = coef
+
+    def update(self, current_kl, n_samples):
+        self.coef /= 2
+
+    def state_dict(self):
+        return {"coef": self.coef}
+
+    def load_state_dict(self, state):
+        self.coef = state["coef"]
+
+
+def token_sum(loss_T, valid_T, seg, norm):
+    return (loss_T * valid_T).sum()
 '''
 
 
@@ -142,3 +162,21 @@ def test_an_entry_from_a_file_that_cannot_take_the_trainer_s_call_is_named(user_
     with pytest.raises(ConfigError, match=r"algorithm\.kl_penalty: .*has no attribute 'sqared'.*"
                                           r"did you mean squared"):
         algorithm_needs(config(adv_estimator="grpo", kl_penalty=f"{user_file}:sqared"))
+
+
+def test_a_kl_controller_and_a_loss_aggregation_from_a_file_are_used(user_file):
+    from rlhf.algorithms import aggregate, algorithm_needs, build_kl_controller
+    from rlhf.config import ConfigError
+
+    cfg = config(adv_estimator="grpo", kl_in_reward=True, kl_coef=0.5,
+                 kl_ctrl=f"{user_file}:Halving", loss_agg_mode=f"{user_file}:token_sum")
+    algorithm_needs(cfg)  # both load and take the trainer's call
+    ctrl = build_kl_controller(cfg.algorithm.kl_ctrl, coef=0.5)
+    _, metrics = compute_advantages(make_batch([2, 3, 1, 2], n=2),
+                                    torch.tensor([0.0, 1.0, 3.0, 2.0]), cfg, ctrl)
+    assert metrics["actor/kl_coef"] == 0.5 and ctrl.coef == 0.25  # used, then updated
+    loss_T, mask_T = torch.arange(5.0), torch.tensor([True, True, False, True, True])
+    got = aggregate(loss_T, mask_T, torch.tensor([0, 2, 5]), cfg.algorithm.loss_agg_mode)
+    assert got.item() == 0 + 1 + 3 + 4
+    with pytest.raises(ConfigError, match=r"kl_ctrl=.*Halving tunes the in-reward"):
+        algorithm_needs(config(adv_estimator="grpo", kl_ctrl=f"{user_file}:Halving"))
