@@ -5,6 +5,7 @@ import re
 import subprocess
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -224,10 +225,19 @@ def test_function_names_are_short_and_unique():
     assert function_names(["x/d.py:f", "y/d.py:f"]) == ["x/d.py:f", "y/d.py:f"]
 
 
-def _worker_children() -> set[str]:
+def _worker_children() -> set[tuple[str, str]]:
+    """(pid, start time) of this process's live reward workers: pids are recycled (pid_max
+    32768 wraps within a suite), so a pid alone could name an earlier test's worker."""
     found = subprocess.run(["pgrep", "-P", str(os.getpid()), "-f", "rlhf.rewards.worker"],
                            capture_output=True, text=True)
-    return set(found.stdout.split())
+    alive = set()
+    for pid in found.stdout.split():
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue  # ended since pgrep saw it
+        alive.add((pid, stat.rsplit(")", 1)[1].split()[19]))  # field 22: start time
+    return alive
 
 
 def test_no_worker_process_outlives_close(fns):
