@@ -76,13 +76,18 @@ RANK_PRELOAD = ["pytest", "torch", "torch.distributed", "transformers", "rlhf.de
                 "rlhf.engine", "rlhf.models.build", "rlhf.parallel.mesh"]
 
 
-# With pytest-xdist installed the suite runs on two workers: every tests/ray file on one (one
-# local Ray cluster, as without xdist: two clusters on this 2-core machine starve each other's
-# raylets and health checks), the other files one at a time each on the other, so the Ray tier
-# overlaps the rest instead of following it. `-n N` chooses otherwise, `-n 0` runs it in this
-# process (for --pdb).
+# With pytest-xdist installed the suite runs on two workers: the tests/ray files that share the
+# session's local Ray cluster all on one (two clusters at once on this 2-core machine starve
+# each other's raylets and health checks), every other file a work unit of its own, handed to
+# whichever worker is free, slowest kinds first. `-n N` chooses otherwise, `-n 0` runs it in
+# this process (for --pdb).
 WORKERS = 2
 RAY_TIER = "tests/ray/"
+# tests/ray files whose jobs start Ray clusters of their own (`rlhf train` in a subprocess,
+# loopback nodes) and never join the session's: units of their own, so they run beside the
+# Ray tier instead of after it. Checked at collection: none may use the ray_cluster fixture.
+OWN_CLUSTER = ("tests/ray/test_multinode.py", "tests/ray/test_kill_during_save.py",
+               "tests/ray/test_first_run.py")
 # Files that start processes go out first so that none of them is left to run alone at the end.
 SLOW_FIRST = (RAY_TIER, "tests/unit/bench/", "tests/unit/rollout/", "tests/dist/")
 
@@ -94,6 +99,7 @@ def pytest_configure(config):
         config.option.numprocesses = WORKERS
         config.option.tx = ["popen"] * WORKERS
         config.option.dist = "loadfile"
+        config.option.loadscopereorder = False  # keep SLOW_FIRST, not the most tests first
         config.stash[_TIERS] = True
     fork_ranks_from_a_server(RANK_PRELOAD)
 
@@ -101,18 +107,23 @@ def pytest_configure(config):
 _TIERS = pytest.StashKey[bool]()
 
 
+def work_unit(nodeid: str) -> str:
+    """The xdist work unit of a test: its file, or "ray" for the session cluster's tier."""
+    path = nodeid.split("::")[0]
+    return "ray" if path.startswith(RAY_TIER) and path not in OWN_CLUSTER else path
+
+
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: absent without xdist
 def pytest_xdist_make_scheduler(config, log):
-    """A file per work unit, except that the whole Ray tier is one (one worker, one cluster).
-    (xdist's own xdist_group marks do not reach its scheduler under this pytest.)"""
+    """`work_unit` as xdist's scope. (xdist's own xdist_group marks do not reach its scheduler
+    under this pytest.)"""
     if not config.stash.get(_TIERS, False):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class Tiers(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return "ray" if path.startswith(RAY_TIER) else path
+            return work_unit(nodeid)
 
     return Tiers(config, log)
 
@@ -127,6 +138,10 @@ def _slowness(item) -> int:
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=_slowness)  # stable: a file's tests keep their order
+    for item in items:
+        if item.nodeid.split("::")[0] in OWN_CLUSTER and "ray_cluster" in item.fixturenames:
+            raise pytest.UsageError(f"{item.nodeid} joins the session's Ray cluster, so its file "
+                                    "cannot be in tests/conftest.py's OWN_CLUSTER")
     if installed("vllm"):
         return
     skip = pytest.mark.skip(reason="marked vllm: needs vllm, which is not installed here")

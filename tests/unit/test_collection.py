@@ -17,3 +17,14 @@ def test_no_test_folder_matches_a_norecursedirs_pattern():
         for part in folder.relative_to(ROOT).parts:
             hit = [p for p in patterns if fnmatch.fnmatch(part, p)]
             assert not hit, f"{folder.relative_to(ROOT)} is skipped by norecursedirs {hit}"
+
+
+def test_the_session_cluster_tier_is_one_work_unit_and_own_cluster_files_are_apart():
+    from tests.conftest import OWN_CLUSTER, work_unit
+
+    assert {work_unit("tests/ray/test_trainer_ppo.py::test_steps"),
+            work_unit("tests/ray/test_async.py::test_x[a]")} == {"ray"}
+    for path in OWN_CLUSTER:
+        assert (ROOT / path).is_file(), path
+        assert work_unit(f"{path}::test_x") == path
+    assert work_unit("tests/unit/config/test_schema.py::test_x") == "tests/unit/config/test_schema.py"
