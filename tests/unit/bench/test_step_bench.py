@@ -13,7 +13,7 @@ from rlhf.bench.step_baseline import _response_mask
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = str(Path(__file__).resolve().parents[3])
-PROMPTS, SAMPLES, NEW_TOKENS, STEPS = 4, 2, 8, 2
+PROMPTS, SAMPLES, NEW_TOKENS, STEPS = 4, 2, 8, 1
 
 
 def test_bench_step_prints_both_systems_and_their_ratio():
@@ -83,7 +83,7 @@ def test_bench_step_refuses_fewer_cores_than_ranks():
 
 
 def test_bench_step_async_prints_sync_and_one_step_side_by_side():
-    argv = ["--async", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "64",
+    argv = ["--async", "--steps", str(STEPS), "--warmup", "1", "--layers", "2", "--hidden", "64",
             "--prompts", str(PROMPTS), "--samples", str(SAMPLES), "--new-tokens", str(NEW_TOKENS),
             "--cores", "2"]
     proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", *argv],
@@ -92,7 +92,7 @@ def test_bench_step_async_prints_sync_and_one_step_side_by_side():
     sync, overlap, summary = [json.loads(line) for line in proc.stdout.strip().splitlines()]
     assert (sync["system"], overlap["system"]) == ("async_mode=off", "async_mode=one_step")
     assert sync["seconds"]["wait_rollout"] == 0 and overlap["seconds"]["wait_rollout"] > 0
-    assert overlap["staleness_mean"] == 1.0  # timed steps 2 and 3 train version k-2 samples
+    assert overlap["staleness_mean"] == 1.0  # the timed step 2 trains on version-0 samples
     assert summary["sync_s_per_step"] == sync["seconds"]["step"]
     assert summary["one_step_s_per_step"] == overlap["seconds"]["step"]
     assert summary["speedup"] == pytest.approx(sync["seconds"]["step"]
