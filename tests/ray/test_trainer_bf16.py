@@ -23,7 +23,10 @@ FP32_GAP_BOUND = 1e-4
 def run_job(root, dtype: str) -> list[dict]:
     assets = make_assets(root)
     roles_dtype = {"dtype": dtype}
-    cfg = job_config(assets, root / f"run-{dtype}", trainer={"total_steps": STEPS},
+    # One rank: the gap compares the sampler with the trainer, which data parallelism does not
+    # change; a second rank would only start another engine per job.
+    cfg = job_config(assets, root / f"run-{dtype}",
+                     trainer={"total_steps": STEPS, "ranks_per_node": 1},
                      actor=roles_dtype, critic=roles_dtype, ref=roles_dtype)
     roles, role_configs = job_workers(cfg)
     groups = RoleGroups(cfg, roles, job_name=f"bf16-test-{dtype}", role_configs=role_configs)
