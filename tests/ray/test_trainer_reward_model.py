@@ -21,7 +21,7 @@ def test_a_reward_model_only_job_trains_on_the_models_scores(ray_cluster, tmp_pa
         algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
         reward={"functions": [], "model_path": str(tmp_path / "rm"), "model_weight": 2.0,
                 "max_tokens_per_micro_batch": 256},
-        trainer={"total_steps": 2})
+        trainer={"total_steps": 2, "ranks_per_node": 1})  # scoring does not need two ranks
     preflight(cfg, command="train", ray_address="already-running")
     records = run_train(cfg, progress=False)
     assert [r["step"] for r in records] == [1, 2]
