@@ -4,9 +4,10 @@ For each row count, synthetic prompts are written twice under --dir: as an index
 folder (written directly with numpy, as `rlhf preprocess-data` lays it out) and, up to
 --in-memory-max-rows, as a JSONL file. A fresh child process per (reader, rows) measures the
 seconds and resident memory (anonymous and file-backed, above the process's after its imports)
-to open the dataset and to draw the first shuffled batch, which builds the epoch's permutation
-(8 bytes a row).
-Everything written is deleted at the end.
+to open the dataset and to draw the first shuffled batch. Then, for each of --order-rows, a
+child builds an epoch's order the way the loader did before rlhf.data.shuffle (numpy's stored
+permutation, 8 bytes a row) and another computes the first batch's positions of the loader's
+order; nothing is written for those. Everything written is deleted at the end.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 MIB = 1024**2
 TOKENS_PER_ROW = (8, 24)  # synthetic prompt lengths, uniform in [low, high)
 WRITE_CHUNK = 1_000_000
+ORDERS = ("stored-order", "computed-order")  # --measure kinds that need no data
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-memory-max-rows", type=int, default=1_000_000,
                         help="the in-memory reader only up to this many rows (it holds a Python "
                              "object per row: about 1 KB each)")
+    parser.add_argument("--order-rows", type=int, nargs="*", default=[10_000_000, 100_000_000],
+                        help="row counts at which to measure the epoch order alone (no data)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--dir", default="/tmp", help="where the synthetic data is written")
     parser.add_argument("--measure", nargs=2, default=None, help=argparse.SUPPRESS)  # a child
@@ -110,7 +114,23 @@ def _child(reader: str, path: str, batch_size: int, tokenizer_dir: str) -> dict:
             "first_batch_file_mib": round(rss_batch[1] - base[1], 1)}
 
 
-def _measure(reader: str, path: Path, args, tokenizer_dir: Path) -> dict:
+def _order_child(kind: str, rows: int, batch_size: int) -> dict:
+    """The seconds and anonymous memory of one epoch's order: numpy's stored permutation
+    (the loader's before rlhf.data.shuffle) or the first batch of the computed one."""
+    from rlhf.data.shuffle import Permutation  # noqa: PLC0415
+
+    base = _rss_mib()[0]
+    start = time.perf_counter()
+    if kind == "stored-order":
+        order = np.random.default_rng([0, 0]).permutation(rows).astype(np.int64)
+    else:
+        order = Permutation(rows, seed=0, epoch=0).take(0, batch_size)
+    seconds = time.perf_counter() - start
+    return {"reader": kind, "rows": rows, "held": len(order), "seconds": round(seconds, 4),
+            "anon_mib": round(_rss_mib()[0] - base, 1)}
+
+
+def _measure(reader: str, path: Path | int, args, tokenizer_dir: Path) -> dict:
     command = [sys.executable, "-m", "rlhf.cli", "bench", "data", "--measure", reader, str(path),
                "--batch-size", str(args.batch_size), "--dir", str(tokenizer_dir)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
@@ -123,7 +143,9 @@ def _measure(reader: str, path: Path, args, tokenizer_dir: Path) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.measure is not None:
         reader, path = args.measure
-        print(json.dumps(_child(reader, path, args.batch_size, args.dir)), flush=True)
+        result = (_order_child(reader, int(path), args.batch_size) if reader in ORDERS
+                  else _child(reader, path, args.batch_size, args.dir))
+        print(json.dumps(result), flush=True)
         return 0
     from rlhf.demo.tiny_tokenizer import train_tiny_tokenizer  # noqa: PLC0415
 
@@ -149,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
                 print(json.dumps({"kind": "skipped", "reader": "in-memory", "rows": rows,
                                   "reason": f"above --in-memory-max-rows="
                                             f"{args.in_memory_max_rows}"}), flush=True)
+        for rows in args.order_rows:
+            for kind in ORDERS:
+                print(json.dumps({"kind": "measured", **_measure(kind, rows, args,
+                                                                 tokenizer_dir)}), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,6 +25,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.blend import Rows, open_datasets
 from rlhf.data.indexed import IndexedPromptDataset, is_indexed
 from rlhf.data.ragged import Ragged
+from rlhf.data.shuffle import ORDER, Permutation
 from rlhf.errors import RLHFError
 
 logger = logging.getLogger(__name__)
@@ -295,11 +295,15 @@ def build_prompt_dataset(files: Sequence[str | Path], tokenizer, data_cfg, *,
         filter_overlong=data_cfg.filter_overlong_prompts)
 
 
+STORED_ORDER = "numpy permutation"  # the order before rlhf.data.shuffle
+
+
 class PromptLoader:
     """Endless iterator of Batches, epoch after epoch; exactly resumable via state_dict().
 
-    Epoch e visits the samples in a permutation drawn from (seed, e), or in order when shuffle
-    is False; drop_last drops an epoch's final partial batch.
+    Epoch e visits the samples in a permutation drawn from (seed, e) and computed batch by
+    batch (rlhf.data.shuffle: no table that grows with the rows), or in order when shuffle is
+    False; drop_last drops an epoch's final partial batch.
     """
 
     def __init__(self, dataset: PromptDataset | Rows, *, batch_size: int, shuffle: bool = True,
@@ -312,24 +316,18 @@ class PromptLoader:
         self.dataset, self.batch_size = dataset, batch_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch, self.position = 0, 0  # the next batch is batch `position` of `epoch`
-        self._order: tuple[int, Tensor] | None = None
 
     @property
     def batches_per_epoch(self) -> int:
         n, size = len(self.dataset), self.batch_size
         return n // size if self.drop_last else -(-n // size)
 
-    def epoch_order(self, epoch: int) -> Tensor:
-        """Dataset indices in the order epoch visits them (int64)."""
-        if self._order is None or self._order[0] != epoch:
-            n = len(self.dataset)
-            if self.shuffle:
-                rng = np.random.default_rng([self.seed % 2**64, epoch])
-                order = torch.from_numpy(rng.permutation(n).astype(np.int64))
-            else:
-                order = torch.arange(n, dtype=torch.int64)
-            self._order = (epoch, order)
-        return self._order[1]
+    def epoch_indices(self, epoch: int, start: int, stop: int) -> Tensor:
+        """Dataset indices at positions start..stop-1 of the order epoch visits them (int64)."""
+        n = len(self.dataset)
+        if not self.shuffle:
+            return torch.arange(start, min(stop, n), dtype=torch.int64)
+        return torch.from_numpy(Permutation(n, seed=self.seed, epoch=epoch).take(start, stop))
 
     def __iter__(self) -> "PromptLoader":
         return self
@@ -338,7 +336,7 @@ class PromptLoader:
         if self.position >= self.batches_per_epoch:
             self.epoch, self.position = self.epoch + 1, 0
         start = self.position * self.batch_size
-        indices = self.epoch_order(self.epoch)[start:start + self.batch_size]
+        indices = self.epoch_indices(self.epoch, start, start + self.batch_size)
         self.position += 1
         return self.dataset.batch(indices)
 
@@ -346,15 +344,22 @@ class PromptLoader:
         """Where the loader is, plus what must match for a resume to be exact."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "shuffle": self.shuffle, "batch_size": self.batch_size,
-                "drop_last": self.drop_last, "num_samples": len(self.dataset)}
+                "drop_last": self.drop_last, "num_samples": len(self.dataset),
+                "order": ORDER if self.shuffle else "in order"}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a state_dict(); the dataset and settings must be the ones it came from."""
         mine = self.state_dict()
+        # Checkpoints from before the order was named drew it from numpy's permutation.
+        state = {"order": STORED_ORDER if state.get("shuffle") else "in order", **state}
         differ = [f"{key}: saved {state.get(key)!r}, now {mine[key]!r}"
-                  for key in ("seed", "shuffle", "batch_size", "drop_last", "num_samples")
-                  if state.get(key) != mine[key]]
+                  for key in ("seed", "shuffle", "batch_size", "drop_last", "num_samples",
+                              "order") if state.get(key) != mine[key]]
         if differ:
             raise RLHFError(f"cannot resume the prompt loader exactly; these differ from the "
-                            f"saved state: {'; '.join(differ)}")
+                            f"saved state: {'; '.join(differ)}"
+                            + ("; the saved run visited its prompts in another order (an older "
+                               "version's), so this one would read some twice and skip "
+                               "others: finish it with that version or start afresh"
+                               if state["order"] != mine["order"] else ""))
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,11 +1,11 @@
 """`rlhf bench data`'s synthetic folder is one the indexed reader opens, and a child's
-measurement reports what it drew."""
+measurement reports what it drew, the stored epoch order a row each, the computed one a batch."""
 
 import json
 
 import torch
 
-from rlhf.bench.data import _child, write_indexed
+from rlhf.bench.data import _child, _order_child, write_indexed
 from rlhf.data.indexed import IndexedPromptDataset
 
 
@@ -19,3 +19,10 @@ def test_the_synthetic_folder_reads_back_and_is_measured(tmp_path):
     result = _child("indexed", str(tmp_path / "idx"), 8, str(tmp_path))
     assert result["rows"] == 50 and result["startup_s"] >= 0
     assert json.loads(json.dumps(result)) == result
+
+
+def test_the_order_children_hold_a_row_each_or_one_batch():
+    stored = _order_child("stored-order", 1000, 8)
+    computed = _order_child("computed-order", 1000, 8)
+    assert (stored["held"], computed["held"]) == (1000, 8)
+    assert stored["rows"] == computed["rows"] == 1000 and computed["seconds"] >= 0

@@ -276,6 +276,16 @@ def test_resume_refuses_a_different_setup(dataset):
     state = PromptLoader(dataset, batch_size=4, seed=1).state_dict()
     with pytest.raises(RLHFError, match="seed: saved 1, now 2; batch_size: saved 4, now 5"):
         PromptLoader(dataset, batch_size=5, seed=2).load_state_dict(state)
+    # A checkpoint of a version that stored numpy's permutation visited another order.
+    del state["order"]
+    with pytest.raises(RLHFError, match="order: saved 'numpy permutation', now 'feistel-6-"
+                                        "splitmix64'; the saved run visited its prompts in "
+                                        "another order"):
+        PromptLoader(dataset, batch_size=4, seed=1).load_state_dict(state)
+    unshuffled = PromptLoader(dataset, batch_size=4, shuffle=False)
+    state = unshuffled.state_dict()
+    del state["order"]
+    unshuffled.load_state_dict(state)  # in order then as now
 
 
 def test_loader_needs_one_full_batch(dataset):
