@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from rlhf.cli import main
 from rlhf.config.schema import DataConfig, SFTConfig, TinyModelConfig
+from rlhf.data.batch_split import split_batch
 from rlhf.data.blend import BlendedDataset, split_by_weight
 from rlhf.data.dataset import PromptDataset, PromptLoader, build_prompt_dataset, read_rows
 from rlhf.data.indexed import IndexedDataset, IndexedPromptDataset
@@ -143,6 +144,44 @@ def test_resume_mid_epoch_sees_the_rows_of_an_uninterrupted_run(tmp_path, model,
     resumed.load_state_dict(state)
     assert before + [next(resumed)["raw_prompt"] for _ in range(6)] == seen
     assert len(set(sum(seen[:5], []))) == 20  # an epoch visits distinct rows
+
+
+def read_at_dp(loader, dp, steps):
+    """The prompts each step trains on, gathered from the rows the driver's split hands each
+    of `dp` groups (rlhf.data.batch_split), with every group's share checked."""
+    seen = []
+    for _ in range(steps):
+        batch = next(loader)
+        split = split_batch(batch["prompt_ids"].lengths.tolist(), dp=dp, max_tokens=64)
+        shares = [[batch["raw_prompt"][i] for i in rows] for rows in split.rows]
+        assert all(shares) and sorted(sum(shares, [])) == sorted(batch["raw_prompt"])
+        seen.append(sorted(sum(shares, [])))
+    return seen
+
+
+@pytest.mark.parametrize("saved_dp,resumed_dp", [(2, 1), (1, 2)])
+def test_a_resume_at_another_dp_size_reads_the_prompts_not_read_yet(
+        tmp_path, model, tokenizer, saved_dp, resumed_dp):
+    out = tmp_path / "p"
+    preprocess([write_jsonl(tmp_path / "a.jsonl", arith_rows(23))], out,
+               Job(kind="prompts", tokenizer_path=model), progress=False)
+
+    def loader():  # the driver's, opened afresh as a resumed job opens it
+        return PromptLoader(IndexedPromptDataset(out, tokenizer, max_prompt_length=64),
+                            batch_size=4, seed=5)
+
+    straight = read_at_dp(loader(), saved_dp, 10)  # 5 batches an epoch: crosses one
+    first = loader()
+    before = read_at_dp(first, saved_dp, 3)
+    state = json.loads(json.dumps(first.state_dict()))  # through a checkpoint file
+    del first  # killed
+    resumed = loader()
+    resumed.load_state_dict(state)
+    after = read_at_dp(resumed, resumed_dp, 7)
+    assert before + after == straight
+    for epoch in (before + after[:2], after[2:]):  # every prompt of an epoch once
+        read = sum(epoch, [])
+        assert len(read) == len(set(read)) == 20
 
 
 def test_a_blend_gives_each_dataset_its_weight_and_names_the_mix(tmp_path, model, tokenizer,
