@@ -9,7 +9,8 @@ re-run with the same command (plus, once, fewer ranks):
    exits with EXIT_PREEMPTED;
 3. re-run on one rank instead of two (dp 2 -> 1, ZeRO-1 shards resharded): it resumes there and
    finishes; every step is in metrics.jsonl once, with the reference's losses, gradient norms
-   and rewards, and hf_model is written.
+   and rewards, the loader read as many batches as an uninterrupted run, and hf_model is
+   written. The prompts are an indexed folder (`rlhf preprocess-data`), read by memory map.
 
 A damaged newest checkpoint is skipped for the previous good one: tests/unit/trainer/
 test_checkpoint.py kills a saving driver and corrupts a shard without the cost of Ray.
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.config import format_config
+from rlhf.data.preprocess import Job, preprocess
 from rlhf.trainer.checkpoint import CheckpointManager, verify_checkpoint
 from rlhf.trainer.metrics import read_metrics
 from rlhf.trainer.preemption import EXIT_PREEMPTED
@@ -80,7 +82,11 @@ def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninter
     assets = make_assets(tmp_path)
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     out = tmp_path / "run"
+    prompts = tmp_path / "train_idx"
+    preprocess([assets["train"]], prompts, Job(kind="prompts", tokenizer_path=assets["model"]),
+               workers=1, progress=False)
     cfg = job_config(assets, out, algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
+                     data={"train_files": [str(prompts)]},
                      reward={"functions": [{"path": f"{tmp_path / 'length_reward.py'}:score"}]},
                      trainer={"total_steps": 4, "save_every": 0, "val_every": 0},
                      ray={"num_cpus": 2})
@@ -134,6 +140,8 @@ def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninter
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (got["step"], key)
     assert (out / "hf_model" / "config.json").is_file()
     assert [s for s, _ in ckpt.step_folders()] == [saved, 4]
+    loader = ckpt.load_state(ckpt.step_folders()[-1][1])["loader"]
+    assert (loader["epoch"], loader["position"]) == (0, 4)  # 4 of the 16 batches: none read twice
     assert not list(root.glob(".step_*"))
 
 
