@@ -914,6 +914,19 @@ class TrainerConfig:
     cost_model_path: str | None = None
     """The cost model file `rlhf profile` writes and cost_model reads; null =
     output_dir/cost_model.json."""
+    trace: Literal["off", "every_n", "steps"] = "every_n"
+    """Step timeline (output_dir/trace/step_NNNNNN.json, Chrome trace / Perfetto: every role
+    method on every rank, micro-batches, offload, rewards): off; every_n = step 1 and every
+    trace_every-th step; steps = the steps in trace_steps."""
+    trace_every: int = 10
+    """trace every_n: trace every this many steps (and step 1)."""
+    trace_steps: tuple[int, ...] = ()
+    """trace steps: the steps to trace."""
+    samples_every: int = 10
+    """Write a sample table every this many steps (and step 1) to output_dir/samples.jsonl and
+    the trackers that hold tables (W&B, MLflow, TensorBoard); 0 = never."""
+    samples_rows: int = 8
+    """Rows of each sample table: the lowest and the highest rewarded samples of the step."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
@@ -923,7 +936,14 @@ class TrainerConfig:
         if self.init_timeout_s <= 0:
             raise ConfigError(f"init_timeout_s must be positive, got {self.init_timeout_s}")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
-        require_min(self, 1, "max_staleness")
+        require_min(self, 1, "max_staleness", "trace_every", "samples_rows")
+        require_min(self, 0, "samples_every")
+        if self.trace == "steps" and not self.trace_steps:
+            raise ConfigError("trace is 'steps' but trace_steps is empty; list the steps to "
+                              "trace (trainer.trace_steps=[1,50]) or use trace=every_n")
+        if any(s < 1 for s in self.trace_steps):
+            raise ConfigError(f"trace_steps must be step numbers from 1, got "
+                              f"{list(self.trace_steps)}")
         if self.async_mode == "one_step" and self.max_staleness != 1:
             raise ConfigError(f"async_mode one_step is max_staleness 1, got max_staleness="
                               f"{self.max_staleness}; use async_mode=bounded for a larger bound")
@@ -932,6 +952,16 @@ class TrainerConfig:
         for key in ("output_dir", "resume", "experiment_name", "wandb_project"):
             if not getattr(self, key):
                 raise ConfigError(f"{key} must not be empty")
+
+    def traces(self, step: int) -> bool:
+        """Whether step `step`'s timeline is recorded (trace, trace_every, trace_steps)."""
+        if self.trace == "every_n":
+            return step == 1 or step % self.trace_every == 0
+        return self.trace == "steps" and step in self.trace_steps
+
+    def samples(self, step: int) -> bool:
+        """Whether step `step` writes a sample table (samples_every)."""
+        return self.samples_every > 0 and (step == 1 or step % self.samples_every == 0)
 
     @property
     def pool_size(self) -> int:

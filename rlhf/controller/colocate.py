@@ -19,6 +19,7 @@ import torch.distributed as dist
 from rlhf.controller.device import worker_device
 from rlhf.parallel.layout import Layout
 from rlhf.parallel.mesh import ProcessGroupCache, init_world
+from rlhf.trace import RECORDER, Span, now_us
 
 
 @dataclass(frozen=True)
@@ -109,8 +110,19 @@ class ColocatedWorker:
     def call(self, target: tuple[str, str, bool], *args: Any, **kwargs: Any) -> Any:
         """Run role `target[0]`'s method `target[1]`; return its result only if `target[2]`."""
         role, method, keep = target
-        result = getattr(self._roles[role], method)(*args, **kwargs)
+        with RECORDER.role_call(role, method):  # a span on the step timeline when tracing
+            result = getattr(self._roles[role], method)(*args, **kwargs)
         return result if keep else None  # unused results stay on the worker, not in transit
+
+    def trace_clock(self) -> int:
+        """This process's clock (µs), for the driver's clock-offset pings (rlhf.trace)."""
+        return now_us()
+
+    def take_spans(self, record: bool) -> list[Span]:
+        """The spans recorded since the last call; then record on only if `record`."""
+        spans = RECORDER.take()
+        RECORDER.on = record
+        return spans
 
 
 def _layout_of(name: str, role: Any, world_size: int) -> Layout:

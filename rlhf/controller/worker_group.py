@@ -41,6 +41,7 @@ from rlhf.controller.dispatch import (
 from rlhf.controller.errors import WorkerDiedError, WorkerError
 from rlhf.controller.nodes import check_node_interfaces, node_alive, node_label, node_table
 from rlhf.controller.resource_pool import ResourcePool
+from rlhf.trace import ProcessSpans, clock_offset, now_us
 
 RoleSpec = type | tuple[type, Mapping[str, Any]]
 logger = logging.getLogger(__name__)
@@ -125,6 +126,23 @@ class WorkerGroup:
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    def take_spans(self, *, record: bool, pings: int = 3) -> list[ProcessSpans]:
+        """Each rank's timeline spans since the last call, with its clock's offset to this
+        process (`pings` round trips each, the shortest counts); then each rank records on
+        only if `record` (trainer.trace decides which steps)."""
+        self._check_alive(self._label, "take_spans")
+        out = []
+        for rank, actor in enumerate(self._actors):
+            samples = []
+            for _ in range(pings):  # one at a time: a ping that queues behind another is slow
+                sent = now_us()
+                remote = ray.get(actor.trace_clock.remote())
+                samples.append((sent, remote, now_us()))
+            offset, error = clock_offset(samples) if samples else (0, 0)
+            out.append(ProcessSpans(self._actor_name(rank).removeprefix(f"{self.job_name}/"),
+                                    ray.get(actor.take_spans.remote(record)), offset, error))
+        return out
 
     # ---- start-up ----------------------------------------------------------------------------
 

@@ -63,6 +63,7 @@ from rlhf.parallel.memory_probes import (
     reset_memory_peaks,
     worst_memory,
 )
+from rlhf.trace import span
 
 Place = Literal["device", "host"]
 StateFn = Callable[[], dict[str, list[Tensor]]]  # TrainEngine.state_tensors
@@ -199,6 +200,10 @@ class Offloader:
     def enter(self, phase: str) -> None:
         """Move what `phase` needs onto the device and what it does not need (and may leave) to
         the host; nothing else moves."""
+        with span(f"offload:{phase}"):
+            self._enter(phase)
+
+    def _enter(self, phase: str) -> None:
         where = placement(phase, self.config)
         listed: dict[int, Tensor] = {}
         members: dict[str, list[Tensor]] = {kind: [] for kind in STATE_KINDS}

@@ -51,6 +51,7 @@ from rlhf.parallel.p2p import (
 )
 from rlhf.parallel.stages import StageChunk, stage_rank
 from rlhf.parallel.timing import Stopwatch
+from rlhf.trace import span
 
 
 class PipelineSchedule:
@@ -160,13 +161,16 @@ class _Run:
             got = iter(self._exchange([r for r in wanted if r is not None]))
             for step, want in zip(unit, wanted):
                 received = next(got) if want is not None else None
-                step_fn = self.forward_step if step.kind == FORWARD else self.backward_step
-                step_fn(step.micro_batch, step.chunk, received)
+                forward = step.kind == FORWARD
+                step_fn = self.forward_step if forward else self.backward_step
+                with span("forward" if forward else "backward", micro_batch=step.micro_batch,
+                          chunk=step.chunk, tokens=self.mbs[step.micro_batch].num_tokens):
+                    step_fn(step.micro_batch, step.chunk, received)
                 self.peak_held = max(self.peak_held, len(self.held))
         self._exchange([])  # the last sends
 
     def _exchange(self, recvs: list[Recv]) -> list[Tensor]:
-        with self.wait():
+        with self.wait(), span("pipeline_wait", sends=len(self.pending), recvs=len(recvs)):
             out = exchange(self.pending, recvs, device=self.s.device, group=self.s.mesh.pp_group,
                            tagged=self.s.tagged)
         self.pending = []

@@ -42,6 +42,7 @@ from rlhf.models.expert_sharding import idle_expert_exchange
 from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
+from rlhf.trace import span
 
 __all__ = ["LossFn", "MicroBatchResult", "NoPipeline", "Outputs", "Schedule", "make_schedule"]
 
@@ -98,7 +99,10 @@ class NoPipeline:
 
     def forward(self, micro_batches, *, outputs, temperature=1.0):
         check_outputs(self.model, outputs, temperature)
-        outs = [self._outputs(mb.to(self.device), outputs, temperature) for mb in micro_batches]
+        outs = []
+        for i, mb in enumerate(micro_batches):
+            with span("forward", micro_batch=i, tokens=mb.num_tokens):
+                outs.append(self._outputs(mb.to(self.device), outputs, temperature))
         return [{k: v for k, v in out.items() if k != _PADDING} for out in outs]
 
     def forward_backward(self, micro_batches, loss_fn, *, outputs, temperature=1.0,
@@ -114,9 +118,11 @@ class NoPipeline:
                     exchange.backward()
                 results.append(MicroBatchResult(exchange.detach(), {}))
                 continue
-            loss, metrics = loss_fn(self._outputs(mb, outputs, temperature, training=True), mb)
+            with span("forward", micro_batch=i, tokens=mb.num_tokens):
+                loss, metrics = loss_fn(self._outputs(mb, outputs, temperature, training=True),
+                                        mb)
             check_loss(loss)
-            with final():
+            with final(), span("backward", micro_batch=i, tokens=mb.num_tokens):
                 loss.backward()  # frees this micro-batch's activations before the next one
             results.append(MicroBatchResult(loss.detach(), detached(metrics)))
         return results

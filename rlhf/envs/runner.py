@@ -18,6 +18,7 @@ from typing import Any
 from rlhf.envs.worker import Outcome, call_env, load_env_class
 from rlhf.errors import RLHFError
 from rlhf.rewards.processes import STARTUP_TIMEOUT_S, reap, spawn_child
+from rlhf.trace import span
 
 
 class _EnvWorker:
@@ -55,7 +56,8 @@ class EnvRunner:
 
     def step(self, turns: dict[int, dict]) -> dict[int, Outcome]:
         """Send each episode its model turn ({"text", "token_ids"}); outcome value: StepResult."""
-        return self._run("step", turns)
+        with span("env_turn", episodes=len(turns)):
+            return self._run("step", turns)
 
     def end(self, episodes) -> None:
         """Drop the environments of finished episodes."""

@@ -21,6 +21,7 @@ from rlhf.errors import RLHFError
 from rlhf.rewards.loader import load_reward_function
 from rlhf.rewards.processes import RewardProcesses
 from rlhf.rewards.worker import Outcome, call_reward
+from rlhf.trace import span
 
 OnError = Literal["raise", "fallback"]
 
@@ -117,7 +118,8 @@ class RewardRunner:
         samples = [{"prompt": p, "response": r, "ground_truth": g, "extra": e}
                    for p, r, g, e in zip(prompts, responses, ground_truths, extras)]
         outcomes: list[list[Outcome | None]] = [[None] * n for _ in self.specs]
-        with contextlib.closing(self._outcomes(samples)) as results:
+        with span("reward_functions", samples=n), contextlib.closing(
+                self._outcomes(samples)) as results:
             for index, f, outcome in results:
                 if outcome[0] != "ok" and self.on_error == "raise":
                     raise RLHFError(self._describe_failure(f, index, samples[index], outcome))

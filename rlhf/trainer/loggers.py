@@ -1,7 +1,9 @@
 """Where step metrics go: the console, metrics.jsonl, TensorBoard, Weights & Biases, MLflow.
 
 `trainer.loggers` names them; each tracker's package is an optional extra, asked for by name
-when it is missing. Every logger gets the run's resolved config once, at start.
+when it is missing. Every logger gets the run's resolved config once, at start. Sample tables
+(trainer.samples_every) always go to output_dir/samples.jsonl, and to the trackers as a W&B
+table, an MLflow JSON artifact, a TensorBoard text summary.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tqdm import tqdm
 from rlhf.errors import RLHFError
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"  # one row a line: {"step": ..., **row of rlhf.trainer.samples}
 # Files a tracker leaves in output_dir to continue the same tracked run on resume.
 WANDB_RUN_FILE = "wandb_run_id"
 MLFLOW_RUN_FILE = "mlflow_run_id"
@@ -38,6 +41,8 @@ class Logger(Protocol):
     """One destination of step records."""
 
     def log(self, step: int, record: dict[str, Any]) -> None: ...
+
+    def log_table(self, step: int, rows: list[dict[str, Any]]) -> None: ...
 
     def close(self) -> None: ...
 
@@ -60,6 +65,38 @@ def read_metrics(output_dir: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def read_samples(output_dir: str | Path) -> list[dict]:
+    """Every row of OUTPUT_DIR/samples.jsonl, in order ([] when there is none)."""
+    path = Path(output_dir) / SAMPLES_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+class SamplesFile:
+    """Appends each sample table's rows to output_dir/samples.jsonl; on resume, rows after
+    `start_step` are dropped, as the metrics are."""
+
+    def __init__(self, output_dir: str | Path, *, start_step: int):
+        self.path = Path(output_dir) / SAMPLES_FILE
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_samples(output_dir) if r.get("step", 0) <= start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self._file = self.path.open("a", encoding="utf-8")
+
+    def log(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self._file.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def table_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns of a sample table: every key of its rows, in first-seen order."""
+    return list(dict.fromkeys(k for row in rows for k in row))
 
 
 def build_loggers(names, *, output_dir: str | Path, run_name: str, config: dict,
@@ -129,6 +166,9 @@ class ConsoleLogger:
         if line:
             self._bar.write(line)
 
+    def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass  # tables are read in samples.jsonl or `rlhf report`, not on a progress bar
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -148,6 +188,9 @@ class JsonlLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        pass  # samples.jsonl (SamplesFile) holds the tables beside metrics.jsonl
+
     def close(self) -> None:
         self._file.close()
 
@@ -164,6 +207,14 @@ class TensorBoardLogger:
     def log(self, step: int, record: dict[str, Any]) -> None:
         for key, value in scalars(record).items():
             self._writer.add_scalar(key, value, step)
+        self._writer.flush()
+
+    def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        columns = table_columns(rows)
+        cell = lambda v: str(v).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+        self._writer.add_text("samples", "\n".join(lines), step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -186,13 +237,21 @@ class WandbLogger:
     def log(self, step: int, record: dict[str, Any]) -> None:
         self.run.log(scalars(record), step=step)
 
+    def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        import wandb
+
+        columns = table_columns(rows)
+        table = wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
+        self.run.log({"samples": table}, step=step)
+
     def close(self) -> None:
         self.run.finish()
 
 
 class MlflowLogger:
     """An MLflow run (the experiment is the job's name) with the flattened config as params;
-    without a tracking URI, a SQLite store in output_dir/mlflow.db. A resumed job continues
+    without a tracking URI, a SQLite store in output_dir/mlflow.db (artifacts in
+    output_dir/mlartifacts). A resumed job continues
     the run whose id it left in output_dir."""
 
     def __init__(self, output_dir: Path, *, tracking_uri: str | None, experiment: str,
@@ -209,8 +268,11 @@ class MlflowLogger:
             self.client.update_run(self.run_id, status="RUNNING")
             return
         found = self.client.get_experiment_by_name(experiment)
+        # The local store keeps its artifacts (sample tables) in output_dir too, not in ./mlruns
+        artifacts = None if tracking_uri else (output_dir / "mlartifacts").resolve().as_uri()
         experiment_id = (found.experiment_id if found is not None
-                         else self.client.create_experiment(experiment))
+                         else self.client.create_experiment(experiment,
+                                                            artifact_location=artifacts))
         self.run_id = self.client.create_run(experiment_id, run_name=experiment).info.run_id
         params = [Param(k, json.dumps(v) if isinstance(v, (list, dict)) else str(v))
                   for k, v in flatten(config).items()]
@@ -226,6 +288,10 @@ class MlflowLogger:
                    if math.isfinite(v)]
         for i in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
+        self.client.log_text(self.run_id, json.dumps(rows, indent=1),
+                             f"samples/step_{step:06d}.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

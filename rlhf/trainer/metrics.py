@@ -11,14 +11,23 @@ from typing import Any
 
 import ray
 
-from rlhf.trainer.loggers import METRICS_FILE, build_loggers, read_metrics, scalars
+from rlhf.trace import span
+from rlhf.trainer.loggers import (
+    METRICS_FILE,
+    SAMPLES_FILE,
+    SamplesFile,
+    build_loggers,
+    read_metrics,
+    scalars,
+)
 
-__all__ = ["METRICS_FILE", "MetricsLogger", "SectionTimer", "RayMetrics", "gauge_name",
+__all__ = ["METRICS_FILE", "SAMPLES_FILE", "MetricsLogger", "SectionTimer", "RayMetrics", "gauge_name",
            "read_metrics"]
 
 
 class SectionTimer:
-    """`with timer("generate"): ...` adds the seconds to `timing/generate`.
+    """`with timer("generate"): ...` adds the seconds to `timing/generate` (and a span on the
+    step timeline when the step is traced, rlhf.trace).
 
     The driver's clock: each phase ends when the workers' results are on the host (ray.get),
     so it is exact here. Device work inside a worker is timed with `rlhf.parallel.timing`."""
@@ -30,7 +39,8 @@ class SectionTimer:
     def __call__(self, section: str):
         start = time.perf_counter()
         try:
-            yield
+            with span(section):
+                yield
         finally:
             key = f"timing/{section}"
             self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
@@ -49,6 +59,7 @@ class MetricsLogger:
             total_steps=total_steps, start_step=start_step, progress=progress,
             wandb_project=wandb_project, mlflow_tracking_uri=mlflow_tracking_uri)
         self._ray = RayMetrics(job_name) if ray_metrics else None
+        self._samples = SamplesFile(output_dir, start_step=start_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
         """Write `metrics` of `step` everywhere; returns the record as written."""
@@ -59,7 +70,15 @@ class MetricsLogger:
             self._ray.set(scalars(record))
         return record
 
+    def log_samples(self, step: int, rows: list[dict]) -> None:
+        """Write a sample table of `step` (rlhf.trainer.samples) to output_dir/samples.jsonl
+        and to every logger that holds tables."""
+        self._samples.log(step, rows)
+        for logger in self._loggers:
+            logger.log_table(step, rows)
+
     def close(self) -> None:
+        self._samples.close()
         for logger in self._loggers:
             logger.close()
 

@@ -61,9 +61,12 @@ from rlhf.trainer.recipes import (
     rollout_corr_metrics,
     round_seed,
     shape_scores,
+    truncated_responses,
 )
 from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
+from rlhf.trainer.samples import FUNCTION_SCORE, sample_table
 from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
+from rlhf.trainer.timeline import Timeline
 from rlhf.trainer.validation import validation_metrics
 
 
@@ -80,8 +83,9 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
 
 
 def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *,
-                rm_scores: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
-    """(N,) float32 total rewards (functions + environment + reward model) and the metrics."""
+                rm_scores: Tensor | None = None) -> tuple[Tensor, dict[str, float], Batch]:
+    """(N,) float32 total rewards (functions + environment + reward model), the metrics, and
+    each function's own scores as per-sample fields (samples.FUNCTION_SCORE)."""
     result = runner.score(batch["raw_prompt"], decode_responses(batch, tokenizer),
                           batch["ground_truth"], batch["extra"])
     parts = [result.scores]
@@ -95,7 +99,9 @@ def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *
         metrics["reward/env_mean"] = batch["env_reward"].float().mean().item()
     if rm_scores is not None:
         metrics["reward/rm_mean"] = rm_scores.float().mean().item()
-    return scores, metrics
+    functions = Batch({FUNCTION_SCORE + name: s for name, s in result.function_scores.items()},
+                      size=len(batch))
+    return scores, metrics, functions
 
 
 def compute_advantages(batch: Batch, scores_N: Tensor, cfg: JobConfig,
@@ -210,15 +216,18 @@ class PPOTrainer:
             mlflow_tracking_uri=t.mlflow_tracking_uri)
         records = []
         self.runner = RewardRunner.from_config(self.cfg.reward)
+        timeline = Timeline(t, self.views, self.output_dir)  # trainer.trace
         try:
             with StopRequests(on_signal=t.save_on_signal, max_hours=t.max_hours) as stop:
                 if start == 0 and t.val_every > 0 and t.val_before_train:
                     records.append(logger.log(0, self.validate()))
                 for step in range(start + 1, t.total_steps + 1):
                     began = time.monotonic()
+                    timeline.begin(step)
                     metrics = self.train_step(step)
                     if t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps):
                         metrics.update(self.validate())
+                    timeline.end(step)
                     records.append(logger.log(step, metrics))
                     saved = None
                     if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:
@@ -230,6 +239,7 @@ class PPOTrainer:
                         raise Preempted(step=step, reason=reason,  # see preemption.py
                                         checkpoint=saved or self.save(step))
         finally:
+            timeline.close()
             self.runner.close()
             logger.close()
         return records
@@ -241,7 +251,7 @@ class PPOTrainer:
         with timer("step"):
             if self.pipeline is not None:  # async: the batch sampled while the last step trained
                 batch, metrics = self.pipeline.next_batch(step, timer)
-                scores, score_metrics = self._score(batch, timer)
+                batch, scores, score_metrics = self._score(batch, timer)
                 metrics.update(score_metrics)
             else:
                 seed = step_seed(cfg.rollout.seed, step)  # dynamic sampling: one batch per round
@@ -293,18 +303,23 @@ class PPOTrainer:
                 metrics.update({f"{k}/{role}" if k in PIN_METRICS else k: v
                                 for k, v in report.items()})
         metrics["throughput/tokens_per_s"] = stats["tokens/total"] / timer.seconds["timing/step"]
+        if cfg.trainer.samples(step):
+            self.logger.log_samples(step, sample_table(
+                batch, scores, lambda rows: decode_responses(rows, self.tokenizer),
+                truncated_N=truncated_responses(batch, cfg, self.tokenizer.eos_token_id),
+                rows=cfg.trainer.samples_rows))
         return metrics
 
     def _generate_and_score(self, prompts: Batch,
                             timer: SectionTimer) -> tuple[Batch, Tensor, dict[str, float]]:
         """Samples of `prompts`, their scores and the rollout and reward metrics."""
         batch, metrics = self._rollout(prompts, timer, greedy=False)
-        scores, score_metrics = self._score(batch, timer)
+        batch, scores, score_metrics = self._score(batch, timer)
         return batch, scores, {**metrics, **score_metrics}
 
-    def _score(self, batch: Batch, timer: SectionTimer) -> tuple[Tensor, dict[str, float]]:
-        """Scores of sampled `batch` (reward functions, reward model, overlong shaping) and
-        the reward metrics."""
+    def _score(self, batch: Batch, timer: SectionTimer) -> tuple[Batch, Tensor, dict[str, float]]:
+        """Sampled `batch` with each reward function's scores, its total scores (reward
+        functions, reward model, overlong shaping) and the reward metrics."""
         cfg = self.cfg
         with timer("reward"):
             rm = None
@@ -313,10 +328,10 @@ class PPOTrainer:
                                    cost_models=self.cost_models)
                 rm = self.views["reward"].compute_rm_score(
                     batch, split=split.forward("reward"))["rm_scores"]
-            scores, reward_metrics = score_batch(batch, self.tokenizer, self.runner, cfg,
-                                                 rm_scores=rm)
+            scores, reward_metrics, functions = score_batch(batch, self.tokenizer, self.runner,
+                                                            cfg, rm_scores=rm)
             scores, shape_metrics = shape_scores(batch, scores, cfg, self.tokenizer.eos_token_id)
-        return scores, {**reward_metrics, **shape_metrics}
+        return batch.union(functions), scores, {**reward_metrics, **shape_metrics}
 
     def _prompts(self, step: int) -> Batch:
         return next(self.loader).with_meta(seed=step_seed(self.cfg.rollout.seed, step))
@@ -385,7 +400,7 @@ class PPOTrainer:
             for _ in range(loader.batches_per_epoch):
                 prompts = next(loader).with_meta(seed=VAL_SEED)
                 batch, _ = self._rollout(prompts, timer, greedy=True)
-                batch_scores, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
+                batch_scores, _, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
                 sources += prompts["data_source"]
                 greedy += batch_scores.tolist()
                 lengths += batch["response_ids"].lengths.tolist()
@@ -394,7 +409,7 @@ class PPOTrainer:
                                 "top_p": sampling.top_p, "top_k": sampling.top_k}
                     batch, _ = self._rollout(prompts.with_meta(sampling=settings), timer,
                                              greedy=False, n=sampling.n)
-                    batch_scores, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
+                    batch_scores, _, _ = score_batch(batch, self.tokenizer, self.runner, self.cfg)
                     sampled += batch_scores.view(len(prompts), sampling.n).tolist()
         return {**validation_metrics(sources, greedy, sampled or None,
                                      pass_score=sampling.pass_score),

@@ -1,5 +1,5 @@
-"""trainer.loggers: each tracker gets the run's config and every step's numbers; a missing
-package names its extra; a resumed job continues the same tracked run."""
+"""trainer.loggers: each tracker gets the run's config, every step's numbers and the sample
+tables; a missing package names its extra; a resumed job continues the same tracked run."""
 
 import json
 
@@ -18,6 +18,7 @@ def _run(tmp_path, names, *, start_step=0, steps=(1, 2), **kwargs):
     log = MetricsLogger(tmp_path, total_steps=2, start_step=start_step, job_name="job",
                         loggers=names, config=CONFIG, progress=False, **kwargs)
     for step in steps:
+        log.log_samples(step, [{"prompt": f"p{step}", "response": "r|1\n", "reward": 1.0}])
         log.log(step, {"reward/mean": 0.25 * step, "timing/step": 1.5, "note": "text"})
     log.close()
 
@@ -46,6 +47,12 @@ def test_mlflow_local_store_gets_params_and_every_step_and_resumes_the_run(tmp_p
     assert [(m.step, m.value) for m in history] == [(1, 0.25), (2, 0.5), (3, 0.75)]
     assert run.info.status == "FINISHED"
     assert [r["step"] for r in map(json.loads, (tmp_path / "metrics.jsonl").open())] == [1, 2, 3]
+    artifact = client.download_artifacts(run.info.run_id, "samples/step_000003.json", tmp_path)
+    assert json.loads(open(artifact).read()) == [{"prompt": "p3", "response": "r|1\n",
+                                                  "reward": 1.0}]
+    # every run keeps its tables in samples.jsonl too; the resume kept steps 1-2 once
+    assert [(r["step"], r["prompt"]) for r in loggers_module.read_samples(tmp_path)] == [
+        (1, "p1"), (2, "p2"), (3, "p3")]
 
 
 def test_wandb_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypatch):
@@ -59,6 +66,7 @@ def test_wandb_offline_run_holds_the_config_and_the_metrics(tmp_path, monkeypatc
     (record_file,) = (tmp_path / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb")
     data = record_file.read_bytes()  # protobuf records: names and JSON values appear verbatim
     assert b"reward/mean" in data and b"timing/step" in data
+    assert b"samples" in data and b"table-file" in data  # the sample tables, as W&B tables
     assert b'{"optim":{"lr":1e-6}}' in data  # the config section `actor`
 
 
