@@ -5,6 +5,7 @@ import os
 import sys
 from pathlib import Path
 
+from rlhf import report as run_report
 from rlhf.bench import cli as bench_cli
 from rlhf.bench import first_run
 from rlhf.config.loader import add_job_arguments
@@ -505,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.set_defaults(run=_doctor)
 
     plan_report.add_command(commands)
+    run_report.add_command(commands)
     first_run.add_command(commands)
     bench_cli.add_commands(commands)
     _add_job_commands(commands)

@@ -46,7 +46,7 @@ class SpanRecorder:
         """Around a role method: its span, and the role of the spans recorded inside it."""
         outer, self.role = self.role, role
         try:
-            with self.span(method):
+            with self.span(method, role_method=True):  # a report sums these per role
                 yield
         finally:
             self.role = outer

@@ -29,7 +29,8 @@ LAYERS = [
     ["rlhf.controller"],
     ["workers"],
     ["rlhf.trainer"],
-    ["rlhf.bench", "rlhf.cli", "rlhf.doctor", "rlhf.plan", "rlhf.preflight", "rlhf.verify"],
+    ["rlhf.bench", "rlhf.cli", "rlhf.doctor", "rlhf.plan", "rlhf.preflight", "rlhf.report",
+     "rlhf.verify"],
 ]
 # The top layer's apps are entry points over the library; they may call each other.
 PEERS_ALLOWED = set(LAYERS[-1])

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.plan.memory import METHOD_PHASES
+from rlhf.plan.memory import METHOD_PHASES, phase_peaks_gib
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_CONFIG = "configs/qwen2.5-7b_ppo_multigpu.yaml"  # in the checkout (ROOT)
@@ -167,21 +167,12 @@ def _gaps(report: Report, records: list[dict], *, limit: float, dtype: torch.dty
             report.findings.append(Finding("gap over limit", r["step"], problem))
 
 
-def _plan_phases(plan) -> dict[str, float]:
-    """{plan phase: GiB on the fullest device in that phase}."""
-    out: dict[str, float] = {}
-    for device in plan.devices:
-        for phase in device.phases:
-            out[phase] = max(out.get(phase, 0.0), device.total(phase) / GIB)
-    return out
-
-
 def _memory(report: Report, records: list[dict], *, plan, plan_note: str,
             device_gib: float | None) -> None:
     """Device memory per phase: used = the card's size - the least free on any rank as the
     phase's call ended, against the plan's fullest device in that phase."""
     cuda = plan is not None and plan.hardware.device_type == "cuda"
-    planned = _plan_phases(plan) if plan is not None else {}
+    planned = phase_peaks_gib(plan) if plan is not None else {}
     total = device_gib or (plan.hardware.device_bytes / GIB if cuda else None)
     head = "device memory per phase, GiB"
     if plan is None:

@@ -14,6 +14,8 @@ Per sample:
                                       the first response token is predicted from the last one
     response_ids       Ragged int64   sampled response tokens; may be empty
     rm_scores          (n,) float32   RewardModelWorker.compute_rm_score (workers/reward_model.py)
+    reward_fn/<name>   (n,) float32   the driver's scoring: reward function <name>'s own score,
+                                      which sample tables show (rlhf.trainer.samples)
     policy_version     (n,) int64     the driver (rlhf.trainer.rollout_source): the version of the
                                       weights that sampled it (actor updates before them)
 

@@ -354,6 +354,15 @@ METHOD_PHASES = {"sync_weights": "sync", "generate": "generate",
                  "update_actor": "update actor"}
 
 
+def phase_peaks_gib(plan: MemoryPlan) -> dict[str, float]:
+    """{plan phase: GiB on the fullest device in that phase}."""
+    out: dict[str, float] = {}
+    for device in plan.devices:
+        for phase in device.phases:
+            out[phase] = max(out.get(phase, 0.0), device.total(phase) / GIB)
+    return out
+
+
 def vllm_bytes(cfg: JobConfig, hw: Hardware, actor: RoleSpec) -> dict[str, int]:
     """Per actor rank: vLLM's share of the weights, its KV cache (CUDA: the rest of
     gpu_memory_utilization of the card; CPU: rollout.cpu_kv_cache_gb) and the sync's buffers."""

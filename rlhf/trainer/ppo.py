@@ -7,7 +7,9 @@ masks and weights of the per-response recipes -> critic update -> actor update; 
 timed. Every role call gets the driver's batch split of its mini- and micro-batches (step_splits.py);
 on-policy, the old log-probs come from the actor update's first forward instead of their own
 pass. Validation (greedy, held-out prompts) every trainer.val_every steps; checkpoints every
-save_every, and before stopping early on a signal or trainer.max_hours (preemption.py).
+save_every, and before stopping early on a signal or trainer.max_hours (preemption.py). The
+steps trainer.trace picks leave a timeline of every rank (timeline.py); every
+trainer.samples_every steps a sample table (samples.py) goes to output_dir and the trackers.
 
 The driver-side pieces come first (scoring and advantages), then `PPOTrainer`; the recipes'
 glue (dynamic sampling, overlong shaping, the update's masks and weights) is recipes.py.

@@ -150,3 +150,93 @@ def test_verl_rows_and_reward_run_unchanged_with_sampled_validation(groups, tmp_
     passes = [val[f"val/pass@{k}"] for k in (1, 2, 4)]
     assert 0.0 <= passes[0] <= passes[1] <= passes[2] <= 1.0
     assert val["val/pass@1"] == pytest.approx(val["val/reward_mean@sampled"])  # 0/1 rewards
+
+
+# ---- seeing a run: its timeline, its sample tables, its report page in a browser ----------
+
+LENGTH_REWARD = Path(__file__).resolve().parents[2] / "examples/rewards/pays_for_length.py"
+CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync")
+
+
+@pytest.fixture(scope="module")
+def seen_run(groups, tmp_path_factory):
+    """One traced step with a sample table, scored by the task's reward and the example that
+    pays for length; its folder holds what `rlhf train` writes (config.yaml included)."""
+    from rlhf.config import format_config
+
+    out = tmp_path_factory.mktemp("seen") / "run"
+    cfg = job_config(groups[1], out, algorithm=GRPO, reward={"functions": [
+        {"path": "rlhf.rewards.arith:exact_match"},
+        {"path": f"{LENGTH_REWARD}:length_bonus"}]},
+        trainer={"total_steps": 1, "save_every": 0, "trace": "steps", "trace_steps": [1],
+                 "samples_every": 1, "samples_rows": 4})
+    out.mkdir()
+    (out / "config.yaml").write_text(format_config(cfg))
+    fit(groups, cfg)
+    return out
+
+
+def test_a_traced_step_has_every_rank_on_the_driver_clock(seen_run):
+    trace = json.loads((seen_run / "trace" / "step_000001.json").read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    by_process = {name: {e["name"] for e in spans if e["pid"] == pid}
+                  for pid, name in names.items()}
+    ranks = [n for n in names.values() if n != "driver"]
+    assert len(ranks) == 2  # the two colocated ranks (actor+ref)
+    assert {"step", "generate", "reward", "update_actor"} <= by_process["driver"]
+    for rank in ranks:  # each rank's role methods, micro-batches and offload phases
+        assert {"generate", "update_actor", "forward", "backward"} <= by_process[rank]
+        assert any(n.startswith("offload:") for n in by_process[rank])
+    clocks = trace["otherData"]["clocks"]
+    assert all(clocks[r]["error_us"] < 1_000_000 for r in ranks)
+    # on the driver's clock, a rank's update_actor lies inside the driver's update_actor
+    driver_pid = next(p for p, n in names.items() if n == "driver")
+    (outer,) = [e for e in spans if e["pid"] == driver_pid and e["name"] == "update_actor"]
+    for e in spans:
+        if e["pid"] != driver_pid and e["name"] == "update_actor":
+            slack = clocks[names[e["pid"]]]["error_us"]
+            assert outer["ts"] - slack <= e["ts"]
+            assert e["ts"] + e["dur"] <= outer["ts"] + outer["dur"] + slack
+
+
+def test_the_sample_table_holds_the_worst_and_best_samples(seen_run):
+    from rlhf.trainer.loggers import read_samples
+
+    rows = read_samples(seen_run)
+    assert [(r["step"], r["kind"]) for r in rows] == [(1, "worst")] * 2 + [(1, "best")] * 2
+    for r in rows:
+        assert {"prompt", "response", "advantage", "length", "truncated", "logprob_gap",
+                "reward/exact_match", "reward/length_bonus"} <= set(r)
+        assert r["reward"] == pytest.approx(r["reward/exact_match"] + r["reward/length_bonus"])
+    assert min(r["reward"] for r in rows[2:]) >= max(r["reward"] for r in rows[:2])
+
+
+def test_the_report_renders_in_chromium_without_script_errors(seen_run, tmp_path):
+    """The page of the real run in headless Chromium: every section rendered, the script ran
+    to its end, no error; the screenshot stays in tmp_path as the test's artifact."""
+    import shutil
+    import subprocess
+
+    from rlhf.report import SECTIONS, write_report
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    if exe is None:
+        pytest.skip("no chromium here (Debian: apt-get install chromium; .ci/run installs it)")
+    page = write_report(seen_run, out=seen_run / "report.html")
+    browse = [exe, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*browse, "--dump-dom", page.as_uri()], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert 'data-ready="1"' in dom  # the inline script ran to its last line
+    assert '<div id="errors"></div>' in dom
+    for section in SECTIONS:
+        assert f'<section id="{section}">' in dom
+    assert "length_bonus" in dom and 'id="timeline-step-1"' in dom
+    assert "no plan" not in dom  # the memory section has the plan of the run's config
+    shot = tmp_path / "report.png"
+    subprocess.run([*browse, f"--screenshot={shot}", "--window-size=1280,2400", page.as_uri()],
+                   capture_output=True, timeout=60, check=True)
+    assert shot.stat().st_size > 10_000
