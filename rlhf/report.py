@@ -24,6 +24,7 @@ from rlhf.trace import TRACE_DIR
 
 REPORT_FILE = "report.html"
 TIMELINES_SHOWN = 3  # the newest traced steps drawn inline; every one is linked
+ROLE_STEPS_SHOWN = 5  # the newest traced steps in the per-role table, newest first
 MAX_SPANS_DRAWN = 4000  # per timeline: a page stays light on runs with many micro-batches
 SECTIONS = ("config", "curves", "time", "roles", "memory", "samples", "timeline")
 # One colour per role (and the driver), in order of first appearance.
@@ -60,15 +61,17 @@ def write_report(output_dir: str | Path, *, out: str | Path | None = None) -> Pa
     return path
 
 
-def build_report(run: Path) -> str:
-    """The HTML of run folder `run` (see the module docstring)."""
+def build_report(run: Path, *, only: tuple[str, ...] = SECTIONS) -> str:
+    """The HTML of run folder `run` (see the module docstring); `only`: these sections."""
     from rlhf.trainer.loggers import read_metrics, read_samples
 
     config_file = run / "config.yaml"
     if not config_file.is_file():
         raise RLHFError(f"{run} holds no config.yaml: give the trainer.output_dir of a run that "
                         "started (`rlhf train` writes it before the first step)")
-    config_text = config_file.read_text(encoding="utf-8")
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown report sections {unknown}; choose from {', '.join(SECTIONS)}")
     records = [r for r in read_metrics(run) if isinstance(r.get("step"), int)]
     samples = read_samples(run)
     traces = sorted((run / TRACE_DIR).glob("step_*.json"))
@@ -76,20 +79,24 @@ def build_report(run: Path) -> str:
     done = max((r["step"] for r in records), default=0)
     state = "finished" if total is not None and done >= total else "running or stopped"
     title = f"rlhf run {run.resolve().name}"
-    nav = " ".join(f'<a href="#{s}">{s}</a>' for s in SECTIONS)
+    nav = " ".join(f'<a href="#{s}">{s}</a>' for s in only)
+    sections = {
+        "config": ("Config", lambda: f"<pre>{_e(config_file.read_text(encoding='utf-8'))}</pre>"),
+        "curves": ("Metric curves", lambda: _curves(records)),
+        "time": ("Time per step (driver phases, s)", lambda: _time_per_step(records, traces)),
+        "roles": (f"Time per role and rank (the newest {ROLE_STEPS_SHOWN} traced steps)",
+                  lambda: _roles(traces)),
+        "memory": ("Memory per phase against the plan", lambda: _memory(run, records)),
+        "samples": ("Samples", lambda: _samples(samples)),
+        "timeline": ("Timeline", lambda: _timelines(traces)),
+    }
     body = [
         f"<header><h1>{_e(title)}</h1><p>{_e(str(run.resolve()))}: step {done} of "
         f"{total if total is not None else '?'} ({state}); {len(traces)} traced steps, "
         f"{len({s['step'] for s in samples})} sample tables</p>"
         f"<nav>{nav}</nav></header>",
         '<div id="errors"></div>',
-        _section("config", "Config", f"<pre>{_e(config_text)}</pre>"),
-        _section("curves", "Metric curves", _curves(records)),
-        _section("time", "Time per step (driver phases, s)", _time_per_step(records, traces)),
-        _section("roles", "Time per role and rank (traced steps)", _roles(traces)),
-        _section("memory", "Memory per phase against the plan", _memory(run, records)),
-        _section("samples", "Samples", _samples(samples)),
-        _section("timeline", "Timeline", _timelines(traces)),
+        *[_section(name, sections[name][0], sections[name][1]()) for name in only],
     ]
     return PAGE.format(title=_e(title), style=STYLE, body="\n".join(body), script=SCRIPT)
 
@@ -125,8 +132,13 @@ def _numbers(records: list[dict], key: str) -> list[tuple[int, float]]:
 
 
 def _curves(records: list[dict]) -> str:
-    keys = sorted({k for r in records for k, v in r.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)})
+    from rlhf.trainer.loggers import HEADLINE_METRICS
+
+    found = {k for r in records for k, v in r.items()
+             if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    first = [k for k, _ in HEADLINE_METRICS if k in found] + ["timing/step"] * (
+        "timing/step" in found)
+    keys = first + sorted(found - set(first))  # the progress bar's metrics lead
     if not keys:
         return _note("no metrics yet (metrics.jsonl is empty or absent)")
     charts = [f'<figure class="chart" data-name="{_e(k)}">{_line_chart(_numbers(records, k))}'
@@ -159,8 +171,9 @@ def _line_chart(points: list[tuple[int, float]], width: int = 260, height: int =
 
 # ---- time --------------------------------------------------------------------------------------
 
-# Driver sections that contain others (`step` holds all, `validate` its own rollouts).
-_TOTALS = ("timing/step", "timing/validate")
+# Driver sections that are not phases of the training step: `step` holds them all; validation
+# and taking the timeline run after it.
+_TOTALS = ("timing/step", "timing/validate", "timing/trace")
 
 
 def _time_per_step(records: list[dict], traces: list[Path]) -> str:
@@ -205,7 +218,7 @@ def _roles(traces: list[Path]) -> str:
     if not traces:
         return _note("no traced step yet (trainer.trace)")
     rows = [["step", "role", "method", "ranks", "slowest rank s", "fastest rank s", "spread"]]
-    for path in traces:
+    for path in reversed(traces[-ROLE_STEPS_SHOWN:]):
         trace = json.loads(path.read_text(encoding="utf-8"))
         names = _process_names(trace)
         per: dict[tuple[str, str], dict[str, float]] = defaultdict(lambda: defaultdict(float))

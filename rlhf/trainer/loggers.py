@@ -28,13 +28,14 @@ MLFLOW_RUN_FILE = "mlflow_run_id"
 # logger -> (module it imports, the pyproject extra that installs it)
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
           "mlflow": ("mlflow", "mlflow")}
-# Shown on the progress bar, in this order, when present: (metric, short label). KL to the
-# reference (actor/kl_ref) and policy-vs-old KL of the update (actor/approx_kl) are different
-# quantities with different labels.
-_BAR_KEYS = (("reward/mean", "reward"), ("val/accuracy", "val_acc"), ("actor/pg_loss", "pg"),
-             ("actor/kl_ref", "kl_ref"), ("actor/approx_kl", "approx_kl"),
-             ("critic/value_loss", "vf"), ("response_length/mean", "len"),
-             ("throughput/tokens_per_s", "tok/s"), ("sft/nll", "nll"))
+# Shown on the progress bar (and first in `rlhf report`), in this order, when present:
+# (metric, short label). KL to the reference (actor/kl_ref) and policy-vs-old KL of the update
+# (actor/approx_kl) are different quantities with different labels.
+HEADLINE_METRICS = (
+    ("reward/mean", "reward"), ("val/accuracy", "val_acc"), ("actor/pg_loss", "pg"),
+    ("actor/kl_ref", "kl_ref"), ("actor/approx_kl", "approx_kl"),
+    ("critic/value_loss", "vf"), ("response_length/mean", "len"),
+    ("throughput/tokens_per_s", "tok/s"), ("sft/nll", "nll"))
 
 
 class Logger(Protocol):
@@ -159,7 +160,7 @@ class ConsoleLogger:
             if line:
                 print(line, flush=True)
             return
-        shown = {label: f"{record[k]:.4g}" for k, label in _BAR_KEYS if k in record}
+        shown = {label: f"{record[k]:.4g}" for k, label in HEADLINE_METRICS if k in record}
         self._bar.set_postfix(shown, refresh=False)
         if step > self._bar.n:
             self._bar.update(step - self._bar.n)

@@ -229,7 +229,7 @@ class PPOTrainer:
                     metrics = self.train_step(step)
                     if t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps):
                         metrics.update(self.validate())
-                    timeline.end(step)
+                    metrics.update(timeline.end(step))  # outside timing/step
                     records.append(logger.log(step, metrics))
                     saved = None
                     if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:

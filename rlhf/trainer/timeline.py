@@ -10,6 +10,7 @@ folder or on merging files written by processes that may still be running.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,18 +41,20 @@ class Timeline:
                 group.take_spans(record=True, pings=0)
             self._ranks_recording = True
 
-    def end(self, step: int) -> Path | None:
+    def end(self, step: int) -> dict[str, float]:
         """Write `step`'s timeline if it was traced; the ranks go on recording only if the
-        next step is traced too. Returns the file written."""
+        next step is traced too. Returns `timing/trace`, the seconds this took, if traced."""
         if not self.cfg.traces(step):
-            return None
+            return {}
+        began = time.perf_counter()
         keep = self.cfg.traces(step + 1)
         RECORDER.on = keep
         processes = [ProcessSpans("driver", RECORDER.take())]
         for group in self.groups:
             processes += group.take_spans(record=keep)
         self._ranks_recording = keep
-        return write_trace(self.output_dir, step, processes)
+        write_trace(self.output_dir, step, processes)
+        return {"timing/trace": time.perf_counter() - began}
 
     def close(self) -> None:
         """Stop recording everywhere (a run that ends or fails mid-step)."""

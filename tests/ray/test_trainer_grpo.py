@@ -193,6 +193,7 @@ def test_a_traced_step_has_every_rank_on_the_driver_clock(seen_run):
         assert any(n.startswith("offload:") for n in by_process[rank])
     clocks = trace["otherData"]["clocks"]
     assert all(clocks[r]["error_us"] < 1_000_000 for r in ranks)
+    assert read_metrics(seen_run)[0]["timing/trace"] > 0  # what taking the spans cost
     # on the driver's clock, a rank's update_actor lies inside the driver's update_actor
     driver_pid = next(p for p, n in names.items() if n == "driver")
     (outer,) = [e for e in spans if e["pid"] == driver_pid and e["name"] == "update_actor"]
