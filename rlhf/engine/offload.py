@@ -200,10 +200,13 @@ class Offloader:
     def enter(self, phase: str) -> None:
         """Move what `phase` needs onto the device and what it does not need (and may leave) to
         the host; nothing else moves."""
-        with span(f"offload:{phase}"):
-            self._enter(phase)
+        with span(f"offload:{phase}") as traced:  # None unless the step is traced
+            to_device, to_host = self._enter(phase)
+            if traced is not None:
+                traced.args.update(to_device_bytes=to_device, to_host_bytes=to_host)
 
-    def _enter(self, phase: str) -> None:
+    def _enter(self, phase: str) -> tuple[int, int]:
+        """Move as `enter` says; returns the bytes moved (to the device, to the host)."""
         where = placement(phase, self.config)
         listed: dict[int, Tensor] = {}
         members: dict[str, list[Tensor]] = {kind: [] for kind in STATE_KINDS}
@@ -220,6 +223,8 @@ class Offloader:
                 host_ok[id(t)] = host_ok.get(id(t), True) and where[kind] == "host"
         to_device = [key for key in listed if not host_ok[key] and key in self._away]
         to_host = [key for key in listed if host_ok[key] and key not in self._away]
+        moved_bytes = (sum(_nbytes(self._away[key][1]) for key in to_device),
+                       sum(_nbytes(listed[key]) for key in to_host))
         for key in to_device:
             t, host, device = self._away.pop(key)
             t.data = host.to(device, non_blocking=True, copy=True)
@@ -235,6 +240,7 @@ class Offloader:
         if moved or phase in RELEASE_BEFORE:
             release_cached_memory(self.device_type)
         self.phase = phase
+        return moved_bytes
 
     def measure(self, method: str) -> None:
         """Record the memory of the call of `method` that just ran (the worst call is kept)."""
@@ -278,6 +284,10 @@ class Offloader:
         host.copy_(t.detach(), non_blocking=True)
         self._away[id(t)] = (t, host, t.device)
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def in_phase(phase: str) -> Callable[[Callable], Callable]:

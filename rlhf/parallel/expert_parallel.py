@@ -35,6 +35,7 @@ from torch.distributed import ProcessGroup
 
 from rlhf.parallel.collectives import group_rank, group_size
 from rlhf.parallel.timing import Stopwatch
+from rlhf.trace import span
 
 # The stopwatch of the engine call in progress (`timed_all_to_all`). The exchanges run deep in
 # a model's forward and in autograd's backward, which no argument reaches; a backward uses the
@@ -193,6 +194,8 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int],
                 group: ProcessGroup) -> Tensor:
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
-                           input_split_sizes=in_splits, group=group)
+    with span("all_to_all", bytes=x.numel() * x.element_size(), out_bytes=out.numel()
+              * out.element_size()):  # a span on the step timeline when tracing
+        dist.all_to_all_single(out, x.contiguous(), output_split_sizes=out_splits,
+                               input_split_sizes=in_splits, group=group)
     return out

@@ -4,11 +4,13 @@ and training with every switch on computes exactly what it computes with none.""
 import pytest
 import torch
 
+from rlhf import trace
 from rlhf.config.schema import OffloadConfig
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.offload import NEEDS, Offloader, in_phase, placement
 from rlhf.engine.zero import STATE_KINDS
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from rlhf.trace import SpanRecorder
 from tests.unit.engine.reference import OPTIM, actor_loss_fn, make_batch
 
 ALL = OffloadConfig(params=True, grads=True, optimizer=True)
@@ -149,6 +151,20 @@ def test_a_tensor_listed_twice_stays_where_either_kind_needs_it():
     assert torch.equal(shared, want_shared) and moment.numel() == 0
     offloader.enter("update")
     assert torch.equal(moment, want_moment)
+
+
+def test_a_traced_phase_change_records_the_bytes_it_moved(monkeypatch):
+    recorder = SpanRecorder()
+    recorder.on = True
+    monkeypatch.setattr(trace, "RECORDER", recorder)
+    weight, moment = torch.randn(4, 3), torch.randn(5, dtype=torch.float64)
+    offloader = Offloader(lambda: {"weights": [weight], "optimizer": [moment]}, config=ALL)
+    offloader.enter("update")  # both come back
+    offloader.enter("forward")  # the moments leave again
+    spans = [(s[0], s[5]) for s in recorder.take()]
+    assert spans == [("offload:idle", {"to_device_bytes": 0, "to_host_bytes": 48 + 40}),
+                     ("offload:update", {"to_device_bytes": 48 + 40, "to_host_bytes": 0}),
+                     ("offload:forward", {"to_device_bytes": 0, "to_host_bytes": 40})]
 
 
 def test_a_view_is_refused_because_moving_it_would_free_nothing():
