@@ -324,13 +324,18 @@ def _timelines(traces: list[Path]) -> str:
     links = " ".join(f'<a href="{TRACE_DIR}/{p.name}">{_trace_step(p)}</a>' for p in traces)
     parts = [f"<p>Perfetto / Chrome trace files (open in ui.perfetto.dev or chrome://tracing): "
              f"{links}</p>"]
-    for path in traces[-TIMELINES_SHOWN:]:
-        parts.append(_timeline_svg(json.loads(path.read_text(encoding="utf-8")),
-                                   step=_trace_step(path), href=f"{TRACE_DIR}/{path.name}"))
+    shown = [(p, json.loads(p.read_text(encoding="utf-8"))) for p in traces[-TIMELINES_SHOWN:]]
+    # one colour per role on the whole page: the driver first, then the roles by name
+    roles = sorted({ev["cat"] for _, t in shown for ev in t["traceEvents"] if ev.get("ph") == "X"},
+                   key=lambda r: (r != "driver", r))
+    colour = {r: PALETTE[i % len(PALETTE)] for i, r in enumerate(roles)}
+    for path, trace in shown:
+        parts.append(_timeline_svg(trace, step=_trace_step(path), colour=colour,
+                                   href=f"{TRACE_DIR}/{path.name}"))
     return "".join(parts)
 
 
-def _timeline_svg(trace: dict, *, step: int, href: str) -> str:
+def _timeline_svg(trace: dict, *, step: int, colour: dict[str, str], href: str) -> str:
     """One traced step: a track per process and thread, nested spans stacked, coloured by role."""
     names = _process_names(trace)
     spans = sorted((ev for ev in trace["traceEvents"] if ev.get("ph") == "X"),
@@ -340,8 +345,6 @@ def _timeline_svg(trace: dict, *, step: int, href: str) -> str:
         spans = sorted(sorted(spans, key=lambda ev: -ev["dur"])[:MAX_SPANS_DRAWN],
                        key=lambda ev: (ev["pid"], ev["tid"], ev["ts"], -ev["dur"]))
     end = max((ev["ts"] + ev["dur"] for ev in spans), default=1) or 1
-    roles = list(dict.fromkeys(ev["cat"] for ev in spans))
-    colour = {r: PALETTE[i % len(PALETTE)] for i, r in enumerate(roles)}
     width, left, row_h = 1100, 150, 14
     scale = (width - left - 10) / end
     rects, labels, y = [], [], 20
@@ -368,8 +371,9 @@ def _timeline_svg(trace: dict, *, step: int, href: str) -> str:
                 rects.append(f'<text x="{x + 2:.1f}" y="{y + depth * row_h + 10}" '
                              f'class="span">{_e(ev["name"])[: int(w / 6)]}</text>')
         y += rows * row_h + 6
+    drawn = {ev["cat"] for ev in spans}
     legend = "".join(f'<span class="key" style="background:{c}"></span>{_e(r)} '
-                     for r, c in colour.items())
+                     for r, c in colour.items() if r in drawn)
     more = f" ({dropped} shortest spans not drawn)" if dropped else ""
     return (f'<div class="timeline" id="timeline-step-{step}"><h3>step {step}: '
             f'{end / 1e6:.3f} s <a href="{_e(href)}">trace file</a>{more}</h3><p>{legend}</p>'

@@ -1,9 +1,10 @@
 """Render the pictures of docs/guides/see-a-run.md from two run folders with headless Chromium.
 
-    python docs/scripts/see_a_run_pictures.py QUICKSTART_RUN HACKED_RUN
+    python docs/scripts/see_a_run_pictures.py QUICKSTART_RUN HACKED_RUN [ASYNC_RUN]
 
 QUICKSTART_RUN: a quickstart run with traced steps; HACKED_RUN: one trained with
-examples/rewards/pays_for_length.py. Writes docs/guides/images/see-a-run-*.png.
+examples/rewards/pays_for_length.py; ASYNC_RUN: a traced run with trainer.async_mode on.
+Writes docs/guides/images/see-a-run-*.png.
 """
 
 import shutil
@@ -33,7 +34,7 @@ def shoot(page_html: str, png: Path, *, size: str) -> None:
     print(f"wrote {png}")
 
 
-def main(quickstart: str, hacked: str) -> None:
+def main(quickstart: str, hacked: str, async_run: str | None = None) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     run, hack = Path(quickstart), Path(hacked)
     shoot(build_report(run, only=("time", "roles", "memory")),
@@ -42,7 +43,10 @@ def main(quickstart: str, hacked: str) -> None:
           size="1280,1500")
     shoot(build_report(hack, only=("samples",)), OUT / "see-a-run-hacked-samples.png",
           size="1280,1100")
+    if async_run:
+        shoot(build_report(Path(async_run), only=("timeline",)),
+              OUT / "see-a-run-async-timeline.png", size="1280,900")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:4])
