@@ -1,10 +1,11 @@
 """The sample table of a step (trainer.samples_every): the samples behind the step's numbers.
 
 One row per chosen sample: its prompt and response, total reward and each reward function's
-own score, mean advantage, response length, whether it was truncated, and its mean log-prob gap
-(trainer minus sampler) when the sampler's log-probs are known. The rows are the step's lowest
-and highest rewarded samples, so a table shows what the reward punishes and what it pays for
-(reward hacking shows in the best rows), not just the batch's first prompts.
+own score (and the environment's and the reward model's), mean advantage, response length,
+whether it was truncated, and its mean log-prob gap (trainer minus sampler) when the sampler's
+log-probs are known. The rows are the step's lowest and highest rewarded samples, so a table
+shows what the reward punishes and what it pays for (reward hacking shows in the best rows),
+not just the batch's first prompts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from rlhf.data.fields import response_mask
 FUNCTION_SCORE = "reward_fn/"
 """Prefix of the per-sample (n,) float32 fields holding each reward function's own score
 (put there by the driver's scoring, rlhf.trainer.ppo), which sample tables show."""
+
+
+# The other parts of a total reward, each a per-sample field: environment, reward model.
+OTHER_SCORES = {"env_reward": "reward/env", "rm_scores": "reward/model"}
 
 
 def chosen_rows(scores_N: Tensor, rows: int) -> list[tuple[int, str]]:
@@ -50,6 +55,8 @@ def sample_table(batch: Batch, scores_N: Tensor, decode: Callable[[Batch], list[
                "response": response, "reward": float(scores_N[i])}
         row.update({"reward/" + k.removeprefix(FUNCTION_SCORE): float(batch[k][i])
                     for k in functions})
+        row.update({name: float(batch[field][i]) for field, name in OTHER_SCORES.items()
+                    if field in batch})
         row.update(advantage=None if adv is None else float(adv[i]),
                    length=int(lengths[i]), truncated=bool(truncated_N[i]),
                    logprob_gap=None if gap is None else float(gap[i]))

@@ -26,6 +26,7 @@ def test_sample_table_rows_carry_the_figures_of_their_sample():
         "rollout_log_probs": Ragged.from_list([[-1.5, -0.5], [-2.0], [-1.0, -1.3, -1.0]]),
         FUNCTION_SCORE + "exact": torch.tensor([1.0, 0.0, 0.0]),
         FUNCTION_SCORE + "length": torch.tensor([0.2, 0.1, 0.3]),
+        "env_reward": torch.tensor([0.0, 0.0, 0.5]),
     })
     scores = torch.tensor([1.2, 0.1, 0.3])
     decoded = []
@@ -40,7 +41,7 @@ def test_sample_table_rows_carry_the_figures_of_their_sample():
     worst, best = rows
     assert worst == {"index": 1, "kind": "worst", "prompt": "b", "response": "7", "reward":
                      pytest.approx(0.1), "reward/exact": 0.0, "reward/length": pytest.approx(0.1),
-                     "advantage": -2.0, "length": 1, "truncated": False,
+                     "reward/env": 0.0, "advantage": -2.0, "length": 1, "truncated": False,
                      "logprob_gap": 0.0}
     assert best["index"] == 0 and best["response"] == "5 6" and best["advantage"] == 2.0
     assert best["logprob_gap"] == pytest.approx(0.5)
