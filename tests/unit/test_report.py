@@ -74,6 +74,17 @@ def test_the_page_has_every_section_and_links_the_timeline(tmp_path):
     assert not re.search(r"<(link|img|iframe)\b|\bsrc=", page)
 
 
+def test_a_line_still_being_written_is_left_for_the_next_report(tmp_path):
+    run = started_run(tmp_path)
+    write_steps(run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "reward/me')
+    assert "step 2 of 2 (finished)" in build_report(run)
+    (run / "metrics.jsonl").write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(RLHFError, match="line 2 is not JSON"):
+        build_report(run)
+
+
 def test_a_run_that_only_started_gets_a_page_saying_what_is_missing(tmp_path):
     run = started_run(tmp_path, total_steps=5)
     page = build_report(run)
