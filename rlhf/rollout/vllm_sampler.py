@@ -42,6 +42,7 @@ from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_e
 from rlhf.rollout.residency import SleepLedger, SleepReport, replica_sleeps
 from rlhf.rollout.routing import check_routing_source, records_in_rollout, sample_routes
 from rlhf.rollout.weights import Receipt, reload_weights
+from rlhf.trace import span
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,8 @@ class VllmSampler:
         if not (self.sleeps and self.awake):
             return None
         level = 1 if self.adapters is not None else 2
-        report = self.ledger.slept(lambda: self.llm.sleep(level=level))
+        with span("vllm_sleep", level=level):
+            report = self.ledger.slept(lambda: self.llm.sleep(level=level))
         self.asleep = {"weights", "kv_cache"}
         self.has_weights = self.adapters is not None
         return report
@@ -161,7 +163,8 @@ class VllmSampler:
                 self.ledger.start()
             else:
                 release_cached_memory(self.device_type)
-            self.llm.wake_up(tags=[tag])
+            with span("vllm_wake", tag=tag):
+                self.llm.wake_up(tags=[tag])
             if self.ledger is not None:
                 self.ledger.took()
             self.asleep.discard(tag)
