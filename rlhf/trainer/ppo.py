@@ -87,7 +87,7 @@ def decode_responses(batch: Batch, tokenizer) -> list[str]:
 def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *,
                 rm_scores: Tensor | None = None) -> tuple[Tensor, dict[str, float], Batch]:
     """(N,) float32 total rewards (functions + environment + reward model), the metrics, and
-    each function's own scores as per-sample fields (samples.FUNCTION_SCORE)."""
+    each function's own scores (samples.FUNCTION_SCORE) and the reward model's as fields."""
     result = runner.score(batch["raw_prompt"], decode_responses(batch, tokenizer),
                           batch["ground_truth"], batch["extra"])
     parts = [result.scores]
@@ -101,9 +101,10 @@ def score_batch(batch: Batch, tokenizer, runner: RewardRunner, cfg: JobConfig, *
         metrics["reward/env_mean"] = batch["env_reward"].float().mean().item()
     if rm_scores is not None:
         metrics["reward/rm_mean"] = rm_scores.float().mean().item()
-    functions = Batch({FUNCTION_SCORE + name: s for name, s in result.function_scores.items()},
-                      size=len(batch))
-    return scores, metrics, functions
+    parts_N = {FUNCTION_SCORE + name: s for name, s in result.function_scores.items()}
+    if rm_scores is not None:  # the sample tables show the reward model's share too
+        parts_N["rm_scores"] = rm_scores.float()
+    return scores, metrics, Batch(parts_N, size=len(batch))
 
 
 def compute_advantages(batch: Batch, scores_N: Tensor, cfg: JobConfig,
