@@ -21,8 +21,8 @@ from typing import Any
 
 from rlhf.errors import RLHFError
 from rlhf.trace import TRACE_DIR
+from rlhf.trainer.loggers import REPORT_FILE
 
-REPORT_FILE = "report.html"
 TIMELINES_SHOWN = 3  # the newest traced steps drawn inline; every one is linked
 ROLE_STEPS_SHOWN = 5  # the newest traced steps in the per-role table, newest first
 MAX_SPANS_DRAWN = 4000  # per timeline: a page stays light on runs with many micro-batches

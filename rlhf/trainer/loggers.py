@@ -22,6 +22,8 @@ from rlhf.errors import RLHFError
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"  # one row a line: {"step": ..., **row of rlhf.trainer.samples}
+REPORT_FILE = "report.html"  # where `rlhf report` writes a run's page (rlhf.report)
+MLFLOW_ARTIFACTS = "mlartifacts"  # the local MLflow store's artifacts (sample tables)
 # Files a tracker leaves in output_dir to continue the same tracked run on resume.
 WANDB_RUN_FILE = "wandb_run_id"
 MLFLOW_RUN_FILE = "mlflow_run_id"
@@ -270,7 +272,7 @@ class MlflowLogger:
             return
         found = self.client.get_experiment_by_name(experiment)
         # The local store keeps its artifacts (sample tables) in output_dir too, not in ./mlruns
-        artifacts = None if tracking_uri else (output_dir / "mlartifacts").resolve().as_uri()
+        artifacts = None if tracking_uri else (output_dir / MLFLOW_ARTIFACTS).resolve().as_uri()
         experiment_id = (found.experiment_id if found is not None
                          else self.client.create_experiment(experiment,
                                                             artifact_location=artifacts))

@@ -23,6 +23,7 @@ from rlhf.config import JobConfig, config_from_dict, config_to_dict
 from rlhf.config.paths import resolve_paths
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.files import atomic_write
+from rlhf.trace import TRACE_DIR
 from rlhf.trainer.checkpoint import (
     CheckpointManager,
     config_differences,
@@ -31,11 +32,13 @@ from rlhf.trainer.checkpoint import (
     read_manifest,
     run_fingerprint,
 )
+from rlhf.trainer.loggers import METRICS_FILE, MLFLOW_ARTIFACTS, REPORT_FILE, SAMPLES_FILE
 
 RUN_FILE = "run.json"  # the run's identity, written when it starts
 # What a training run writes into trainer.output_dir; trainer.overwrite moves these aside.
-RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "config.yaml", RUN_FILE, "hf_model",
-               "tensorboard", "logs", "wandb", "mlflow.db", "wandb_run_id", "mlflow_run_id")
+RUN_ENTRIES = ("checkpoints", METRICS_FILE, "config.yaml", RUN_FILE, "hf_model",
+               "tensorboard", "logs", "wandb", "mlflow.db", "wandb_run_id", "mlflow_run_id",
+               SAMPLES_FILE, TRACE_DIR, REPORT_FILE, MLFLOW_ARTIFACTS)
 
 
 @dataclass
