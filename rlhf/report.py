@@ -126,8 +126,12 @@ def _total_steps(run: Path) -> int | None:
         return None
 
 
+# Control characters (sampled text holds any token) are shown as \xNN, not put in the page raw.
+_CONTROLS = {c: f"\\x{c:02x}" for c in [*range(32), 127] if chr(c) not in "\n\t"}
+
+
 def _e(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    return html.escape(str(value).translate(_CONTROLS), quote=True)
 
 
 def _section(anchor: str, title: str, content: str) -> str:

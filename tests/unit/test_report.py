@@ -39,7 +39,7 @@ def write_steps(run: Path) -> None:
                 "note": "text"} for s in (1, 2)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     rows = [{"step": 2, "index": 3, "kind": "best", "prompt": "<script>alert(1)</script>",
-             "response": "a very long answer", "reward": 0.9, "reward/length": 0.9,
+             "response": "a very long answer\x1b", "reward": 0.9, "reward/length": 0.9,
              "length": 40, "truncated": True}]
     (run / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     method = {"role_method": True}
@@ -61,6 +61,7 @@ def test_the_page_has_every_section_and_links_the_timeline(tmp_path):
     assert "step 2 of 2 (finished)" in page
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page  # sample text is escaped
     assert "<script>alert" not in page
+    assert "a very long answer\\x1b" in page and "\x1b" not in page  # controls made visible
     assert 'href="trace/step_000002.json"' in page and 'id="timeline-step-2"' in page
     assert 'href="#timeline-step-2"' in page  # the step's row links to its timeline
     # per role: the slowest rank named, the spread between ranks shown
