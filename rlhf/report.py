@@ -419,7 +419,7 @@ h3 { font-size: 13px; } nav a { margin-right: 10px; }
 pre { background: #f6f6f6; padding: 8px; max-height: 320px; overflow: auto; }
 table { border-collapse: collapse; margin: 6px 0; }
 td, th { border: 1px solid #ddd; padding: 2px 6px; vertical-align: top; text-align: left; }
-table.samples td { max-width: 420px; white-space: pre-wrap; word-break: break-word; }
+table.samples td { max-width: 420px; white-space: pre-wrap; overflow-wrap: break-word; }
 .grid { display: flex; flex-wrap: wrap; gap: 6px; }
 figure.chart { margin: 0; border: 1px solid #eee; } figcaption { font-size: 11px; padding: 0 4px; }
 .axis { font-size: 9px; fill: #666; } .span { font-size: 9px; fill: #fff; pointer-events: none; }
