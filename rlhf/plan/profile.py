@@ -5,8 +5,9 @@ a grid of packed micro-batch shapes (sequence lengths from 16 tokens to the role
 one to many per micro-batch, and a few mixed ones) runs through the role's real engine and
 schedule: one process at tp = pp = 1, else tp * pp gloo (NCCL on GPUs) ranks, each timing its
 own compute (wall time less the time blocked on pipeline messages) and peak memory
-(torch.cuda's peak on GPUs; on the CPU the profiler's allocation events). With pp > 1 a
-ping-pong between stages 0 and 1 times the p2p of an activation. Time and memory are fitted per
+(torch.cuda's peak on GPUs; on the CPU the profiler's allocation events). With pp > 1 the
+cost of a message between stages is what a one-micro-batch pass takes beyond its stages'
+compute (`_handoff_cost`; a ping-pong's wire time where none shows). Time and memory are fitted per
 stage (non-negative least squares) and written, with the fingerprint of what was measured,
 to trainer.cost_model_path (default output_dir/cost_model.json); a role whose fingerprint
 still matches is not measured again.
@@ -197,17 +198,40 @@ def measure_role(cfg: JobConfig, spec: RoleSpec, fp: dict, *, repeats: int, prog
             time_coefs = fit_nonnegative(shape_list, seconds, TIME_FEATURES)
             stages.append(StageCost(time_coefs, fit_nonnegative(shape_list, peak, MEMORY_FEATURES)))
             errors += [abs(linear(time_coefs, s) / t - 1) for s, t in zip(shape_list, seconds)]
-        p2p = {}
-        if spec.parallel.pp > 1:
-            sizes = ranks[0]["p2p"]
-            p2p = fit_nonnegative([Shape(n, 1, 0, 0) for n, _ in sizes],
-                                  [max(s, 1e-7) for _, s in sizes], P2P_FEATURES)
-        costs[phase] = PhaseCost(tuple(stages), p2p)
         fit[phase] = {"time_median_abs_rel_error": statistics.median(errors),
                       "time_max_abs_rel_error": max(errors),
                       # per stage: [tokens, seqs, sum_sq, max_sq, seconds, peak bytes]
                       "points": points}
+        p2p = {}
+        if spec.parallel.pp > 1:
+            p2p, fit[phase]["handoffs"] = _handoff_cost(
+                ranks, stage_ranks, idx, shape_list, phase=phase,
+                virtual_stages=spec.parallel.pp * spec.parallel.vpp)
+        costs[phase] = PhaseCost(tuple(stages), p2p)
     return RoleCost(fp, costs, fit)
+
+
+def _handoff_cost(ranks: list[dict], stage_ranks: list[int], idx: list[int],
+                  shapes: list[Shape], *, phase: str, virtual_stages: int
+                  ) -> tuple[dict[str, float], list[list[float]]]:
+    """The seconds one stage-to-stage message costs inside the pipeline (const + per token),
+    and its points [tokens, seconds]: a one-micro-batch pass runs its stages one after
+    another, so its wall time less every stage's compute is its messages' cost. That is more
+    than a ping-pong's wire time: the send and receive posting, the receiver's wake-up (long
+    on a loaded machine). The ping-pong's fit where the passes show no such cost."""
+    messages = (virtual_stages - 1) * (1 if phase == "forward" else 2)
+    points = []
+    for k, shape in zip(idx, shapes):
+        wall = max(ranks[r]["wall"][k] for r in stage_ranks)
+        residual = wall - sum(ranks[r]["compute"][k] for r in stage_ranks)
+        if residual > 0:
+            points.append([float(shape.tokens), residual / messages])
+    if len(points) >= 2:
+        return fit_nonnegative([Shape(int(n), 1, 0, 0) for n, _ in points],
+                               [s for _, s in points], P2P_FEATURES), points
+    sizes = ranks[0]["p2p"]
+    return fit_nonnegative([Shape(n, 1, 0, 0) for n, _ in sizes],
+                           [max(s, 1e-7) for _, s in sizes], P2P_FEATURES), points
 
 
 def _p2p_sizes(max_tokens: int) -> list[int]:

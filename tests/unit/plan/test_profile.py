@@ -50,3 +50,26 @@ def test_profile_writes_fits_and_reuses_while_the_fingerprint_matches(tmp_path, 
         prof.load_cost_models(recompute)
     prof.profile(recompute, repeats=1, progress=lines.append)
     assert measured == ["actor"]
+
+
+def test_handoff_cost_is_the_one_micro_batch_pass_less_its_stages_compute():
+    """A one-micro-batch pass at pp > 1 runs its stages one after another, so its wall time
+    less the stages' compute is its messages: 2 (pp * vpp - 1) for forward + backward."""
+    tokens = [64, 512, 2048, 256]
+    const, per_token = 3e-3, 2e-6
+    compute = [[1e-2 * (1 + n / 64), 2e-2 * (1 + n / 64)] for n in tokens]  # [job][stage]
+    messages = 2 * (2 * 2 - 1)  # pp = 2, vpp = 2
+    walls = [sum(c) + messages * (const + per_token * n) for c, n in zip(compute, tokens)]
+    ranks = [{"compute": [c[s] for c in compute], "wall": walls if s == 0 else
+              [w * 0.5 for w in walls], "p2p": [(64, 1.0), (2048, 1.0)]} for s in range(2)]
+    shapes = [Shape.of([n]) for n in tokens]
+    coefs, points = prof._handoff_cost(ranks, [0, 1], list(range(4)), shapes,
+                                       phase="forward_backward", virtual_stages=4)
+    assert coefs["const"] == pytest.approx(const, rel=1e-6)
+    assert coefs["tokens"] == pytest.approx(per_token, rel=1e-6)
+    assert [n for n, _ in points] == tokens
+    # No pass shows a handoff (walls equal to the compute): the ping-pong's wire time.
+    flat = [{**r, "wall": [sum(c) for c in compute]} for r in ranks]
+    coefs, points = prof._handoff_cost(flat, [0, 1], list(range(4)), shapes, phase="forward",
+                                       virtual_stages=2)
+    assert points == [] and coefs["const"] + coefs["tokens"] * 2048 == pytest.approx(1.0)
