@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from rlhf.data.balancing import assign_micro_batches, check_lengths
 from rlhf.data.cost_model import Shape
-from rlhf.data.micro_batching import CostPlan, plan_by_cost
+from rlhf.data.micro_batching import CostPlan, faster_plan, plan_by_cost
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,11 @@ class BatchSplit:
     """[group] -> driver row indices, in the order the group receives them."""
     groups: tuple[GroupBatches, ...]
     group_costs: tuple[tuple[float, ...], ...]
-    """[mini-batch][group] -> summed sample cost: what the balancing evens out."""
+    """[mini-batch][group] -> summed sample cost: what the balancing evens out (with a cost
+    model: the group's predicted pass seconds)."""
+    fallbacks: tuple[bool, ...] = ()
+    """With a cost model, [mini-batch] -> True where it predicted the token budget's plan
+    faster than its own and kept that one; () without."""
 
     @property
     def dp(self) -> int:
@@ -86,7 +90,7 @@ def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: 
     `mini_size` samples (None: one mini-batch of all), each balanced over the groups and
     packed under `max_tokens` (and `max_seqs`) per micro-batch, or, with `cost_plan`, cut and
     ordered by the cost model (rlhf.data.micro_batching; each sample still within
-    `max_tokens`). `what` names `mini_size` in
+    `max_tokens`), unless it predicts the token budget's plan faster. `what` names `mini_size` in
     errors (say, "actor.ppo_mini_batch_size * rollout.n"). `shared[i]`: prompt tokens sample
     i reads from the first sample of its run (packing's shared prompts); not with `max_seqs`,
     which counts samples, so a sample cap splits sample by sample (packing still shares).
@@ -102,18 +106,19 @@ def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: 
     rows: list[list[int]] = [[] for _ in range(dp)]
     minis: list[list[list[tuple[int, ...]]]] = [[] for _ in range(dp)]
     tokens: list[list[list[int]]] = [[] for _ in range(dp)]
-    costs = []
+    costs, fallbacks = [], []
     for start in range(0, n, size) if n else [0]:
         units = share_units(lengths[start:start + size],
                             shared[start:start + size] if shared and max_seqs is None else None,
                             max_tokens)
-        if cost_plan is None:
-            sub = assign_micro_batches([tokens for _, tokens in units], dp=dp,
-                                       max_tokens=max_tokens, max_seqs=max_seqs, cost=cost)
-        else:
+        sub = assign_micro_batches([tokens for _, tokens in units], dp=dp,
+                                   max_tokens=max_tokens, max_seqs=max_seqs, cost=cost)
+        if cost_plan is not None:
             shapes = [unit_shape(samples, tokens, lengths[start:start + size])
                       for samples, tokens in units]
-            sub = plan_by_cost(shapes, dp=dp, plan=cost_plan, max_seqs=max_seqs)
+            sub, fell_back = faster_plan(plan_by_cost(shapes, dp=dp, plan=cost_plan,
+                                                      max_seqs=max_seqs), sub, shapes, cost_plan)
+            fallbacks.append(fell_back)
         costs.append(sub.rank_costs)
         for g in range(dp):
             mbs, counts = [], []
@@ -127,7 +132,7 @@ def split_batch(lengths: Sequence[int], *, dp: int, max_tokens: int, mini_size: 
             tokens[g].append(counts)
     groups = tuple(GroupBatches(tuple(tuple(m) for m in minis[g]), tuple(tuple(c) for c in tokens[g]))
                    for g in range(dp))
-    return BatchSplit(tuple(tuple(r) for r in rows), groups, tuple(costs))
+    return BatchSplit(tuple(tuple(r) for r in rows), groups, tuple(costs), tuple(fallbacks))
 
 
 def share_units(lengths: Sequence[int], shared: Sequence[int] | None,

@@ -213,6 +213,10 @@ class CostModelFile:
         role = self.matching(key, fingerprint)
         if role is not None:
             return role
+        if not self.roles:
+            raise ValueError(f"no cost model at {path} (missing, or written by another "
+                             "version); run `rlhf profile CONFIG` first (or set "
+                             "trainer.micro_batching=token_budget)")
         if key not in self.roles:
             raise ValueError(f"{path} has no cost model of role {key!r}; run `rlhf profile "
                              "CONFIG` first (or set trainer.micro_batching=token_budget)")

@@ -16,6 +16,7 @@ Pure and deterministic: the same lengths give the same plan on any machine.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -59,10 +60,12 @@ def memory_limit(phase: PhaseCost, max_tokens: int) -> float:
 
 
 def optimal_cut(shapes: Sequence[Shape], cost: Callable[[Shape], float], *,
-                fits: Callable[[Shape], bool], pp: int = 1,
-                max_seqs: int | None = None) -> list[tuple[int, int]]:
+                fits: Callable[[Shape], bool], pp: int = 1, max_seqs: int | None = None,
+                evaluate: Callable[[list[tuple[int, int]]], float] | None = None
+                ) -> list[tuple[int, int]]:
     """Contiguous segments [i, j) of `shapes` (sorted by length) minimising
-    sum cost + (pp - 1) * max cost, each fitting (`fits`, at most `max_seqs` items)."""
+    sum cost + (pp - 1) * max cost, each fitting (`fits`, at most `max_seqs` items); at
+    pp > 1 `evaluate(cut)`, if given, ranks the candidate cuts instead (a simulated schedule)."""
     n = len(shapes)
     if n == 0:
         return []
@@ -91,7 +94,8 @@ def optimal_cut(shapes: Sequence[Shape], cost: Callable[[Shape], float], *,
         total, cut = _best_sum(segments, n, tau)
         if not cut:
             continue
-        objective = total + (pp - 1) * max(_costs(segments, cut))
+        objective = (evaluate(cut) if evaluate is not None
+                     else total + (pp - 1) * max(_costs(segments, cut)))
         if best is None or objective < best[0] - 1e-15:
             best = (objective, cut)
     assert best is not None  # tau = the largest value admits every feasible cut
@@ -236,10 +240,17 @@ def plan_by_cost(shapes: Sequence[Shape], *, dp: int, plan: CostPlan,
     micro, seconds = [], []
     for part in parts:
         ids = sorted(part, key=lambda i: (shapes[i].tokens, shapes[i].sum_sq, i))
+
+        def bins_of(cut, ids=ids):
+            return [sorted(ids[a:b]) for a, b in cut]
+        # The closed form misses the schedule's waits and messages: with a pipeline, each
+        # candidate cut is ranked by its simulated pass in its best order.
+        simulated = ((lambda cut: choose_order(bins_of(cut), shapes, plan)[1])
+                     if plan.pp > 1 and plan.orders_for is not None else None)
         cut = optimal_cut([shapes[i] for i in ids], plan.micro_batch_cost, pp=plan.pp,
                           fits=lambda s: plan.phase.memory(s) <= plan.memory_limit,
-                          max_seqs=max_seqs)
-        bins = [sorted(ids[a:b]) for a, b in cut]
+                          max_seqs=max_seqs, evaluate=simulated)
+        bins = bins_of(cut)
         order, predicted = choose_order(bins, shapes, plan)
         micro.append(tuple(tuple(bins[k]) for k in order))
         seconds.append(predicted)
@@ -248,3 +259,20 @@ def plan_by_cost(shapes: Sequence[Shape], *, dp: int, plan: CostPlan,
                                 rank_costs=tuple(seconds),
                                 max_tokens=max((c for r in counts for c in r), default=0),
                                 has_empty_micro_batches=False)
+
+
+def predicted_passes(assignment: MicroBatchAssignment, shapes: Sequence[Shape],
+                     plan: CostPlan) -> tuple[float, ...]:
+    """Each rank's predicted pass over its micro-batches as they stand (empty ones skipped)."""
+    return tuple(predict_pass(plan, [_sum_shapes(shapes[i] for i in mb) for mb in rank if mb])
+                 for rank in assignment.micro_batches)
+
+
+def faster_plan(planned: MicroBatchAssignment, baseline: MicroBatchAssignment,
+                shapes: Sequence[Shape], plan: CostPlan) -> tuple[MicroBatchAssignment, bool]:
+    """The cost model's plan, or the token budget's `baseline` (True) where the cost model
+    predicts its slowest rank faster; its `rank_costs` the predicted passes either way."""
+    base = predicted_passes(baseline, shapes, plan)
+    if max(base, default=0.0) < max(planned.rank_costs, default=0.0):
+        return dataclasses.replace(baseline, rank_costs=base), True
+    return planned, False

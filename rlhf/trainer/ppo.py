@@ -299,6 +299,8 @@ class PPOTrainer:
         metrics.update(adv_metrics, **update_metrics, **timer.seconds)
         metrics.update(stats)
         metrics["plan/imbalance"] = splits.imbalance
+        if splits.fallback_fraction is not None:  # cost_model: where token_budget was kept
+            metrics["plan/token_budget_fallback"] = splits.fallback_fraction
         for role in MEMORY_REPORTING_ROLES:  # each role method's worst rank, this step
             if role in views:
                 report = worst_memory(views[role].memory_metrics())

@@ -90,6 +90,13 @@ class StepSplits:
         return self._split(key, mini_size=mini, what=what)
 
     @property
+    def fallback_fraction(self) -> float | None:
+        """Of the cost-model plans made so far, the share the token budget's plan replaced
+        (predicted faster); None without a cost model."""
+        flags = [f for p in self._splits.values() for f in p.fallbacks]
+        return sum(flags) / len(flags) if self.cost_models is not None and flags else None
+
+    @property
     def imbalance(self) -> float:
         """The worst max-over-mean group cost of any split made so far (1.0: perfect)."""
         return max((p.imbalance for p in self._splits.values()), default=1.0)

@@ -1,12 +1,14 @@
 """Cost-model micro-batching: the fit, the DP cut against brute force, the memory limit,
 the pipeline simulation against 1F1B's closed form, and determinism."""
 
+import dataclasses
 import itertools
 import json
 import random
 
 import pytest
 
+from rlhf.data.balancing import assign_micro_batches
 from rlhf.data.batch_split import split_batch
 from rlhf.data.cost_model import (
     MEMORY_FEATURES,
@@ -21,10 +23,13 @@ from rlhf.data.cost_model import (
 )
 from rlhf.data.micro_batching import (
     CostPlan,
+    choose_order,
+    faster_plan,
     memory_limit,
     optimal_cut,
     pass_time,
     plan_by_cost,
+    predicted_passes,
     simulate_pipeline,
 )
 from rlhf.engine.pipeline_order import forward_only_order, training_orders
@@ -146,4 +151,66 @@ def test_cost_model_file_round_trip_and_fingerprint(tmp_path):
         loaded.require("actor", {**print_, "dtype": "bfloat16"}, path=path)
     with pytest.raises(ValueError, match="no cost model of role 'critic'"):
         loaded.require("critic", print_, path=path)
+    with pytest.raises(ValueError, match="no cost model at .*absent.json.*rlhf profile"):
+        CostModelFile.load(tmp_path / "absent.json").require("actor", print_,
+                                                            path=tmp_path / "absent.json")
     assert MEMORY_FEATURES[0] == "const"
+
+
+def pipelined(pp=2, p2p=None):
+    """A pp-stage plan whose messages cost `p2p` (a handoff's constant and per-token seconds)."""
+    stages = tuple(StageCost(dict(TIME), dict(MEMORY)) for _ in range(pp))
+    cost = PhaseCost(stages, p2p or {"const": 1e-4, "tokens": 1e-7})
+    orders = lambda m: training_orders(m, pp=pp, vpp=1)[0]  # noqa: E731
+    return CostPlan(cost, memory_limit(cost, 2048), pp=pp, orders_for=orders)
+
+
+def test_pipelined_cut_is_ranked_by_the_simulated_schedule():
+    """At pp > 1 each candidate cut is ranked by its simulated pass, so the chosen one is never
+    predicted slower than the closed form's choice, and costly handoffs mean fewer, fuller
+    micro-batches."""
+    rng = random.Random(11)
+    counts, gains = {}, []
+    for p2p in ({"const": 1e-4, "tokens": 1e-7}, {"const": 2e-2, "tokens": 1e-6}):
+        plan = pipelined(p2p=p2p)
+        counts[p2p["const"]] = 0
+        for _ in range(8):
+            shapes = sorted((Shape.of([min(2000, int(rng.lognormvariate(4, 1.3)) + 4)])
+                             for _ in range(24)), key=lambda s: s.tokens)
+            fits = lambda s, plan=plan: plan.phase.memory(s) <= plan.memory_limit  # noqa: E731
+            closed = optimal_cut(shapes, plan.micro_batch_cost, fits=fits, pp=2)
+
+            def simulated(cut, shapes=shapes, plan=plan):
+                return choose_order([list(range(a, b)) for a, b in cut], shapes, plan)[1]
+            chosen = optimal_cut(shapes, plan.micro_batch_cost, fits=fits, pp=2,
+                                 evaluate=simulated)
+            assert simulated(chosen) <= simulated(closed) + 1e-12
+            gains.append(simulated(closed) - simulated(chosen))
+            counts[p2p["const"]] += len(chosen)
+    assert counts[2e-2] < counts[1e-4]
+    assert max(gains) > 1e-6  # the closed form alone is not what picked them
+
+
+def test_cost_model_split_is_never_predicted_slower_than_the_token_budget():
+    """The split keeps the token budget's plan exactly where the cost model predicts it
+    faster, flags that mini-batch, and its group costs are the predicted passes."""
+    rng = random.Random(5)
+    for trial in range(12):
+        plan = pipelined(p2p={"const": rng.choice([1e-4, 5e-2]), "tokens": 1e-7})
+        lengths = [min(2000, int(rng.lognormvariate(4, 1.5)) + 4) for _ in range(32)]
+        split = split_batch(lengths, dp=2, max_tokens=2048, cost_plan=plan)
+        shapes = [Shape.of([n]) for n in lengths]
+        ours = plan_by_cost(shapes, dp=2, plan=plan)
+        budget = assign_micro_batches(lengths, dp=2, max_tokens=2048)
+        best = min(max(ours.rank_costs), max(predicted_passes(budget, shapes, plan)))
+        assert max(split.group_costs[0]) == pytest.approx(best, rel=1e-12), trial
+        assert split.fallbacks == (faster_plan(ours, budget, shapes, plan)[1],)
+    assert split_batch(lengths, dp=2, max_tokens=2048).fallbacks == ()
+    # The rule itself: a plan with every sample on one rank loses to the budget's.
+    lopsided = dataclasses.replace(ours, micro_batches=(tuple(
+        mb for r in ours.micro_batches for mb in r), ()))
+    lopsided = dataclasses.replace(lopsided, rank_costs=predicted_passes(lopsided, shapes, plan))
+    kept, fell_back = faster_plan(lopsided, budget, shapes, plan)
+    assert fell_back and kept.micro_batches == budget.micro_batches
+    assert kept.rank_costs == predicted_passes(budget, shapes, plan)
+    assert faster_plan(ours, lopsided, shapes, plan) == (ours, False)
