@@ -96,6 +96,7 @@ def _train(args) -> int:
             cost_models = load_cost_models(cfg)
         except ValueError as exc:
             raise RLHFError(str(exc)) from None
+        cfg = _choose_schedules(cfg, cost_models)
     try:
         records = run_train(cfg, progress=not args.no_progress, cost_models=cost_models)
     except Preempted as stopped:
@@ -103,6 +104,22 @@ def _train(args) -> int:
         return EXIT_PREEMPTED
     _print_summary(records, Path(cfg.trainer.output_dir))
     return 0
+
+
+def _choose_schedules(cfg, cost_models):
+    """trainer.pipeline_schedule=auto: each interleavable role's schedule by predicted time."""
+    from rlhf.plan.profile import job_fingerprints
+    from rlhf.trainer.step_splits import choose_schedules
+
+    dp = {key: spec.dp for key, (spec, _) in job_fingerprints(cfg).items()}
+    chosen, predicted = choose_schedules(cfg, cost_models, dp)
+    for key, seconds in predicted.items():
+        vpp = getattr(chosen, key).parallel.vpp
+        print(f"pipeline schedule: {key}: {'1F1B' if vpp == 1 else f'interleaved vpp={vpp}'} "
+              f"(predicted step: " + ", ".join(
+                  f"{'1F1B' if v == 1 else f'interleaved {v}'} {t:.3f}s"
+                  for v, t in seconds.items()) + ")", file=sys.stderr, flush=True)
+    return chosen
 
 
 def _sft(args) -> int:

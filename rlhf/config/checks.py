@@ -223,6 +223,11 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
         yield (f"{name}.parallel.ep={parallel.ep} needs every rank of an ep group to run as many "
                "micro-batches, which trainer.micro_batching=cost_model does not plan; use "
                "token_budget")
+    if (cfg.trainer.pipeline_schedule == "auto" and parallel.vpp > 1
+            and parallel.layers_per_stage is not None):
+        yield (f"{name}.parallel.layers_per_stage fixes {parallel.pp * parallel.vpp} virtual "
+               "stages, so trainer.pipeline_schedule=auto cannot switch to 1F1B; remove "
+               "layers_per_stage or set pipeline_schedule=configured")
     if role.dtype == "float16" and cfg.trainer.device == "cpu":
         yield f"{name}.dtype=float16 is not supported on cpu; use float32, bfloat16 or auto"
     sequence = cfg.data.max_prompt_length + cfg.rollout.max_response_tokens

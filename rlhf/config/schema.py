@@ -927,6 +927,10 @@ class TrainerConfig:
     the trackers that hold tables (W&B, MLflow, TensorBoard); 0 = never."""
     samples_rows: int = 8
     """Rows of each sample table: the lowest and the highest rewarded samples of the step."""
+    pipeline_schedule: Literal["configured", "auto"] = "configured"
+    """A pipelined role's schedule: configured (1F1B at parallel.vpp 1, interleaved above) or
+    auto (with micro_batching=cost_model, a role at parallel.vpp > 1 runs 1F1B or interleaved
+    at that vpp, whichever its cost model predicts faster; chosen at the start and printed)."""
 
     def __post_init__(self):
         require_min(self, 1, "total_steps", "nnodes", "ranks_per_node")
@@ -944,6 +948,10 @@ class TrainerConfig:
         if any(s < 1 for s in self.trace_steps):
             raise ConfigError(f"trace_steps must be step numbers from 1, got "
                               f"{list(self.trace_steps)}")
+        if self.pipeline_schedule == "auto" and self.micro_batching != "cost_model":
+            raise ConfigError("pipeline_schedule=auto chooses the schedule by the cost model; "
+                              "set micro_batching=cost_model (and run `rlhf profile`) or "
+                              "pipeline_schedule=configured")
         if self.async_mode == "one_step" and self.max_staleness != 1:
             raise ConfigError(f"async_mode one_step is max_staleness 1, got max_staleness="
                               f"{self.max_staleness}; use async_mode=bounded for a larger bound")

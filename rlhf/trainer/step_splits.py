@@ -11,12 +11,13 @@ role's schedule.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from functools import partial
 
 from rlhf.config import AlgorithmNeeds, JobConfig
 from rlhf.data.batch import Batch
-from rlhf.data.batch_split import BatchSplit, role_budget, split_role_batch
+from rlhf.data.batch_split import BatchSplit, role_budget, split_batch, split_role_batch
 from rlhf.data.cost_model import RoleCost
 from rlhf.data.fields import sample_lengths
 from rlhf.data.micro_batching import CostPlan, memory_limit
@@ -50,6 +51,52 @@ def cost_plan(role, cost: RoleCost, phase: str) -> CostPlan:
     return CostPlan(measured, memory_limit(measured, role.max_tokens_per_micro_batch), pp=pp,
                     vpp=vpp, orders_for=orders if pp > 1 else None,
                     forward=cost.phases.get("forward"))
+
+
+def schedule_lengths(cfg: JobConfig, n: int, *, most: int) -> list[int]:
+    """n sample lengths spread geometrically from 16 tokens to the longest a sample can be
+    (prompt + response, at most `most`): an RL batch's long tail, to choose a schedule before
+    any batch exists."""
+    longest = max(16, min(most, cfg.data.max_prompt_length + cfg.rollout.max_response_tokens))
+    return [round(16 * (longest / 16) ** (i / max(1, n - 1))) for i in range(n)]
+
+
+def predicted_role_step(cfg: JobConfig, key: str, role, cost: RoleCost, dp: int) -> float:
+    """The cost model's seconds for role `key`'s passes in one step at `role`'s layout: a
+    forward over the batch, and for a trained role its update's mini-batches (one epoch)."""
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    budget, max_seqs = role_budget(role)
+    lengths = schedule_lengths(cfg, samples, most=budget)
+    passes = [("forward", None)]
+    if "forward_backward" in cost.phases and hasattr(role, "ppo_mini_batch_size"):
+        passes.append(("forward_backward", role.ppo_mini_batch_size * cfg.rollout.n))
+    total = 0.0
+    for phase, mini in passes:
+        split = split_batch(lengths, dp=dp, max_tokens=budget, mini_size=mini,
+                            max_seqs=max_seqs, cost_plan=cost_plan(role, cost, phase))
+        total += sum(max(costs) for costs in split.group_costs)
+    return total
+
+
+def choose_schedules(cfg: JobConfig, cost_models: Mapping[str, RoleCost],
+                     dp: Mapping[str, int]) -> tuple[JobConfig, dict[str, dict[int, float]]]:
+    """With trainer.pipeline_schedule=auto: the config with each pipelined role at
+    parallel.vpp > 1 set to the vpp (1: 1F1B, or its own: interleaved) whose step the cost
+    model predicts faster, and per such role {vpp: predicted seconds}; else `cfg` unchanged."""
+    if cfg.trainer.pipeline_schedule != "auto":
+        return cfg, {}
+    changes, predicted = {}, {}
+    for key in sorted(cost_models):
+        role = getattr(cfg, key)
+        if role.parallel.pp == 1 or role.parallel.vpp == 1:
+            continue
+        options = {vpp: dataclasses.replace(role, parallel=dataclasses.replace(
+            role.parallel, vpp=vpp)) for vpp in (1, role.parallel.vpp)}
+        predicted[key] = {vpp: predicted_role_step(cfg, key, r, cost_models[key], dp[key])
+                          for vpp, r in options.items()}
+        best = min(predicted[key], key=lambda v: (predicted[key][v], v))
+        changes[key] = options[best]
+    return dataclasses.replace(cfg, **changes), predicted
 
 
 def _forward_orders(m: int, *, pp: int, vpp: int):

@@ -112,3 +112,33 @@ def test_cost_model_splits_each_pass_by_its_phase_and_needs_the_models():
             for mb in mini:
                 assert sum(lengths[rows[i]] ** 2 for i in mb) <= limit
     assert upd.num_mini_batches == 2 and sorted(r for g in upd.rows for r in g) == list(range(8))
+
+
+def test_auto_pipeline_schedule_follows_the_predicted_step():
+    """trainer.pipeline_schedule=auto runs the interleaved schedule where the cost model
+    predicts it faster (free messages: a smaller bubble) and 1F1B where its extra messages
+    cost more than the bubble saves."""
+    from rlhf.config import ParallelConfig
+    from rlhf.data.cost_model import PhaseCost, RoleCost, StageCost
+    from rlhf.trainer.step_splits import choose_schedules
+
+    base = config(actor_mini=2, train_batch=4)
+    actor = dataclasses.replace(base.actor, parallel=ParallelConfig(pp=2, vpp=2))
+    cfg = dataclasses.replace(base, actor=actor, trainer=TrainerConfig(
+        micro_batching="cost_model", pipeline_schedule="auto"))
+    stage = StageCost({"const": 1e-4, "tokens": 1e-3}, {"tokens": 1.0})
+    chosen = {}
+    for message in (0.0, 0.05):
+        phases = {ph: PhaseCost((stage, stage), {"const": message})
+                  for ph in ("forward", "forward_backward")}
+        picked, predicted = choose_schedules(cfg, {"actor": RoleCost({}, phases)}, {"actor": 1})
+        seconds = predicted["actor"]
+        assert set(seconds) == {1, 2} and seconds[1] != seconds[2]
+        chosen[message] = picked.actor.parallel.vpp
+        assert chosen[message] == min(seconds, key=seconds.get)
+        assert picked.actor.parallel.pp == 2 and picked.ref == cfg.ref
+    assert chosen == {0.0: 2, 0.05: 1}
+    fixed = dataclasses.replace(cfg, trainer=TrainerConfig(micro_batching="cost_model"))
+    assert choose_schedules(fixed, {"actor": RoleCost({}, phases)}, {"actor": 1}) == (fixed, {})
+    with pytest.raises(ValueError, match="pipeline_schedule=auto.*micro_batching=cost_model"):
+        TrainerConfig(pipeline_schedule="auto")
