@@ -10,7 +10,8 @@ replica of the role's layout (tp * pp processes), one rank after another, both m
 back to back: the step's time is the slowest rank's pass, as DP ranks run side by side on
 their own devices. Each cost-model micro-batch also runs alone. Prints (after `--details`'
 line per run) one JSON line: median and p90 absolute relative error of the predicted
-micro-batch times and pass times (pp > 1: the simulated schedule), and the median step time
+micro-batch times, pass times (pp > 1: the simulated schedule) and step times (the slowest
+rank's, predicted against measured), and the median step time
 of each mode with their micro-batch counts and predicted DP imbalance; with pp > 1 also the
 cost-model plans' simulated step under 1F1B and under interleaved 1F1B (vpp = 2).
 """
@@ -106,12 +107,12 @@ def bench(cfg, args) -> dict:
     finally:
         folders.close()
     wall = [max(r["wall"][k] for r in ranks) for k in range(len(jobs))]
-    micro_err, pass_err = [], []
+    micro_err, pass_err, step_err = [], [], []
     step: dict[str, list[float]] = {"token_budget": [], "cost_model": []}
     details = []
     for mode in splits:
         for b in range(len(batches)):
-            rank_walls = []
+            rank_walls, rank_predicted = [], []
             for k, key in enumerate(keys):
                 if key[1:3] != (mode, b):
                     continue
@@ -123,7 +124,9 @@ def bench(cfg, args) -> dict:
                 else:
                     pass_err.append(_rel(predict_pass(plan, shapes), wall[k]))
                     rank_walls.append(wall[k])
+                    rank_predicted.append(predict_pass(plan, shapes))
             step[mode].append(max(rank_walls))
+            step_err.append(_rel(max(rank_predicted), max(rank_walls)))
     if args.details:
         for kind, mode, b, g, tokens, predicted, measured in details:
             print(json.dumps({"bench": "cost-model", "kind": kind, "mode": mode, "batch": b,
@@ -141,7 +144,10 @@ def bench(cfg, args) -> dict:
             "micro_batch_p90_abs_rel_error": _q(micro_err, 0.9),
             "pass_median_abs_rel_error": _q(pass_err, 0.5),
             "pass_p90_abs_rel_error": _q(pass_err, 0.9),
+            "step_median_abs_rel_error": _q(step_err, 0.5),
+            "step_p90_abs_rel_error": _q(step_err, 0.9),
             "micro_batches_measured": len(micro_err), "passes_measured": len(pass_err),
+            "token_budget_fallbacks": sum(f for s in splits["cost_model"] for f in s.fallbacks),
             "step_s_token_budget": round(tb, 4), "step_s_cost_model": round(cm, 4),
             "speedup": round(tb / cm, 3),
             "micro_batches_token_budget": _mean_count(splits["token_budget"]),
