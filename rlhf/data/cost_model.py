@@ -61,27 +61,45 @@ def linear(coefs: Mapping[str, float], shape: Shape) -> float:
 
 
 def fit_nonnegative(shapes: Sequence[Shape], targets: Sequence[float],
-                    features: Sequence[str]) -> dict[str, float]:
-    """Non-negative coefficients of `features` minimising the squared relative error over the
-    measurements: exact, by solving every subset of free features (at most 2^4 systems)."""
+                    features: Sequence[str], *, rounds: int = 3) -> dict[str, float]:
+    """Non-negative coefficients of `features` minimising the squared error relative to the
+    fitted values over the measurements: exact per round, by solving every subset of free
+    features (at most 2^4 systems). Round one divides by the measured values, which weighs a
+    slow (preempted) run less than a fast one and so fits low; later rounds divide by the
+    previous round's fit instead, which fits the mean time (`rounds` 1: the plain relative fit)."""
     if len(shapes) != len(targets) or not shapes:
         raise ValueError(f"need as many measurements as shapes, got {len(shapes)} shapes and "
                          f"{len(targets)} targets")
     y = np.asarray(targets, dtype=np.float64)
     if (y <= 0).any():
         raise ValueError("every measured target must be positive")
-    x = np.array([[s.feature(f) for f in features] for s in shapes]) / y[:, None]  # rows / y
+    raw = np.array([[s.feature(f) for f in features] for s in shapes])
+    coefs: dict[str, float] = {}
+    weight = y
+    for _ in range(rounds):
+        coefs = _fit_round(raw, y, weight, features)
+        fitted = raw @ np.array([coefs[f] for f in features])
+        if (fitted <= 0).any():
+            break  # a zero fit somewhere: no better weight than the measurement there
+        weight = fitted
+    return coefs
+
+
+def _fit_round(raw: np.ndarray, y: np.ndarray, weight: np.ndarray,
+               features: Sequence[str]) -> dict[str, float]:
+    """The non-negative least squares of (raw @ c - y) / weight, over every feature subset."""
+    x = raw / weight[:, None]
     scale = np.maximum(np.abs(x).max(axis=0), 1e-30)
     x = x / scale
-    ones = np.ones_like(y)
+    target = y / weight
     best: tuple[float, dict[str, float]] | None = None
     for k in range(len(features), 0, -1):
         for subset in itertools.combinations(range(len(features)), k):
             cols = list(subset)
-            sol, *_ = np.linalg.lstsq(x[:, cols], ones, rcond=None)
+            sol, *_ = np.linalg.lstsq(x[:, cols], target, rcond=None)
             if (sol < 0).any():
                 continue
-            err = float(((x[:, cols] @ sol - ones) ** 2).sum())
+            err = float(((x[:, cols] @ sol - target) ** 2).sum())
             if best is None or err < best[0] - 1e-15:
                 coefs = dict.fromkeys(features, 0.0)
                 for c, v in zip(cols, sol):

@@ -55,6 +55,24 @@ def test_fit_recovers_nonnegative_coefficients_and_clamps_negative_ones():
     assert min(fit.values()) >= 0 and fit["tokens"] == 0
 
 
+def test_fit_predicts_the_mean_time_of_runs_a_loaded_machine_slows():
+    """A third of the runs preempted (twice as long): the mean run is 1.3x the clean time.
+    Weighing each run by its own time (one round) discounts the slow ones and fits low; the
+    reweighted fit predicts the mean."""
+    rng = random.Random(1)
+    shapes = [Shape.of([rng.randint(4, 600) for _ in range(rng.randint(1, 12))])
+              for _ in range(90)]
+    slow = [rng.random() < 1 / 3 for _ in shapes]
+    runs = [linear(TIME, s) * (2.0 if x else 1.0) for s, x in zip(shapes, slow)]
+    mean = 1 + sum(slow) / len(slow)
+
+    def ratio(rounds):
+        coefs = fit_nonnegative(shapes, runs, TIME_FEATURES, rounds=rounds)
+        return sum(linear(coefs, s) / linear(TIME, s) for s in shapes) / len(shapes)
+    assert ratio(1) < mean - 0.1
+    assert ratio(3) == pytest.approx(mean, rel=0.05)
+
+
 def brute_force(shapes, cost, fits, pp, max_seqs=None):
     n, best = len(shapes), None
     for k in range(n):
