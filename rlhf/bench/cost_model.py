@@ -11,7 +11,9 @@ back to back: the step's time is the slowest rank's pass, as DP ranks run side b
 their own devices. Each cost-model micro-batch also runs alone. Prints (after `--details`'
 line per run) one JSON line: median and p90 absolute relative error of the predicted
 micro-batch times, pass times (pp > 1: the simulated schedule) and step times (the slowest
-rank's, predicted against measured), and the median step time
+rank's, predicted against measured), the same error of one timed run against the next run of
+the same pass (`repeat_*`: the machine's noise, the floor under any model's error) with the
+load average at the end, and the median step time
 of each mode with their micro-batch counts and predicted DP imbalance; with pp > 1 also the
 cost-model plans' simulated step under 1F1B and under interleaved 1F1B (vpp = 2).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -107,6 +110,11 @@ def bench(cfg, args) -> dict:
     finally:
         folders.close()
     wall = [max(r["wall"][k] for r in ranks) for k in range(len(jobs))]
+    # How well one timed run of a pass predicts the next run of the very same pass: the
+    # machine's own noise, the floor under any model's error.
+    runs = [[max(r["walls"][k][i] for r in ranks) for i in range(len(ranks[0]["walls"][k]))]
+            for k in range(len(jobs))]
+    repeat_err = [_rel(w[0], w[1]) for w in runs if len(w) > 1]
     micro_err, pass_err, step_err = [], [], []
     step: dict[str, list[float]] = {"token_budget": [], "cost_model": []}
     details = []
@@ -117,8 +125,7 @@ def bench(cfg, args) -> dict:
                 if key[1:3] != (mode, b):
                     continue
                 shapes = [Shape.of(mb) for mb in jobs[k][1]]
-                details.append((*key, [s.tokens for s in shapes], predict_pass(plan, shapes),
-                                wall[k]))
+                details.append((*key, jobs[k][1], predict_pass(plan, shapes), wall[k]))
                 if key[0] == "micro":
                     micro_err.append(_rel(predict_pass(plan, shapes), wall[k]))
                 else:
@@ -128,9 +135,10 @@ def bench(cfg, args) -> dict:
             step[mode].append(max(rank_walls))
             step_err.append(_rel(max(rank_predicted), max(rank_walls)))
     if args.details:
-        for kind, mode, b, g, tokens, predicted, measured in details:
+        for kind, mode, b, g, micro, predicted, measured in details:
             print(json.dumps({"bench": "cost-model", "kind": kind, "mode": mode, "batch": b,
-                              "dp_rank": g, "tokens": tokens, "predicted_s": round(predicted, 4),
+                              "dp_rank": g, "tokens": [sum(mb) for mb in micro],
+                              "lengths": micro, "predicted_s": round(predicted, 4),
                               "measured_s": round(measured, 4)}), flush=True)
     schedules = _simulated_schedules(role, cost, args.phase, splits["cost_model"], batches)
     tb, cm = (statistics.median(step[m]) for m in ("token_budget", "cost_model"))
@@ -146,6 +154,9 @@ def bench(cfg, args) -> dict:
             "pass_p90_abs_rel_error": _q(pass_err, 0.9),
             "step_median_abs_rel_error": _q(step_err, 0.5),
             "step_p90_abs_rel_error": _q(step_err, 0.9),
+            "repeat_median_abs_rel_error": _q(repeat_err, 0.5),
+            "repeat_p90_abs_rel_error": _q(repeat_err, 0.9),
+            "load_average": round(os.getloadavg()[0], 1),
             "micro_batches_measured": len(micro_err), "passes_measured": len(pass_err),
             "token_budget_fallbacks": sum(f for s in splits["cost_model"] for f in s.fallbacks),
             "step_s_token_budget": round(tb, 4), "step_s_cost_model": round(cm, 4),

@@ -204,6 +204,9 @@ def measure_role(cfg: JobConfig, spec: RoleSpec, fp: dict, *, repeats: int, prog
                       "points": points}
         p2p = {}
         if spec.parallel.pp > 1:
+            fit[phase]["pingpong"] = fit_nonnegative(
+                [Shape(n, 1, 0, 0) for n, _ in ranks[0]["p2p"]],
+                [max(s, 1e-7) for _, s in ranks[0]["p2p"]], P2P_FEATURES)
             p2p, fit[phase]["handoffs"] = _handoff_cost(
                 ranks, stage_ranks, idx, shape_list, phase=phase,
                 virtual_stages=spec.parallel.pp * spec.parallel.vpp)
@@ -286,6 +289,7 @@ def run_on_layout(spec: RoleSpec, folder: str, jobs: Sequence[Job], *, repeats: 
                   progress: Progress | None = None, key: str = "") -> list[dict]:
     """Run each job (a pass over its micro-batches) `repeats` + 1 times on one replica of the
     role's layout; per rank {"compute": median seconds computing, "wall": median wall seconds,
+    "walls": each timed run's wall seconds,
     "memory": peak bytes (with `memory`), "p2p": [(tokens, one-way seconds)]} per job;
     `threads`: torch threads per rank (None: torch's default)."""
     if repeats < 1:
@@ -333,7 +337,7 @@ def _measure(rank: int, world: int, opts: dict, jobs: list[Job], progress: Progr
         opts["path"], mesh=mesh, parallel=parallel, head=opts["head"], dtype=opts["dtype"],
         device=device, optim=OptimizerConfig() if opts["trains"] else None,
         recompute=opts["recompute"] if opts["trains"] else "none")
-    out: dict = {"compute": [], "wall": [], "memory": [], "p2p": []}
+    out: dict = {"compute": [], "wall": [], "walls": [], "memory": [], "p2p": []}
     gen = torch.Generator().manual_seed(0)
     warmed: set[str] = set()
     for k, (phase, micro) in enumerate(jobs):
@@ -347,6 +351,7 @@ def _measure(rank: int, world: int, opts: dict, jobs: list[Job], progress: Progr
             walls.append(wall)
             computes.append(wall - wait)
         out["wall"].append(statistics.median(walls[1:]))
+        out["walls"].append(walls[1:])
         out["compute"].append(statistics.median(computes[1:]))
         out["memory"].append(_peak_bytes(engine, mbs, phase, mesh, device) if opts["memory"]
                              else 0)
