@@ -2,14 +2,18 @@
 and tp=2 x pp=2 give the same old log-probs, losses, grad norm and updated log-probs for the
 same batch (driver-side GRPO advantages from fixed scores; two mini-batches, each balanced
 over the DP groups by the driver's batch split, so dp 4, 2 and 1 step on the same samples),
-and so does the one-mini-batch step, its old log-probs fused into the update."""
+and so does the one-mini-batch step, its old log-probs fused into the update. At pp=2 the
+step cut by a cost model (trainer.micro_batching=cost_model, the file `rlhf train` loads,
+its fingerprint checked) runs uneven micro-batches through the pipeline to the same step."""
 
 import pytest
 import torch
 
 from rlhf.controller import ResourcePool, WorkerGroup
 from rlhf.data.batch import Batch
+from rlhf.data.cost_model import CostModelFile, PhaseCost, RoleCost, StageCost
 from rlhf.data.ragged import Ragged
+from rlhf.plan import profile as prof
 from rlhf.trainer.ppo import compute_advantages
 from rlhf.trainer.step_splits import StepSplits
 from tests.unit.trainer.jobs import job_config, make_assets
@@ -31,13 +35,14 @@ def first_batch(n_prompts=4, n=2):
         Batch({"response_ids": Ragged.from_list(responses, dtype=torch.int64)}))
 
 
-def step(group, cfg, *, fused=False):
+def step(group, cfg, *, fused=False, cost_models=None):
     """Old log-probs, the update's metrics and the log-probs after it, for `cfg`'s mini-batch
     size (the driver's batch split; the group's own config is not read for it); `fused`: the
     update takes old log-probs from its own first forward (the compute_log_prob call only
-    checks them)."""
+    checks them); `cost_models`: cut by them (trainer.micro_batching=cost_model)."""
     batch = first_batch()
-    splits = StepSplits(cfg, {"actor": group.role_views()["actor"].layout.dp}, batch)
+    splits = StepSplits(cfg, {"actor": group.role_views()["actor"].layout.dp}, batch,
+                        cost_models=cost_models)
     old = group.compute_log_prob(batch, split=splits.forward("actor"))
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5])
     advantages, _ = compute_advantages(batch.union(old), scores, cfg, kl_ctrl=None)
@@ -69,7 +74,7 @@ def steps(ray_cluster, tmp_path_factory):
     start per layout, both steps from the same start as on fresh groups."""
     root = tmp_path_factory.mktemp("layouts")
     assets = make_assets(root)
-    results = {"two": {}, "one": {}}
+    results = {"two": {}, "one": {}, "cost": {}}
     for name, plan in LAYOUTS.items():
         cfgs = {mini: job_config(assets, root / f"{name}-{mini}",
                                  actor={"parallel": plan, "ppo_mini_batch_size": size},
@@ -86,9 +91,40 @@ def steps(ray_cluster, tmp_path_factory):
             if name in FUSED:
                 group.load_checkpoint(start)
                 results["one"][name] = step(group, cfgs["one"], fused=FUSED[name])
+            if name == "pp2":
+                cost_cfg = job_config(assets, root / "pp2-cost", actor={
+                    "parallel": plan, "ppo_mini_batch_size": 2},
+                    algorithm={"adv_estimator": "grpo", "kl_in_reward": False},
+                    trainer={"ranks_per_node": 4, "micro_batching": "cost_model"})
+                models = write_cost_models(cost_cfg)
+                group.load_checkpoint(start)
+                results["cost"]["tp1"] = results["two"]["tp1"]
+                results["cost"][name] = step(group, cost_cfg, cost_models=models)
+                results["cost_micro_batches"] = [
+                    micro_batch_count(s) for s in (
+                        StepSplits(cost_cfg, {"actor": 2}, first_batch(), cost_models=models),
+                        StepSplits(cfgs["two"], {"actor": 2}, first_batch()))]
         finally:
             group.shutdown()
     return results
+
+
+def micro_batch_count(splits):
+    """Micro-batches over every group and mini-batch of the step's forward and update."""
+    return sum(len(mini) for split in (splits.forward("actor"), splits.update("actor"))
+               for group in split.groups for mini in group.mini_batches)
+
+
+def write_cost_models(cfg):
+    """A two-stage cost model of the actor in the job's cost model file, then loaded as
+    `rlhf train` loads it: time linear in tokens (many small micro-batches fill a pipeline
+    best), free messages."""
+    stage = StageCost({"const": 1e-5, "tokens": 1e-3}, {"tokens": 1.0})
+    phases = {ph: PhaseCost((stage, stage), {}) for ph in ("forward", "forward_backward")}
+    fingerprints = prof.job_fingerprints(cfg)
+    CostModelFile({key: RoleCost(fp, phases) for key, (_, fp) in fingerprints.items()}).save(
+        prof.cost_model_path(cfg))
+    return prof.load_cost_models(cfg)
 
 
 def check_same_step(results):
@@ -113,3 +149,11 @@ def test_fused_old_log_probs_give_the_same_step_for_every_layout(steps):
     tp=2 x pp=2 (dp=1) and pp=2 (dp=2) take the same step."""
     assert sorted(steps["one"]) == sorted(FUSED)
     check_same_step(steps["one"])
+
+
+def test_cost_model_cut_gives_the_same_step_at_pp2(steps):
+    """More micro-batches than the token budget's (one per group and pass; a prompt's
+    samples stay together), through the pipeline: the same step as tp=1's."""
+    cost, budget = steps["cost_micro_batches"]
+    assert cost > budget
+    check_same_step(steps["cost"])
