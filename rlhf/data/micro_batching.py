@@ -45,6 +45,9 @@ class CostPlan:
     vpp: int = 1
     orders_for: OrdersFor | None = None
     forward: PhaseCost | None = None
+    margin: float = 0.0
+    """A predicted gain over the token budget's plan below this share of its time is not
+    trusted (the profile's median fit error on its grid): that plan is kept instead."""
 
     def micro_batch_cost(self, shape: Shape) -> float:
         """What one more micro-batch of `shape` adds to the pass: its slowest stage, and its
@@ -270,9 +273,10 @@ def predicted_passes(assignment: MicroBatchAssignment, shapes: Sequence[Shape],
 
 def faster_plan(planned: MicroBatchAssignment, baseline: MicroBatchAssignment,
                 shapes: Sequence[Shape], plan: CostPlan) -> tuple[MicroBatchAssignment, bool]:
-    """The cost model's plan, or the token budget's `baseline` (True) where the cost model
-    predicts its slowest rank faster; its `rank_costs` the predicted passes either way."""
+    """The cost model's plan, or the token budget's `baseline` (True) unless the cost model
+    predicts its own slowest rank faster by more than `plan.margin`; `rank_costs` the
+    predicted passes either way."""
     base = predicted_passes(baseline, shapes, plan)
-    if max(base, default=0.0) < max(planned.rank_costs, default=0.0):
-        return dataclasses.replace(baseline, rank_costs=base), True
-    return planned, False
+    if max(planned.rank_costs, default=0.0) <= (1 - plan.margin) * max(base, default=0.0):
+        return planned, False
+    return dataclasses.replace(baseline, rank_costs=base), True

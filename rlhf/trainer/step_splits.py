@@ -43,14 +43,16 @@ def fuse_old_log_probs(cfg: JobConfig, needs: AlgorithmNeeds, *, step: int) -> b
 
 def cost_plan(role, cost: RoleCost, phase: str) -> CostPlan:
     """How the cost-model planner cuts `phase` ("forward", "forward_backward") of a role
-    config: its measured cost, the memory its token budget allows, its pipeline schedule."""
+    config: its measured cost, the memory its token budget allows, its pipeline schedule, and
+    the gain over the token budget's plan it must predict (its fit's median error)."""
     pp, vpp = role.parallel.pp, role.parallel.vpp
     orders = (partial(_forward_orders, pp=pp, vpp=vpp) if phase == "forward"
               else partial(_training_orders, pp=pp, vpp=vpp))
     measured = cost.phase(phase)
+    margin = (cost.fit or {}).get(phase, {}).get("time_median_abs_rel_error", 0.0)
     return CostPlan(measured, memory_limit(measured, role.max_tokens_per_micro_batch), pp=pp,
                     vpp=vpp, orders_for=orders if pp > 1 else None,
-                    forward=cost.phases.get("forward"))
+                    forward=cost.phases.get("forward"), margin=min(margin, 0.9))
 
 
 def schedule_lengths(cfg: JobConfig, n: int, *, most: int) -> list[int]:

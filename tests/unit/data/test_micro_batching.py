@@ -232,3 +232,9 @@ def test_cost_model_split_is_never_predicted_slower_than_the_token_budget():
     assert fell_back and kept.micro_batches == budget.micro_batches
     assert kept.rank_costs == predicted_passes(budget, shapes, plan)
     assert faster_plan(ours, lopsided, shapes, plan) == (ours, False)
+    # A gain the model's own error could explain is not trusted: the budget's plan runs.
+    gain = 1 - max(ours.rank_costs) / max(predicted_passes(budget, shapes, plan))
+    assert 0 < gain < 0.99
+    for margin, fell_back in ((gain * 0.9, False), (gain * 1.1, True)):
+        careful = dataclasses.replace(plan, margin=margin)
+        assert faster_plan(ours, budget, shapes, careful)[1] == fell_back

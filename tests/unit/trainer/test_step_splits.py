@@ -112,6 +112,12 @@ def test_cost_model_splits_each_pass_by_its_phase_and_needs_the_models():
             for mb in mini:
                 assert sum(lengths[rows[i]] ** 2 for i in mb) <= limit
     assert upd.num_mini_batches == 2 and sorted(r for g in upd.rows for r in g) == list(range(8))
+    # The gain a plan must predict over the token budget's: its phase's fit error on the grid.
+    from rlhf.trainer.step_splits import cost_plan
+    fitted = RoleCost({}, models["actor"].phases,
+                      {"forward_backward": {"time_median_abs_rel_error": 0.2}})
+    assert cost_plan(cfg.actor, fitted, "forward_backward").margin == 0.2
+    assert cost_plan(cfg.actor, fitted, "forward").margin == 0.0
 
 
 def test_auto_pipeline_schedule_follows_the_predicted_step():
