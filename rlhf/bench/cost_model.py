@@ -13,7 +13,9 @@ line per run) one JSON line: median and p90 absolute relative error of the predi
 micro-batch times, pass times (pp > 1: the simulated schedule) and step times (the slowest
 rank's, predicted against measured), the same error of one timed run against the next run of
 the same pass (`repeat_*`: the machine's noise, the floor under any model's error) with the
-load average at the end, and the median step time
+load average at the end, the same errors once scaled by the run's one measured/predicted
+factor (`load_scale`: a shared machine's speed when profiled and now differ), and the median
+step time
 of each mode with their micro-batch counts and predicted DP imbalance; with pp > 1 also the
 cost-model plans' simulated step under 1F1B and under interleaved 1F1B (vpp = 2).
 """
@@ -115,7 +117,7 @@ def bench(cfg, args) -> dict:
     runs = [[max(r["walls"][k][i] for r in ranks) for i in range(len(ranks[0]["walls"][k]))]
             for k in range(len(jobs))]
     repeat_err = [_rel(w[0], w[1]) for w in runs if len(w) > 1]
-    micro_err, pass_err, step_err = [], [], []
+    pairs: dict[str, list[tuple[float, float]]] = {"micro": [], "pass": [], "step": []}
     step: dict[str, list[float]] = {"token_budget": [], "cost_model": []}
     details = []
     for mode in splits:
@@ -124,16 +126,14 @@ def bench(cfg, args) -> dict:
             for k, key in enumerate(keys):
                 if key[1:3] != (mode, b):
                     continue
-                shapes = [Shape.of(mb) for mb in jobs[k][1]]
-                details.append((*key, jobs[k][1], predict_pass(plan, shapes), wall[k]))
-                if key[0] == "micro":
-                    micro_err.append(_rel(predict_pass(plan, shapes), wall[k]))
-                else:
-                    pass_err.append(_rel(predict_pass(plan, shapes), wall[k]))
+                predicted = predict_pass(plan, [Shape.of(mb) for mb in jobs[k][1]])
+                details.append((*key, jobs[k][1], predicted, wall[k]))
+                pairs[key[0]].append((predicted, wall[k]))
+                if key[0] == "pass":
                     rank_walls.append(wall[k])
-                    rank_predicted.append(predict_pass(plan, shapes))
+                    rank_predicted.append(predicted)
             step[mode].append(max(rank_walls))
-            step_err.append(_rel(max(rank_predicted), max(rank_walls)))
+            pairs["step"].append((max(rank_predicted), max(rank_walls)))
     if args.details:
         for kind, mode, b, g, micro, predicted, measured in details:
             print(json.dumps({"bench": "cost-model", "kind": kind, "mode": mode, "batch": b,
@@ -141,6 +141,7 @@ def bench(cfg, args) -> dict:
                               "lengths": micro, "predicted_s": round(predicted, 4),
                               "measured_s": round(measured, 4)}), flush=True)
     schedules = _simulated_schedules(role, cost, args.phase, splits["cost_model"], batches)
+    scale = statistics.median(m / p for p, m in pairs["micro"] + pairs["pass"])
     tb, cm = (statistics.median(step[m]) for m in ("token_budget", "cost_model"))
     return {"bench": "cost-model", "role": args.role, "phase": args.phase,
             "tp": spec.parallel.tp, "pp": spec.parallel.pp, "vpp": spec.parallel.vpp,
@@ -148,16 +149,15 @@ def bench(cfg, args) -> dict:
             "machine": fp["machine"], "threads": fp["threads"], "batches": len(batches),
             "samples": args.samples, "median_length": args.median, "sigma": args.sigma,
             "max_tokens": spec.tokens,
-            "micro_batch_median_abs_rel_error": _q(micro_err, 0.5),
-            "micro_batch_p90_abs_rel_error": _q(micro_err, 0.9),
-            "pass_median_abs_rel_error": _q(pass_err, 0.5),
-            "pass_p90_abs_rel_error": _q(pass_err, 0.9),
-            "step_median_abs_rel_error": _q(step_err, 0.5),
-            "step_p90_abs_rel_error": _q(step_err, 0.9),
+            **_errors(pairs, 1.0, ""),
+            # The machine's speed now over its speed during the profile (one factor for the
+            # run), and the errors left once predictions are scaled by it: what the model gets
+            # wrong between shapes, which is all a plan's choices depend on.
+            "load_scale": round(scale, 3), **_errors(pairs, scale, "_at_load_scale"),
             "repeat_median_abs_rel_error": _q(repeat_err, 0.5),
             "repeat_p90_abs_rel_error": _q(repeat_err, 0.9),
             "load_average": round(os.getloadavg()[0], 1),
-            "micro_batches_measured": len(micro_err), "passes_measured": len(pass_err),
+            "micro_batches_measured": len(pairs["micro"]), "passes_measured": len(pairs["pass"]),
             "token_budget_fallbacks": sum(f for s in splits["cost_model"] for f in s.fallbacks),
             "step_s_token_budget": round(tb, 4), "step_s_cost_model": round(cm, 4),
             "speedup": round(tb / cm, 3),
@@ -205,6 +205,16 @@ def _imbalance(splits: list[BatchSplit], batches: list[list[int]], plan) -> floa
 
 def _mean_count(splits: list[BatchSplit]) -> float:
     return round(statistics.fmean(len(g.mini_batches[0]) for s in splits for g in s.groups), 2)
+
+
+def _errors(pairs: dict[str, list[tuple[float, float]]], scale: float, suffix: str) -> dict:
+    """Median and p90 relative error of (predicted * scale) against measured, per kind."""
+    out = {}
+    for kind, name in (("micro", "micro_batch"), ("pass", "pass"), ("step", "step")):
+        errors = [_rel(p * scale, m) for p, m in pairs[kind]]
+        out[f"{name}_median_abs_rel_error{suffix}"] = _q(errors, 0.5)
+        out[f"{name}_p90_abs_rel_error{suffix}"] = _q(errors, 0.9)
+    return out
 
 
 def _rel(predicted: float, measured: float) -> float:

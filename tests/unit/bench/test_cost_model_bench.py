@@ -28,7 +28,8 @@ def test_bench_prints_errors_and_step_times_of_both_modes(tmp_path, monkeypatch,
     (line,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert line["bench"] == "cost-model" and line["pp"] == 1
     for key in ("micro_batch_median_abs_rel_error", "pass_p90_abs_rel_error",
-                "step_median_abs_rel_error", "step_p90_abs_rel_error",
+                "step_median_abs_rel_error", "step_p90_abs_rel_error", "load_scale",
+                "pass_median_abs_rel_error_at_load_scale",
                 "step_s_token_budget", "step_s_cost_model", "speedup"):
         assert math.isfinite(line[key]) and line[key] >= 0, key
     assert line["passes_measured"] == 2 * line["dp"]  # one batch, both modes, every DP rank
