@@ -4,7 +4,7 @@ micro-batch's shape, per pipeline stage, for one role and phase (DynaPipe's cost
 A shape is four numbers of the packed sequences' lengths l_i: tokens (sum l_i), seqs (their
 count), sum_sq (sum l_i^2: attention's work) and max_sq (max l_i^2: the largest attention
 block alive at once). Time and memory are linear in them with non-negative coefficients,
-fitted by least squares on relative residuals (`fit_nonnegative`) from a timed grid that
+fitted by least squares on residuals relative to the fit (`fit_nonnegative`) from a timed grid that
 `rlhf profile` runs on the role's real layout (rlhf.plan.profile). The file it writes holds
 one `RoleCost` per role with the fingerprint of what it was measured on; a changed model,
 layout, dtype, recompute, machine or torch version means a new profile (`CostModelFile`).
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-VERSION = 1
+VERSION = 2  # 2: the reweighted fit and the in-pipeline message cost
 SHAPE_FEATURES = ("tokens", "seqs", "sum_sq", "max_sq")
 # A constant (per micro-batch overhead: kernel launches, the head's fixed work) comes first.
 TIME_FEATURES = ("const", "tokens", "seqs", "sum_sq")
