@@ -22,6 +22,8 @@ def _cfg(tmp_path, *extra):
 
 def test_profile_writes_fits_and_reuses_while_the_fingerprint_matches(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
+    with pytest.raises(ValueError, match="no cost model at .*cost_model.json.*run `rlhf profile"):
+        prof.load_cost_models(cfg)  # what `rlhf train` meets before any profile
     # A small grid (the default's budget of 64 tokens has 11 shapes): the test's time.
     monkeypatch.setattr(prof, "grid", lambda tokens, seed=0: [[4], [64], [8] * 8, [32, 16, 8, 4]])
     lines: list[str] = []
