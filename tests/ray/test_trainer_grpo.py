@@ -152,6 +152,30 @@ def test_verl_rows_and_reward_run_unchanged_with_sampled_validation(groups, tmp_
     assert val["val/pass@1"] == pytest.approx(val["val/reward_mean@sampled"])  # 0/1 rewards
 
 
+def test_a_step_with_cost_model_micro_batching(groups, tmp_path):
+    """trainer.micro_batching=cost_model as `rlhf train` runs it: the job's cost model file
+    loaded (fingerprints checked), every role's passes cut by it, the fallback metric logged."""
+    from rlhf.data.cost_model import CostModelFile, PhaseCost, RoleCost, StageCost
+    from rlhf.plan import profile as prof
+
+    cfg = job_config(groups[1], tmp_path / "cost-run", algorithm=GRPO,
+                     trainer={"total_steps": 1, "save_every": 0,
+                              "micro_batching": "cost_model"})
+    with pytest.raises(ValueError, match="run `rlhf profile"):
+        prof.load_cost_models(cfg)
+    stage = StageCost({"const": 1e-3, "tokens": 1e-5}, {"tokens": 1.0})
+    phases = {ph: PhaseCost((stage,), {}) for ph in ("forward", "forward_backward")}
+    CostModelFile({key: RoleCost(fp, phases) for key, (_, fp) in
+                   prof.job_fingerprints(cfg).items()}).save(prof.cost_model_path(cfg))
+    groups_, _, start = groups
+    groups_.views["actor"].load_checkpoint(start)
+    PPOTrainer(cfg, groups_.views, tokenizer=load_tokenizer(cfg.model.path), job_name="grpo-test",
+               progress=False, cost_models=prof.load_cost_models(cfg)).fit()
+    (record,) = read_metrics(cfg.trainer.output_dir)
+    assert 0.0 <= record["plan/token_budget_fallback"] <= 1.0
+    assert record["actor/pg_loss"] == record["actor/pg_loss"]  # finite, not NaN
+
+
 # ---- seeing a run: its timeline, its sample tables, its report page in a browser ----------
 
 LENGTH_REWARD = Path(__file__).resolve().parents[2] / "examples/rewards/pays_for_length.py"
