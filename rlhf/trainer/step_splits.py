@@ -63,8 +63,8 @@ def schedule_lengths(cfg: JobConfig, n: int, *, most: int) -> list[int]:
     return [round(16 * (longest / 16) ** (i / max(1, n - 1))) for i in range(n)]
 
 
-def predicted_role_step(cfg: JobConfig, key: str, role, cost: RoleCost, dp: int) -> float:
-    """The cost model's seconds for role `key`'s passes in one step at `role`'s layout: a
+def predicted_role_step(cfg: JobConfig, role, cost: RoleCost, dp: int) -> float:
+    """The cost model's seconds for a role's passes in one step at `role`'s layout: a
     forward over the batch, and for a trained role its update's mini-batches (one epoch)."""
     samples = cfg.data.train_batch_size * cfg.rollout.n
     budget, max_seqs = role_budget(role)
@@ -94,7 +94,7 @@ def choose_schedules(cfg: JobConfig, cost_models: Mapping[str, RoleCost],
             continue
         options = {vpp: dataclasses.replace(role, parallel=dataclasses.replace(
             role.parallel, vpp=vpp)) for vpp in (1, role.parallel.vpp)}
-        predicted[key] = {vpp: predicted_role_step(cfg, key, r, cost_models[key], dp[key])
+        predicted[key] = {vpp: predicted_role_step(cfg, r, cost_models[key], dp[key])
                           for vpp, r in options.items()}
         best = min(predicted[key], key=lambda v: (predicted[key][v], v))
         changes[key] = options[best]
@@ -140,8 +140,8 @@ class StepSplits:
 
     @property
     def fallback_fraction(self) -> float | None:
-        """Of the cost-model plans made so far, the share the token budget's plan replaced
-        (predicted faster); None without a cost model."""
+        """Of the cost-model plans made so far, the share where the token budget's plan ran
+        (the cost model's not predicted faster by more than its margin); None without one."""
         flags = [f for p in self._splits.values() for f in p.fallbacks]
         return sum(flags) / len(flags) if self.cost_models is not None and flags else None
 
