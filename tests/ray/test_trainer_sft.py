@@ -69,5 +69,9 @@ def test_sft_of_an_moe_model_at_ep2_equals_ep1(ray_cluster, assets, tmp_path):
     assert runs[2][1] == pytest.approx(runs[1][1], abs=1e-5)
     w1, w2 = (load_file(sft_output_path(runs[ep][0]) / "model.safetensors") for ep in (1, 2))
     assert w1.keys() == w2.keys()
+    # 1e-4, as dp against tp above: Adam divides each gradient by its own size, so an element
+    # whose gradient is near zero turns fp32 summation-order noise into a step of up to the
+    # learning rate (one q_proj element moved 1.1e-5 when the data order changed); a wrong
+    # expert's or rank's gradients move many elements by about lr = 1e-3.
     for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(w2[name], w1[name], atol=1e-4, rtol=0, msg=name)
