@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from rlhf.parallel.expert_parallel import combine, dispatch, local_experts
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from rlhf.trace import RECORDER
 
 H, E, K = 6, 8, 2
 TOL = 1e-5
@@ -63,8 +64,11 @@ def _run(rank, world, cases):
         par = [router.clone().requires_grad_(), w1[mine.start:mine.stop].clone().requires_grad_(),
                w2[mine.start:mine.stop].clone().requires_grad_()]
         x = xs[rank].clone().requires_grad_()
+        RECORDER.on = True  # the step timeline's all-to-all spans, with the bytes they move
         y = _moe(x, *par, group=mesh.ep_group, skew=skew)
         (y * cot[rank]).sum().backward()
+        RECORDER.on = False
+        moved = [args for name, _, _, _, _, args in RECORDER.take() if name == "all_to_all"]
         router_grad = par[0].grad.clone()
         torch.distributed.all_reduce(router_grad)  # the dense grad sync over dp
         for p in par[1:]:  # the expert grad sync over the ranks holding the same experts
@@ -77,6 +81,9 @@ def _run(rank, world, cases):
             "w2_grad": (par[2].grad - ref[2].grad[mine.start:mine.stop]).abs().max().item(),
             "ref_grad_nonzero": bool(ref[1].grad[mine.start:mine.stop].abs().max() > 0),
             "shape_ok": tuple(y.shape) == (counts[rank], H),
+            "all_to_alls": len(moved),
+            "sent": sum(m["bytes"] for m in moved),
+            "received": sum(m["out_bytes"] for m in moved),
         })
     return results
 
@@ -95,5 +102,9 @@ def test_dispatch_and_combine_equal_the_single_process_layer():
             assert r["shape_ok"], (rank, case)
             for key in ("y", "x_grad", "router_grad", "w1_grad", "w2_grad"):
                 assert r[key] < TOL, (rank, case, key, r[key])
+    for i, case in enumerate(CASES):  # dispatch and combine, forward and backward, traced
+        rows = [results[i] for results in out]
+        assert len({r["all_to_alls"] for r in rows}) == 1 and rows[0]["all_to_alls"] >= 4, rows
+        assert sum(r["sent"] for r in rows) == sum(r["received"] for r in rows) > 0, case
     # the checks compare something: most ranks' experts received tokens
     assert sum(r["ref_grad_nonzero"] for results in out for r in results) >= 8
