@@ -63,7 +63,7 @@ def write_report(output_dir: str | Path, *, out: str | Path | None = None) -> Pa
 
 def build_report(run: Path, *, only: tuple[str, ...] = SECTIONS) -> str:
     """The HTML of run folder `run` (see the module docstring); `only`: these sections."""
-    from rlhf.trainer.loggers import METRICS_FILE, SAMPLES_FILE
+    from rlhf.trainer.loggers import METRICS_FILE, SAMPLES_FILE, read_jsonl
 
     config_file = run / "config.yaml"
     if not config_file.is_file():
@@ -72,8 +72,8 @@ def build_report(run: Path, *, only: tuple[str, ...] = SECTIONS) -> str:
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         raise ValueError(f"unknown report sections {unknown}; choose from {', '.join(SECTIONS)}")
-    records = [r for r in _read_jsonl(run / METRICS_FILE) if isinstance(r.get("step"), int)]
-    samples = _read_jsonl(run / SAMPLES_FILE)
+    records = [r for r in read_jsonl(run / METRICS_FILE, growing=True) if isinstance(r.get("step"), int)]
+    samples = read_jsonl(run / SAMPLES_FILE, growing=True)
     traces = sorted((run / TRACE_DIR).glob("step_*.json"))
     total = _total_steps(run)
     done = max((r["step"] for r in records), default=0)
@@ -99,22 +99,6 @@ def build_report(run: Path, *, only: tuple[str, ...] = SECTIONS) -> str:
         *[_section(name, sections[name][0], sections[name][1]()) for name in only],
     ]
     return PAGE.format(title=_e(title), style=STYLE, body="\n".join(body), script=SCRIPT)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    """The objects of a JSON-lines file a running job appends to: a last line still being
-    written is left for the next report."""
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i < len(lines) - 1:
-                raise RLHFError(f"{path} line {i + 1} is not JSON: {line[:80]!r}") from None
-    return out
 
 
 def _total_steps(run: Path) -> int | None:

@@ -62,35 +62,47 @@ def missing_extras(names) -> list[str]:
     return problems
 
 
-def read_metrics(output_dir: str | Path) -> list[dict]:
-    """Every record of OUTPUT_DIR/metrics.jsonl, in order ([] when there is none)."""
-    path = Path(output_dir) / METRICS_FILE
+def read_jsonl(path: Path, *, growing: bool = False) -> list[dict]:
+    """The objects of a JSON-lines file, in order ([] when there is none). `growing`: a job may
+    be appending to it, so a last line still being written is left out."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if not growing or i < len(lines) - 1:
+                raise RLHFError(f"{path} line {i + 1} is not JSON: {line[:80]!r}") from None
+    return out
+
+
+def read_metrics(output_dir: str | Path) -> list[dict]:
+    """Every record of OUTPUT_DIR/metrics.jsonl, in order ([] when there is none)."""
+    return read_jsonl(Path(output_dir) / METRICS_FILE)
 
 
 def read_samples(output_dir: str | Path) -> list[dict]:
     """Every row of OUTPUT_DIR/samples.jsonl, in order ([] when there is none)."""
-    path = Path(output_dir) / SAMPLES_FILE
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    return read_jsonl(Path(output_dir) / SAMPLES_FILE)
 
 
-class SamplesFile:
-    """Appends each sample table's rows to output_dir/samples.jsonl; on resume, rows after
-    `start_step` are dropped, as the metrics are."""
+class StepRecords:
+    """A JSON-lines file of records carrying their "step", appended to as a run goes; on
+    resume, records after `start_step` (left by a run that stopped after its last checkpoint)
+    are dropped so the file matches the state."""
 
-    def __init__(self, output_dir: str | Path, *, start_step: int):
-        self.path = Path(output_dir) / SAMPLES_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_samples(output_dir) if r.get("step", 0) <= start_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        self._file = self.path.open("a", encoding="utf-8")
+    def __init__(self, path: Path, *, start_step: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_jsonl(path) if r.get("step", 0) <= start_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        self._file = path.open("a", encoding="utf-8")
 
-    def log(self, step: int, rows: list[dict[str, Any]]) -> None:
-        self._file.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
+    def write(self, records: list[dict[str, Any]]) -> None:
+        self._file.write("".join(json.dumps(r) + "\n" for r in records))
         self._file.flush()
 
     def close(self) -> None:
@@ -178,24 +190,19 @@ class ConsoleLogger:
 
 
 class JsonlLogger:
-    """Appends one JSON object per step; on resume, records after `start_step` (left by a run
-    that stopped after its last checkpoint) are dropped so the file matches the state."""
+    """One JSON object per step in output_dir/metrics.jsonl (StepRecords)."""
 
     def __init__(self, output_dir: Path, *, start_step: int):
-        self.path = output_dir / METRICS_FILE
-        kept = [r for r in read_metrics(output_dir) if r.get("step", 0) <= start_step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        self._file = self.path.open("a", encoding="utf-8")
+        self._records = StepRecords(output_dir / METRICS_FILE, start_step=start_step)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._records.write([record])
 
     def log_table(self, step: int, rows: list[dict[str, Any]]) -> None:
-        pass  # samples.jsonl (SamplesFile) holds the tables beside metrics.jsonl
+        pass  # samples.jsonl (MetricsLogger.log_samples) holds the tables beside metrics.jsonl
 
     def close(self) -> None:
-        self._file.close()
+        self._records.close()
 
 
 class TensorBoardLogger:

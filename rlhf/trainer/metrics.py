@@ -15,7 +15,7 @@ from rlhf.trace import span
 from rlhf.trainer.loggers import (
     METRICS_FILE,
     SAMPLES_FILE,
-    SamplesFile,
+    StepRecords,
     build_loggers,
     read_metrics,
     scalars,
@@ -59,7 +59,7 @@ class MetricsLogger:
             total_steps=total_steps, start_step=start_step, progress=progress,
             wandb_project=wandb_project, mlflow_tracking_uri=mlflow_tracking_uri)
         self._ray = RayMetrics(job_name) if ray_metrics else None
-        self._samples = SamplesFile(output_dir, start_step=start_step)
+        self._samples = StepRecords(Path(output_dir) / SAMPLES_FILE, start_step=start_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict:
         """Write `metrics` of `step` everywhere; returns the record as written."""
@@ -73,7 +73,7 @@ class MetricsLogger:
     def log_samples(self, step: int, rows: list[dict]) -> None:
         """Write a sample table of `step` (rlhf.trainer.samples) to output_dir/samples.jsonl
         and to every logger that holds tables."""
-        self._samples.log(step, rows)
+        self._samples.write([{"step": step, **row} for row in rows])
         for logger in self._loggers:
             logger.log_table(step, rows)
 
