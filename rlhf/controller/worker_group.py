@@ -132,17 +132,17 @@ class WorkerGroup:
         process (`pings` round trips each, the shortest counts); then each rank records on
         only if `record` (trainer.trace decides which steps)."""
         self._check_alive(self._label, "take_spans")
-        out = []
-        for rank, actor in enumerate(self._actors):
+        clocks = []
+        for actor in self._actors:
             samples = []
             for _ in range(pings):  # one at a time: a ping that queues behind another is slow
                 sent = now_us()
                 remote = ray.get(actor.trace_clock.remote())
                 samples.append((sent, remote, now_us()))
-            offset, error = clock_offset(samples) if samples else (0, 0)
-            out.append(ProcessSpans(self._actor_name(rank).removeprefix(f"{self.job_name}/"),
-                                    ray.get(actor.take_spans.remote(record)), offset, error))
-        return out
+            clocks.append(clock_offset(samples) if samples else (0, 0))
+        spans = ray.get([actor.take_spans.remote(record) for actor in self._actors])
+        return [ProcessSpans(self._actor_name(rank).removeprefix(f"{self.job_name}/"),
+                             spans[rank], *clocks[rank]) for rank in range(len(self._actors))]
 
     # ---- start-up ----------------------------------------------------------------------------
 
