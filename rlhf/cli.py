@@ -113,12 +113,13 @@ def _choose_schedules(cfg, cost_models):
 
     dp = {key: spec.dp for key, (spec, _) in job_fingerprints(cfg).items()}
     chosen, predicted = choose_schedules(cfg, cost_models, dp)
+    def name(vpp: int) -> str:
+        return "1F1B" if vpp == 1 else f"interleaved vpp={vpp}"
+
     for key, seconds in predicted.items():
-        vpp = getattr(chosen, key).parallel.vpp
-        print(f"pipeline schedule: {key}: {'1F1B' if vpp == 1 else f'interleaved vpp={vpp}'} "
-              f"(predicted step: " + ", ".join(
-                  f"{'1F1B' if v == 1 else f'interleaved {v}'} {t:.3f}s"
-                  for v, t in seconds.items()) + ")", file=sys.stderr, flush=True)
+        options = ", ".join(f"{name(v)} {t:.3f}s" for v, t in seconds.items())
+        print(f"pipeline schedule: {key}: {name(getattr(chosen, key).parallel.vpp)} "
+              f"(predicted step: {options})", file=sys.stderr, flush=True)
     return chosen
 
 
