@@ -2,12 +2,16 @@
 
 All roles of a process share its torch.distributed world and one ProcessGroupCache; each role
 builds its own ParallelMesh over the same ranks, so colocated roles keep their own layouts.
+A rank that `release`s cleanly can be `adopt`ed by another worker group (rlhf.controller.warm).
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +47,12 @@ class ColocatedWorker:
 
     def __init__(self, job_name: str, roles: Mapping[str, tuple[type, dict]], *,
                  name: str, num_threads: int, use_gpu: bool):
+        self._threads = {t.ident for t in threading.enumerate()}  # Ray's own, before any role
+        self.adopt(job_name, roles, name=name, num_threads=num_threads, use_gpu=use_gpu)
+
+    def adopt(self, job_name: str, roles: Mapping[str, tuple[type, dict]], *,
+              name: str, num_threads: int, use_gpu: bool) -> None:
+        """Become rank `name` of a new group: what the constructor does, for a kept process."""
         torch.set_num_threads(num_threads)  # the rank owns exactly its bundle's CPUs
         self._job_name, self._name = job_name, name
         self._specs = dict(roles)
@@ -54,6 +64,31 @@ class ColocatedWorker:
         self._timeout: datetime.timedelta | None = None
         self._world_nccl_bytes = 0
         self._cache: ProcessGroupCache | None = None
+        # Ray's log monitor prefixes the lines that follow this marker with the new name.
+        print(f"{_ACTOR_NAME_MARKER}{name}", flush=True)
+
+    def release(self) -> str | None:
+        """Drop the roles, vLLM's state and every process group, as a fresh process would
+        have none; None when nothing of them is left, else what is (the process is then not
+        to be adopted)."""
+        self._roles.clear()
+        self._cache = self._store = None
+        RECORDER.take()
+        RECORDER.on = False
+        gc.collect()  # the roles' engines, and a vLLM engine's references to its groups
+        parallel_state = sys.modules.get("vllm.distributed.parallel_state")
+        if parallel_state is not None:
+            parallel_state.destroy_model_parallel()
+            parallel_state.destroy_distributed_environment()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()
+        threads = [t.name for t in threading.enumerate()
+                   if t.ident not in self._threads and t.is_alive()]
+        children = _child_pids()
+        if threads or children:
+            return f"threads {threads} and child processes {children} outlived the roles"
+        return None
 
     def __repr__(self) -> str:
         return self._name  # Ray prefixes this rank's log lines and error reports with it
@@ -123,6 +158,25 @@ class ColocatedWorker:
         spans = RECORDER.take()
         RECORDER.on = record
         return spans
+
+
+_ACTOR_NAME_MARKER = ":actor_name:"  # ray._private.ray_constants.LOG_PREFIX_ACTOR_NAME
+
+
+def _child_pids() -> list[int]:
+    """Live child processes of this one (zombies excepted), from /proc."""
+    me, found = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.append(int(entry))
+    return found
 
 
 def _layout_of(name: str, role: Any, world_size: int) -> Layout:

@@ -41,6 +41,7 @@ from rlhf.controller.dispatch import (
 from rlhf.controller.errors import WorkerDiedError, WorkerError
 from rlhf.controller.nodes import check_node_interfaces, node_alive, node_label, node_table
 from rlhf.controller.resource_pool import ResourcePool
+from rlhf.controller.warm import WARM
 from rlhf.trace import ProcessSpans, clock_offset, now_us
 
 RoleSpec = type | tuple[type, Mapping[str, Any]]
@@ -51,7 +52,8 @@ class WorkerGroup:
     """One actor per rank of `pool`, each hosting the role objects of `roles` (name -> class or
     (class, kwargs)), built after torch.distributed is initialised over the pool's ranks.
 
-    Actors are named `<job_name>/<role+role+...>:<rank>`. With a single role the group itself
+    Actors are named `<job_name>/<role+role+...>:<rank>` (in Ray; kept processes taken under
+    rlhf.controller.warm only in their log lines). With a single role the group itself
     exposes that role's methods; with several, use `role_views()`.
     """
 
@@ -72,6 +74,7 @@ class WorkerGroup:
         self._grace_s = error_grace_s
         self._dead_reason: str | None = None
         self._actors: list[ray.actor.ActorHandle] = []
+        self._warm = WARM.serves(pool)  # kept processes (rlhf.controller.warm), unnamed
         backend = backend or ("nccl" if pool.use_gpu else "gloo")
         try:
             # Before any rank starts: a world spanning nodes hangs in its first collective
@@ -116,7 +119,12 @@ class WorkerGroup:
         return getattr(next(iter(self._views.values())), name)
 
     def shutdown(self, *, remove_pool: bool = True) -> None:
-        """Kill every rank's actor and (by default) remove the pool's placement groups."""
+        """Kill every rank's actor (or keep it warm, rlhf.controller.warm) and (by default)
+        remove the pool's placement groups."""
+        if self._warm and self._dead_reason is None:
+            self._dead_reason = "the worker group was shut down"
+            WARM.give_back(self._actors)
+            self._actors = []
         self._kill("the worker group was shut down")
         if remove_pool:
             self.pool.remove()
@@ -150,6 +158,13 @@ class WorkerGroup:
         return f"{self.job_name}/{self._label}:{rank}"
 
     def _start_actors(self) -> None:
+        if self._warm:
+            self._actors = WARM.take(self.pool.world_size)
+            self._wait({rank: actor.adopt.remote(
+                self.job_name, self._specs, name=self._actor_name(rank),
+                num_threads=int(self.pool.bundle["CPU"]), use_gpu=False)
+                for rank, actor in enumerate(self._actors)}, self._label, "adopt")
+            return
         remote_cls = ray.remote(ColocatedWorker)
         for rank in range(self.pool.world_size):
             pg, index = self.pool.bundle_of(rank)

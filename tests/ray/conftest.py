@@ -6,6 +6,8 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="tests/ray needs ray, which is not installed here")
 
+from rlhf.controller.warm import keep_ranks_warm  # noqa: E402 - needs ray, checked above
+
 NUM_CPUS = 8  # logical CPUs: more ranks than the machine's cores, each rank uses one thread
 STARTS = 3
 
@@ -33,7 +35,10 @@ def ray_cluster():
                 if "timed out during startup" not in str(exc) or attempt == STARTS - 1:
                     raise
                 ray.shutdown()
-    yield
+    # Rank processes are kept between the tests' worker groups: each new one would import
+    # torch, Ray and vLLM again (rlhf.controller.warm).
+    with keep_ranks_warm():
+        yield
     ray.shutdown()
 
 

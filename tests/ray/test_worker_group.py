@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.controller import Dispatch, Layout, ResourcePool, WorkerError, WorkerGroup, register
+from rlhf.controller.warm import cold_ranks
 from rlhf.data.batch import Batch
 from workers.base import Worker
 
@@ -78,6 +79,13 @@ class MeshRole(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def fail_everywhere(self):
         raise ValueError(f"bad argument seen by {self.ctx.role_name} rank {self.ctx.rank}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _named_actors():
+    """Processes of their own, named in Ray: what these tests check (rlhf.controller.warm)."""
+    with cold_ranks():
+        yield
 
 
 @pytest.fixture(scope="module")

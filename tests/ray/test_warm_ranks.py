@@ -1,0 +1,95 @@
+"""Warm ranks (rlhf.controller.warm): a group shut down cleanly leaves its processes to the next
+group, with nothing of its own left in them; a failed or untidy group leaves nothing."""
+
+import os
+import threading
+import types
+
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+
+from rlhf.controller import Dispatch, ResourcePool, WorkerError, WorkerGroup, register
+from rlhf.controller.warm import WARM, cold_ranks
+from workers.base import Worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class CountingRole(Worker):
+    """Counts its calls: a role object left over from an earlier group would count on."""
+
+    def __init__(self, ctx):
+        super().__init__(ctx)
+        self.calls = 0
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def visit(self):
+        self.calls += 1
+        total = torch.tensor([float(self.ctx.rank)])
+        dist.all_reduce(total)  # the new world works, with this group's ranks
+        return {"pid": os.getpid(), "calls": self.calls, "rank": dist.get_rank(),
+                "world": dist.get_world_size(), "rank_sum": total.item(),
+                "threads": torch.get_num_threads()}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def leave_a_thread(self):
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, name="left-behind", daemon=True).start()
+        self.stop = stop
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def die(self):
+        os._exit(3)
+
+
+def group(name: str, ranks: int = 2) -> WorkerGroup:
+    pool = ResourcePool(f"warm-{name}", ranks_per_node=ranks, use_gpu=False)
+    return WorkerGroup(pool, {"count": CountingRole}, job_name=f"warm-{name}")
+
+
+def pids(wg: WorkerGroup) -> set[int]:
+    return {seen["pid"] for seen in wg.visit()}
+
+
+def test_a_later_group_runs_in_the_processes_of_an_earlier_one_from_scratch(ray_cluster):
+    assert WARM.enabled  # tests/ray/conftest.py keeps ranks warm for the session
+    with group("first") as first:
+        first.visit()
+        seen = first.visit()
+        assert [s["calls"] for s in seen] == [2, 2]
+        before = {s["pid"] for s in seen}
+    with group("second", ranks=3) as second:
+        seen = second.visit()
+    assert before < {s["pid"] for s in seen}  # both kept processes, and one new
+    assert [s["calls"] for s in seen] == [1, 1, 1]  # fresh roles
+    assert [(s["rank"], s["world"], s["rank_sum"]) for s in seen] == [(r, 3, 3.0) for r in range(3)]
+    assert {s["threads"] for s in seen} == {1}
+
+
+@pytest.mark.parametrize("spoil", ["die", "leave_a_thread"])
+def test_a_group_that_lost_a_rank_or_left_a_thread_leaves_no_process_behind(ray_cluster, spoil):
+    with group(spoil) as spoilt:
+        lost = pids(spoilt)
+        if spoil == "die":
+            with pytest.raises(WorkerError, match="process died"):
+                spoilt.die()
+        else:
+            spoilt.leave_a_thread()
+    with group(f"after-{spoil}") as after:
+        assert not pids(after) & lost
+
+
+def test_cold_ranks_are_named_processes_of_their_own(ray_cluster):
+    with group("warm-one") as warm:
+        kept = pids(warm)
+    with cold_ranks(), group("cold") as cold:
+        assert not pids(cold) & kept
+        for name in cold.actor_names:
+            ray.get_actor(name)  # raises if no such named actor
+
+
+def test_only_cpu_groups_take_warm_ranks(ray_cluster):
+    assert WARM.serves(types.SimpleNamespace(use_gpu=False))
+    assert not WARM.serves(types.SimpleNamespace(use_gpu=True))
