@@ -1,17 +1,15 @@
 """A tiny model folder runs in a real vLLM engine and greedy-decodes like transformers. All
-families' engines run one after the other in one interpreter (importing vLLM costs more than
-building a tiny engine); each case compares its own results."""
+families' engines run one after the other in the shared vLLM interpreter
+(tests/unit/rollout/vllm_interpreter.py); each case compares its own results."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from rlhf.config.schema import TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
+from tests.unit.rollout.vllm_interpreter import vllm_interpreter  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -23,16 +21,18 @@ NEAR_TIE = 1e-4
 
 ARCHS = ["llama", "qwen3", "gemma"]
 
-# Runs in a fresh interpreter: vLLM changes process-wide state (threads, signal handlers).
 # One "RESULT <folder>:" line per engine, so a failing family leaves the others' results.
 VLLM_SCRIPT = r"""
 import gc, json, sys, traceback
 from vllm import LLM, SamplingParams
+from rlhf.rollout import vllm_environment
 prompts, max_tokens = json.loads(sys.argv[1]), int(sys.argv[2])
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=1)
 for folder in sys.argv[3:]:
     try:
-        llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+        with vllm_environment(device_type="cpu"):
+            llm = LLM(model=folder, dtype="float32", max_model_len=256, enforce_eager=True,
+                      seed=0, kv_cache_memory_bytes=2**26)
         result = []
         for out in llm.generate(prompts, params, use_tqdm=False):
             sample = out.outputs[0]
@@ -49,28 +49,23 @@ for folder in sys.argv[3:]:
 
 
 @pytest.fixture(scope="module")
-def vllm_runs(tmp_path_factory):
+def vllm_runs(tmp_path_factory, vllm_interpreter):
     """Each family's tiny folder and vLLM's greedy results on it, from one interpreter."""
     base = tmp_path_factory.mktemp("tiny")
     folders = {arch: str(make_tiny_model(TinyModelConfig(arch=arch, tie_embeddings=arch != "llama"),
                                          base / arch))
                for arch in ARCHS}
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, "-c", VLLM_SCRIPT, json.dumps(PROMPTS), str(MAX_TOKENS),
-         *folders.values()],
-        env=env, capture_output=True, text=True, timeout=400)
-    return folders, proc
+    ran = vllm_interpreter.run(VLLM_SCRIPT, json.dumps(PROMPTS), str(MAX_TOKENS),
+                               *map(str, folders.values()), name="tiny_vllm", timeout=400)
+    return folders, ran
 
 
 def _vllm_result(vllm_runs, arch):
-    folders, proc = vllm_runs
+    folders, (ok, out) = vllm_runs
     prefix = f"RESULT {folders[arch]}:"
-    lines = [line for line in proc.stdout.splitlines() if line.startswith(prefix)]
-    assert lines, f"vLLM failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    lines = [line for line in out.splitlines() if line.startswith(prefix)]
+    assert lines, f"vLLM failed:\n{out[-8000:]}"
+    assert ok, out[-5000:]
     return folders[arch], json.loads(lines[-1].removeprefix(prefix))
 
 

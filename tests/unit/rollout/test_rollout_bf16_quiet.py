@@ -2,17 +2,13 @@
 "Attempted to load weight ... with dtype torch.float32 into parameter with dtype
 torch.bfloat16", once per tensor and rank, is replaced by one line of ours per engine
 (rlhf/rollout/vllm_sampler.py): at the first load from a float32 folder, and none at later
-syncs of float32 weights. One engine."""
-
-import subprocess
-import sys
-from pathlib import Path
+syncs of float32 weights. One engine, in the shared vLLM interpreter (vllm_interpreter.py)."""
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+from tests.unit.rollout.vllm_interpreter import vllm_interpreter  # noqa: F401 (a fixture)
 
-ROOT = str(Path(__file__).resolve().parents[3])
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 SCRIPT = r"""
 import logging, sys, torch
@@ -50,16 +46,14 @@ print("OK", ours[0])
 """
 
 
-def test_bf16_engine_from_float32_weights_is_quiet(tmp_path):
+def test_bf16_engine_from_float32_weights_is_quiet(tmp_path, vllm_interpreter):
     from rlhf.config import TinyModelConfig
     from rlhf.demo.tiny_model import make_tiny_model
 
     folder = make_tiny_model(TinyModelConfig(num_layers=2, hidden_size=128, num_heads=4,
                                              num_kv_heads=2, intermediate_size=256,
                                              max_position_embeddings=64), tmp_path / "fp32")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(folder)], capture_output=True,
-                          text=True, timeout=580, cwd=ROOT)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "OK" in proc.stdout, out[-5000:]
+    ok, out = vllm_interpreter.run(SCRIPT, str(folder), name="bf16")
+    assert ok and "OK" in out, out[-5000:]
     assert "Attempted to load weight" not in out, out[-5000:]
-    print(proc.stdout.splitlines()[-1])
+    print(out.splitlines()[-1])

