@@ -26,7 +26,6 @@ import torch
 from rlhf.config.schema import OptimizerConfig, ParallelConfig, TinyModelConfig
 from rlhf.data.balancing import assign_micro_batches
 from rlhf.data.ragged import Ragged
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch, make_micro_batches
 from rlhf.parallel.launch import run_distributed
@@ -57,6 +56,10 @@ def run(args: argparse.Namespace) -> int:
     if args.layers % (args.pp * args.vpp):
         raise SystemExit(f"error: --layers {args.layers} must be a multiple of pp * vpp = "
                          f"{args.pp * args.vpp}")
+    # Imported here: it brings in transformers, which the CLI's parser (importing this module
+    # for every `rlhf` command) does not need.
+    from rlhf.demo.tiny_model import make_tiny_model
+
     with tempfile.TemporaryDirectory() as tmp:
         spec = TinyModelConfig(num_layers=args.layers, hidden_size=args.hidden,
                                num_heads=args.hidden // 64, num_kv_heads=args.hidden // 64,
