@@ -18,8 +18,9 @@ and their share of the step).
 
 With `--async`: synchronous against one-step-off-policy steps, side by side. Both runs use the
 same job (model, prompts, sizes) on one training rank and one rollout rank of its own
-(rollout.placement separate): first trainer.async_mode off (sample, then train), then one_step
-(sample batch k+1 while batch k trains). Prints one JSON line per run (mean seconds per timed
+(rollout.placement separate), one after the other on one local Ray cluster: first
+trainer.async_mode off (sample, then train), then one_step (sample batch k+1 while batch k
+trains). Prints one JSON line per run (mean seconds per timed
 step and per phase) and a summary: the synchronous run's generate and train times, their sum
 and their max (the step time a perfect overlap reaches), and the one-step-off step time against
 both.
@@ -30,10 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
 from rlhf.config import TinyModelConfig
@@ -112,25 +114,41 @@ def _summary(result: dict, steps: int) -> dict:
             "seconds_per_step": round(step_s / steps, 4),
             "seconds": {k: round(v, 4) for k, v in result["seconds"].items()},
             "cpu_util": {k: round(v, 3) for k, v in result["cpu_util"].items()},
-            "mfu": {k: round(v, 3) for k, v in result["mfu"].items()}}
+            # three significant figures: a tiny model's phase under load must not print 0
+            "mfu": {k: float(f"{v:.3g}") for k, v in result["mfu"].items()}}
 
 
 # ---- our trainer --------------------------------------------------------------------------------
 
 
-def fit_job(cfg, *, warmup: int, views: Callable | None = None,
-            after_step: Callable[[int], None] | None = None) -> list[dict]:
-    """Run cfg's PPOTrainer (the one `rlhf train` runs) on the local Ray, started here unless
-    one runs, and return the records of the steps after `warmup`. views(groups), if given,
-    returns the worker views the trainer calls (to wrap them); after_step goes to `fit`."""
+@contextmanager
+def _local_ray(cfg):
+    """cfg's local Ray cluster, started here unless one runs (then shut down after). Meanwhile
+    this process's stdout goes to stderr: Ray prints there what the workers print (vLLM's
+    notices), and the benchmark's stdout holds its JSON lines only."""
     import ray
 
-    from rlhf.trainer.jobs import RoleGroups, init_ray, job_workers, load_tokenizer
-    from rlhf.trainer.ppo import PPOTrainer
+    from rlhf.trainer.jobs import init_ray
 
     started = not ray.is_initialized()
-    init_ray(cfg, env_address=None)
-    try:
+    with redirect_stdout(sys.stderr):
+        init_ray(cfg, env_address=None)
+        try:
+            yield
+        finally:
+            if started:
+                ray.shutdown()
+
+
+def fit_job(cfg, *, warmup: int, views: Callable | None = None,
+            after_step: Callable[[int], None] | None = None) -> list[dict]:
+    """Run cfg's PPOTrainer (the one `rlhf train` runs) under `_local_ray` and return the
+    records of the steps after `warmup`. views(groups), if given, returns the worker views the
+    trainer calls (to wrap them); after_step goes to `fit`."""
+    from rlhf.trainer.jobs import RoleGroups, job_workers, load_tokenizer
+    from rlhf.trainer.ppo import PPOTrainer
+
+    with _local_ray(cfg):
         roles, role_configs = job_workers(cfg)
         groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
                             role_configs=role_configs)
@@ -141,9 +159,6 @@ def fit_job(cfg, *, warmup: int, views: Callable | None = None,
             return trainer.fit(after_step)[warmup:]
         finally:
             groups.shutdown()
-    finally:
-        if started:
-            ray.shutdown()
 
 
 def _run_both(cfg, *, warmup: int) -> tuple[dict, dict]:
@@ -374,9 +389,11 @@ def run_async(args: argparse.Namespace) -> int:
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         base = _job_config(args, Path(tmp))
-        for mode in ("off", "one_step"):
-            cfg = _separate(base, mode, Path(tmp) / mode)
-            lines.append({"system": f"async_mode={mode}", **_run_async_mode(cfg, warmup=args.warmup)})
+        with _local_ray(base):  # one cluster for both runs (their Ray settings are the same)
+            for mode in ("off", "one_step"):
+                cfg = _separate(base, mode, Path(tmp) / mode)
+                lines.append({"system": f"async_mode={mode}",
+                              **_run_async_mode(cfg, warmup=args.warmup)})
     sync, overlap = lines
     generate = sync["seconds"]["generate"]
     train = sync["seconds"]["step"] - generate - sync["seconds"]["sync_weights"]
