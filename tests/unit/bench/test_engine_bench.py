@@ -1,25 +1,15 @@
 """`rlhf bench engine` on the CPU, small: one training step timed, memory against the planner,
 the offload round trip, bf16 and fp32 log-probs against transformers and an fp64 reference."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.timeout(600)
 
-ROOT = str(Path(__file__).resolve().parents[3])
 
-
-def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement():
-    argv = ["--size", "tiny", "--layers", "2", "--tokens", "256", "--seq-len", "64",
-            "--micro-batches", "2", "--steps", "1"]
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "engine", *argv],
-                          capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = {x["kind"]: x for x in map(json.loads, proc.stdout.strip().splitlines())}
+def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement(bench_lines):
+    lines = {x["kind"]: x for x in bench_lines(
+        "engine", "--size", "tiny", "--layers", "2", "--tokens", "256", "--seq-len", "64",
+        "--micro-batches", "2", "--steps", "1")}
     assert set(lines) == {"config", "step", "memory", "offload", "logprobs"}
     assert lines["config"]["device"] == "cpu" and lines["config"]["tokens_per_step"] == 512
     step = lines["step"]
@@ -45,14 +35,10 @@ def test_bench_engine_prints_speed_memory_against_the_plan_and_logprob_agreement
     assert logprobs["engine_fp32_vs_transformers_fp64"]["max_abs_diff"] < 1e-4
 
 
-def test_bench_engine_profiles_a_step_on_request():
-    argv = ["--size", "tiny", "--layers", "2", "--tokens", "128", "--seq-len", "64",
-            "--micro-batches", "1", "--steps", "1", "--no-logprobs", "--no-offload",
-            "--profile", "5"]
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "engine", *argv],
-                          capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = {x["kind"]: x for x in map(json.loads, proc.stdout.strip().splitlines())}
+def test_bench_engine_profiles_a_step_on_request(bench_lines):
+    lines = {x["kind"]: x for x in bench_lines(
+        "engine", "--size", "tiny", "--layers", "2", "--tokens", "128", "--seq-len", "64",
+        "--micro-batches", "1", "--steps", "1", "--no-logprobs", "--no-offload", "--profile", "5")}
     profile = lines["profile"]
     assert profile["time"] == "cpu" and len(profile["top"]) == 5
     times = [row["ms"] for row in profile["top"]]

@@ -1,9 +1,5 @@
 """`rlhf bench fixed-memory`: its flat-buffer layout and shard list, and its CPU answer."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,8 +13,6 @@ def test_qwen7b_shards_match_the_model_size():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU answer")
-def test_cpu_says_why_it_measures_nothing():
-    done = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "fixed-memory"],
-                          capture_output=True, text=True, check=True)
-    line = json.loads(done.stdout.strip().splitlines()[-1])
+def test_cpu_says_why_it_measures_nothing(bench_lines):
+    line = bench_lines("fixed-memory")[-1]
     assert line["kind"] == "skipped" and "CUDA" in line["reason"]

@@ -1,24 +1,15 @@
 """`rlhf bench pipeline` runs both schedules and both batch layouts on a very small model."""
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = str(Path(__file__).resolve().parents[3])
 
-
-def test_bench_pipeline_prints_bubbles_and_packing_figures():
-    argv = ["--pp", "2", "--vpp", "2", "--micro-batches", "1,3", "--layers", "4", "--hidden",
-            "64", "--tokens", "128", "--samples", "12", "--budget", "512", "--repeats", "1"]
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "pipeline", *argv],
-                          capture_output=True, text=True, timeout=280, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    lines = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+def test_bench_pipeline_prints_bubbles_and_packing_figures(bench_lines):
+    # In this process: its stages start from the suite's rank server (torch already imported)
+    lines = bench_lines("pipeline", "--pp", "2", "--vpp", "2", "--micro-batches", "1,3",
+                        "--layers", "4", "--hidden", "64", "--tokens", "128", "--samples", "12",
+                        "--budget", "512", "--repeats", "1")
     bubbles = [x for x in lines if x["kind"] == "bubble"]
     assert [(b["schedule"], b["micro_batches"]) for b in bubbles] == [
         ("1f1b", 1), ("1f1b", 3), ("interleaved", 1), ("interleaved", 3)]
