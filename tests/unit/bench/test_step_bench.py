@@ -1,29 +1,32 @@
 """`rlhf bench step` end to end on a very small model: both systems, their phases and ratio."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from rlhf.bench.step_baseline import _response_mask
+from tests.unit.bench.one_interpreter import run_benchmarks
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(900)
 
-ROOT = str(Path(__file__).resolve().parents[3])
 PROMPTS, SAMPLES, NEW_TOKENS, STEPS = 4, 2, 8, 1
+SIZES = ["--steps", str(STEPS), "--warmup", "1", "--layers", "2", "--hidden", "64",
+         "--prompts", str(PROMPTS), "--samples", str(SAMPLES), "--new-tokens", str(NEW_TOKENS),
+         "--cores", "2"]
 
 
-def test_bench_step_prints_both_systems_and_their_ratio():
-    argv = ["--steps", str(STEPS), "--warmup", "1", "--layers", "2", "--hidden", "64",
-            "--prompts", str(PROMPTS), "--samples", str(SAMPLES), "--new-tokens", str(NEW_TOKENS),
-            "--ranks", "2", "--cores", "2"]
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", *argv],
-                          capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ours, base, summary = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+@pytest.fixture(scope="module")
+def step_runs():
+    """Both modes of the benchmark, one after the other in one interpreter (whose torch, Ray,
+    vLLM and transformers imports they share); each starts and stops its own Ray cluster."""
+    sync, overlap = run_benchmarks(["step", *SIZES, "--ranks", "2"], ["step", "--async", *SIZES],
+                                   timeout_s=880)
+    return {"sync": sync, "async": overlap}
+
+
+def test_bench_step_prints_both_systems_and_their_ratio(step_runs):
+    ours, base, summary = step_runs["sync"].json_lines()
     assert (ours["system"], base["system"]) == ("ours", "transformers")
     most = PROMPTS * SAMPLES * NEW_TOKENS * STEPS
     for line in (ours, base):
@@ -77,19 +80,16 @@ def test_few_shot_prompts_carry_other_rows_solved(tmp_path):
 
 
 def test_bench_step_refuses_fewer_cores_than_ranks():
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", "--ranks", "4",
-                           "--cores", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert proc.returncode != 0 and "--cores 2 is fewer than --ranks 4" in proc.stderr
+    from rlhf.cli import main
+
+    # Refused before anything starts, so the CLI runs here: a SystemExit with a message is
+    # what a shell sees as exit status 1 and the message on stderr.
+    with pytest.raises(SystemExit, match="--cores 2 is fewer than --ranks 4"):
+        main(["bench", "step", "--ranks", "4", "--cores", "2"])
 
 
-def test_bench_step_async_prints_sync_and_one_step_side_by_side():
-    argv = ["--async", "--steps", str(STEPS), "--warmup", "1", "--layers", "2", "--hidden", "64",
-            "--prompts", str(PROMPTS), "--samples", str(SAMPLES), "--new-tokens", str(NEW_TOKENS),
-            "--cores", "2"]
-    proc = subprocess.run([sys.executable, "-m", "rlhf.cli", "bench", "step", *argv],
-                          capture_output=True, text=True, timeout=580, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    sync, overlap, summary = [json.loads(line) for line in proc.stdout.strip().splitlines()]
+def test_bench_step_async_prints_sync_and_one_step_side_by_side(step_runs):
+    sync, overlap, summary = step_runs["async"].json_lines()
     assert (sync["system"], overlap["system"]) == ("async_mode=off", "async_mode=one_step")
     assert sync["seconds"]["wait_rollout"] == 0 and overlap["seconds"]["wait_rollout"] > 0
     assert overlap["staleness_mean"] == 1.0  # the timed step 2 trains on version-0 samples

@@ -1,0 +1,58 @@
+"""Several `rlhf bench` commands in one fresh interpreter, for benchmarks that must not run in
+the test process (a Ray cluster or a vLLM engine of their own): torch, transformers, Ray and
+vLLM are imported once for all of them instead of once each."""
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = str(Path(__file__).resolve().parents[3])
+# Printed after each command's stdout, with its exit status.
+END = "--- end of command, exit status"
+SCRIPT = f"""
+import json, sys, traceback
+from rlhf.cli import main
+for argv in json.loads(sys.argv[1]):
+    try:
+        rc = main(["bench", *argv])
+    except SystemExit as exc:  # a refusal: what `python -m rlhf.cli` would exit with
+        rc = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        print(exc.code, file=sys.stderr)
+    except Exception:
+        rc = 1
+        traceback.print_exc()
+    sys.stderr.flush()
+    print("{END}", rc, flush=True)
+"""
+
+
+@dataclass
+class Run:
+    """One command's exit status and stdout; `stderr` is the whole interpreter's."""
+
+    rc: int
+    stdout: str
+    stderr: str
+
+    def json_lines(self) -> list[dict]:
+        """The stdout's lines, each one JSON object (the benchmarks' contract)."""
+        assert self.rc == 0, self.stderr[-4000:]
+        return [json.loads(line) for line in self.stdout.strip().splitlines()]
+
+
+def run_benchmarks(*commands: list[str], timeout_s: float) -> list[Run]:
+    """Run `rlhf bench ARGV...` for each ARGV of `commands`, in turn, in one new interpreter."""
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(commands)],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+    parts = proc.stdout.split(END)
+    assert len(parts) == len(commands) + 1, \
+        f"the interpreter stopped early (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+    runs, stdout = [], parts[0]
+    for part in parts[1:]:
+        status, _, rest = part.partition("\n")
+        runs.append(Run(int(status), stdout, proc.stderr))
+        stdout = rest
+    assert stdout == "", f"output after the last command: {stdout[-2000:]}"
+    return runs
