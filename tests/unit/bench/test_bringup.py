@@ -82,42 +82,77 @@ def test_a_step_that_crashed_or_ran_out_of_time_fails_with_its_last_words():
     assert "skipped: the kit's time budget ran out" in text
 
 
-def test_smoke_steps_run_and_write_logs_results_and_summary(tmp_path):
-    """The kit's own plumbing, in the small CPU shapes, where Ray and vLLM are absent."""
-    code = BARE + ("from rlhf.bench.bringup import main\n"
-                   f"sys.exit(main(['--out', {str(tmp_path)!r}, '--smoke', '--only', "
-                   "'tiny_model', 'verify', 'attention']))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+# The three facts checked in one bare interpreter, each part's stdout after a line MARK NAME:
+# what the kit imports (first, before anything else is imported), the kit's smoke steps, and
+# pytest collecting where Ray is absent.
+MARK = "--- part:"
+KIT = BARE + f"MARK = {MARK!r}\n" + """
+import json, traceback
+print(MARK, "imports", flush=True)
+import rlhf.cli, rlhf.bench.bringup, rlhf.verify
+rlhf.cli.build_parser()  # imports every bench module and the trainer CLI
+print(json.dumps({"transformers": "transformers" in sys.modules}), flush=True)
+def kit():
+    return rlhf.bench.bringup.main(["--out", sys.argv[1], "--smoke", "--only", "tiny_model",
+                                    "verify", "attention"])
+def collect():
+    import pytest
+    return pytest.main(["-q", "-rs", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "tests/unit/controller/test_worker_device.py",
+                        "tests/unit/bench/test_flops.py"])
+for name, call in (("kit", kit), ("pytest", collect)):
+    print(MARK, name, flush=True)
+    try:
+        rc = int(call())
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    print(MARK, name + "_exit", rc, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory):
+    """The bare interpreter's run: each part's stdout by name (kit_exit and pytest_exit hold
+    exit statuses), the kit's results folder and the stderr."""
+    out = tmp_path_factory.mktemp("bringup")
+    proc = subprocess.run([sys.executable, "-c", KIT, str(out)], capture_output=True, text=True,
                           timeout=580, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    parts = {}
+    for chunk in proc.stdout.split(MARK + " ")[1:]:
+        header, _, text = chunk.partition("\n")
+        name, _, status = header.partition(" ")
+        parts[name] = status or text
+    return parts, out, proc.stderr
+
+
+def test_the_kit_imports_without_ray_vllm_or_flash_attn(kit):
+    parts, _, stderr = kit
+    assert "imports" in parts and "kit" in parts, stderr[-3000:]
+    # ... and its parser, which every `rlhf` command builds, without transformers either
+    assert json.loads(parts["imports"]) == {"transformers": False}
+
+
+def test_smoke_steps_run_and_write_logs_results_and_summary(kit):
+    """The kit's own plumbing, in the small CPU shapes, where Ray and vLLM are absent."""
+    parts, out, stderr = kit
+    assert parts.get("kit_exit") == "0", parts.get("kit", "")[-3000:] + stderr[-3000:]
+    lines = [json.loads(x) for x in (out / "results.jsonl").read_text().splitlines()]
     assert lines[0]["step"] == "env" and lines[0]["ray"] is False and lines[0]["vllm"] is False
     assert {x["step"] for x in lines} == {"env", "tiny_model", "verify", "attention"}
-    summary = (tmp_path / "summary.txt").read_text()
+    summary = (out / "summary.txt").read_text()
     assert "PASS  verify-model cuda" in summary and "PASS  attention sdpa_split" in summary
-    assert (tmp_path / "verify.log").read_text().startswith("$ rlhf.cli verify-model")
-    assert not (tmp_path / "tiny").exists()  # the model stays out of the results folder
+    assert (out / "verify.log").read_text().startswith("$ rlhf.cli verify-model")
+    assert not (out / "tiny").exists()  # the model stays out of the results folder
 
 
-def test_pytest_collects_without_ray_skipping_what_needs_it():
+def test_pytest_collects_without_ray_skipping_what_needs_it(kit):
     """A module that imports Ray is reported skipped with the reason; the rest runs."""
-    code = BARE + ("import pytest\n"
-                   "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', '-p', 'no:xdist', "
-                   "'tests/unit/controller/test_worker_device.py', 'tests/unit/bench/test_flops.py']))\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=580, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "test_worker_device.py needs ray, which is not installed here" in proc.stdout
-    assert " passed" in proc.stdout and "error" not in proc.stdout.lower()
-
-
-def test_the_kit_imports_without_ray_vllm_or_flash_attn():
-    code = BARE + ("import rlhf.cli, rlhf.bench.bringup, rlhf.verify\n"
-                   "rlhf.cli.build_parser()  # imports every bench module and the trainer CLI\n"
-                   "print('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    parts, _, stderr = kit
+    report = parts.get("pytest", "")
+    assert parts.get("pytest_exit") == "0", report[-3000:] + stderr[-3000:]
+    assert "test_worker_device.py needs ray, which is not installed here" in report
+    assert " passed" in report and "error" not in report.lower()
 
 
 def test_an_attention_kernel_that_raises_is_a_failed_check():
