@@ -63,12 +63,13 @@ def kill_when_saving(proc: subprocess.Popen, root: Path, step: int, timeout_s: f
 
 
 def terminate_after_step(proc: subprocess.Popen, out: Path, step: int, timeout_s: float) -> None:
-    """SIGTERM the driver (as a scheduler would) once this attempt's metrics.jsonl (the old
-    one is moved to old_runs first) has step `step`."""
+    """SIGTERM the driver (as a scheduler would) once this attempt's metrics.jsonl has step
+    `step`: only after the earlier attempt's was moved into old_runs/<time>/ (the folder is
+    made first, then the files move into it one by one)."""
     deadline = time.monotonic() + timeout_s
     path = out / "metrics.jsonl"
     while time.monotonic() < deadline and proc.poll() is None:
-        ready = (out / "old_runs").is_dir() and path.is_file()
+        ready = any(out.glob("old_runs/*/metrics.jsonl")) and path.is_file()
         lines = path.read_text().split("\n")[:-1] if ready else []  # whole lines only
         if any(json.loads(line).get("step") == step for line in lines if line):
             os.kill(proc.pid, signal.SIGTERM)
