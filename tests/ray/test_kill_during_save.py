@@ -1,16 +1,21 @@
 """The ways a cluster stops and restarts `rlhf train`, one job through all of them, each time
-re-run with the same command (plus, once, fewer ranks):
+re-run with the same command (the scheduler gives the first and last attempts one rank, the
+second two: trainer.ranks_per_node is not part of the run's identity):
 
-1. SIGKILLed while it writes its first checkpoint: an attempt with no complete checkpoint, whose
-   metrics.jsonl (steps 1..4, sampled and trained without interruption at dp=2) is the
-   reference for the rest;
-2. re-run: it recognises its own earlier attempt (run.json), moves the leftovers aside, starts
-   from step 1 and is sent SIGTERM after step 1: it finishes the step, saves a checkpoint and
-   exits with EXIT_PREEMPTED;
-3. re-run on one rank instead of two (dp 2 -> 1, ZeRO-1 shards resharded): it resumes there and
-   finishes; every step is in metrics.jsonl once, with the reference's losses, gradient norms
-   and rewards, the loader read as many batches as an uninterrupted run, and hf_model is
-   written. The prompts are an indexed folder (`rlhf preprocess-data`), read by memory map.
+1. on one rank, SIGKILLed while it writes its first checkpoint: an attempt with no complete
+   checkpoint, whose metrics.jsonl (steps 1..4, sampled and trained without interruption at
+   dp=1) is the reference for the rest;
+2. re-run on two ranks: it recognises its own earlier attempt (run.json), moves the leftovers
+   aside, starts from step 1 and is sent SIGTERM once step 1 is logged: it finishes the step
+   it is in (before the last), saves a checkpoint and exits with EXIT_PREEMPTED; its steps
+   match the dp=1 reference;
+3. re-run on one rank (dp 2 -> 1, ZeRO-1 shards resharded): it resumes there and finishes;
+   every step is in metrics.jsonl once, with the reference's losses, gradient norms and
+   rewards, the loader read as many batches as an uninterrupted run, and hf_model is written.
+   The prompts are an indexed folder (`rlhf preprocess-data`), read by memory map.
+One rank in the first attempt spares a rank start (torch, vLLM and its engine). Four steps
+(each a fraction of a second on an idle machine) leave room for a late SIGTERM: it must land
+before the last.
 
 A damaged newest checkpoint is skipped for the previous good one: tests/unit/trainer/
 test_checkpoint.py kills a saving driver and corrupts a shard without the cost of Ray.
@@ -45,6 +50,9 @@ COMPARED = ("actor/grad_norm", "actor/pg_loss", "actor/entropy", "reward/mean",
 def start_train(config: Path, log: Path, *overrides: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     env.pop("RAY_ADDRESS", None)  # a local Ray of its own, like a user's first run
+    # Ray's system config for that local Ray: no idle worker prestarted per CPU for the first
+    # driver; `rlhf train` passes a runtime_env, so its ranks never use them.
+    env["RAY_prestart_worker_first_driver"] = "0"
     with open(log, "w") as out:
         return subprocess.Popen([sys.executable, "-m", "rlhf.cli", "train", str(config),
                                  *overrides, "--no-progress"], stdout=out,
@@ -95,8 +103,8 @@ def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninter
     config.write_text(format_config(cfg))
     root, ckpt = out / "checkpoints", CheckpointManager(out)
 
-    # 1. SIGKILL in the first save (save_every=0: the final one), after all four steps
-    proc = start_train(config, tmp_path / "first.log")
+    # 1. one rank; SIGKILL in the first save (save_every=0: the final one), after all 4 steps
+    proc = start_train(config, tmp_path / "first.log", "trainer.ranks_per_node=1")
     try:
         kill_when_saving(proc, root, step=4, timeout_s=600)
     finally:
@@ -108,7 +116,7 @@ def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninter
     assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4], log
     assert any(r["actor/grad_norm"] > 0 for r in uninterrupted)  # the updates do something
 
-    # 2. the same command: restarts from scratch; SIGTERM after step 1 -> checkpoint, status 75
+    # 2. two ranks: restarts from scratch; SIGTERM after step 1 -> checkpoint, status 75
     proc = start_train(config, tmp_path / "second.log")
     try:
         terminate_after_step(proc, out, step=1, timeout_s=600)
