@@ -21,6 +21,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 def first_run(tmp_path, *args) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    # Ray's system config for the local Ray `rlhf train` starts: no idle worker prestarted per
+    # CPU for the first driver; the job passes a runtime_env, so its rank never uses them.
+    env["RAY_prestart_worker_first_driver"] = "0"
     return subprocess.run(
         ["bash", str(REPO / "examples" / "gpu_first_run.sh"), "--cpu", *args], cwd=tmp_path,
         env={**env, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=540)
