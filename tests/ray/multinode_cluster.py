@@ -27,6 +27,19 @@ RAY = str(Path(sys.executable).with_name("ray"))
 # ranks span nodes refuses to start without it (rlhf.controller.nodes.check_node_interfaces).
 NODE_ENV = {"GLOO_SOCKET_IFNAME": "lo"}
 NETWORK_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+# Ray's system config of the whole cluster (set on the head; every raylet reads it from GCS):
+# - a lost node is declared dead after 3 failed health checks 1 s apart, ~3 s after the kill,
+#   before job B has stopped and job C is submitted (Ray's 5 checks 3 s apart, ~15 s, would
+#   still count it alive then); a live raylet still gets health_check_timeout_ms (10 s) to
+#   answer each check, so a busy machine does not lose a node by mistake;
+# - no idle worker prestarted when the first driver connects: the jobs' drivers bring a
+#   runtime_env, so their actors start workers of their own and the prestarted ones sit unused;
+# - an idle worker lives 60 s, not 1 s: a job's checks on each node (rlhf.controller.nodes: the
+#   network variables, then the reward file's import) are tasks a few seconds apart, and each
+#   fresh worker imports torch with rlhf, so the second check reuses the first one's workers.
+SYSTEM_CONFIG = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3,
+                 "prestart_worker_first_driver": False,
+                 "idle_worker_killing_time_threshold_ms": 60_000}
 
 
 def free_port() -> int:
@@ -77,7 +90,8 @@ class LoopbackCluster:
                 str(self.temp_dir / name), "--disable-usage-stats", "--min-worker-port",
                 str(low), "--max-worker-port", str(low + 49), *ports]
         if head:
-            args += ["--head", "--port", str(self.port), "--include-dashboard", "true",
+            args += ["--head", "--port", str(self.port), "--system-config",
+                     json.dumps(SYSTEM_CONFIG), "--include-dashboard", "true",
                      "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
                      "--ray-client-server-port", str(free_port())]
         else:
@@ -128,9 +142,12 @@ class LoopbackCluster:
         return json.loads(lines[-1][2:])
 
     def node_ids(self) -> dict[str, str]:
-        """{node id: name given to start_node} of the alive nodes."""
-        return self.query("out = {n['NodeID']: k[3:] for n in ray.nodes() if n['Alive'] "
-                          "for k in n['Resources'] if k.startswith('mn_')}")
+        """{node id: name given to start_node} of the alive nodes, from the dashboard's state
+        API: no driver process joins the cluster to ask."""
+        from ray.util.state import list_nodes
+
+        return {n.node_id: k[3:] for n in list_nodes(address=self.dashboard, limit=1000)
+                if n.state == "ALIVE" for k in n.resources_total if k.startswith("mn_")}
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
