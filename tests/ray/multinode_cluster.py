@@ -111,9 +111,18 @@ class LoopbackCluster:
             time.sleep(0.5)
 
     def kill_node(self, name: str) -> None:
-        """The node's raylet and helpers die at once (its workers follow when they see it)."""
+        """Every process of the node dies at once, as when its machine goes away: the raylet
+        and helpers (its process group) and the workers the raylet started, which would
+        otherwise run on until they notice their raylet is gone (a whole training step, on a
+        loaded machine)."""
         proc = self.nodes.pop(name)
+        workers = _descendants(proc.pid)
         _signal_group(proc, signal.SIGKILL)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.wait()
 
     def stop(self) -> None:
@@ -148,6 +157,26 @@ class LoopbackCluster:
 
         return {n.node_id: k[3:] for n in list_nodes(address=self.dashboard, limit=1000)
                 if n.state == "ALIVE" for k in n.resources_total if k.startswith("mn_")}
+
+
+def _descendants(pid: int) -> list[int]:
+    """The ids of every process below `pid` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # a process that just ended
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
