@@ -16,7 +16,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Lowest first. Packages on one line share a layer and may not import each other.
 LAYERS = [
     ["rlhf.errors"],
-    ["rlhf.files", "rlhf.logs", "rlhf.families", "rlhf.trace"],
+    ["rlhf.files", "rlhf.logs", "rlhf.families", "rlhf.trace", "rlhf.environ"],
     ["rlhf.config"],
     ["rlhf.rewards"],
     ["rlhf.envs"],

@@ -34,6 +34,7 @@ from torch import Tensor
 from rlhf.config import RolloutConfig
 from rlhf.config.schema import LoraConfig
 from rlhf.engine.engine import DTYPE_NAMES as _DTYPE_NAMES
+from rlhf.environ import scoped_environ
 from rlhf.errors import ConfigError
 from rlhf.models.lora import peft_config, peft_key
 from rlhf.parallel.memory_probes import release_cached_memory
@@ -318,15 +319,6 @@ def vllm_environment(*, device_type: str, launcher_rank: int | None = None,
     and the external launcher reads RANK and LOCAL_RANK when it joins the job's world. What
     vLLM writes into the environment itself is vLLM's and stays.
     """
-    settings = vllm_settings(device_type=device_type, launcher_rank=launcher_rank,
-                             device_index=device_index)
-    saved = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    try:
+    with scoped_environ(vllm_settings(device_type=device_type, launcher_rank=launcher_rank,
+                                      device_index=device_index)):
         yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value

@@ -18,6 +18,7 @@ from rlhf.algorithms import algorithm_needs
 from rlhf.config import ForwardRoleConfig, JobConfig, TinyModelConfig, job_roles
 from rlhf.config.roles import ACTOR, CRITIC, REF, REWARD, ROLLOUT
 from rlhf.controller import ResourcePool, RoleView, WorkerGroup
+from rlhf.environ import scoped_environ
 from rlhf.errors import ConfigError, RLHFError
 from rlhf.files import atomic_folder
 from rlhf.trainer.device import use_gpu
@@ -53,9 +54,12 @@ def init_ray(cfg: JobConfig, *, env_address: str | None) -> None:
                             f"RAY_ADDRESS): {e}; start it, or unset both to run a local Ray") \
                 from None
         return
-    ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
-             dashboard_port=cfg.ray.dashboard_port, namespace=cfg.ray.namespace,
-             logging_level="WARNING", runtime_env={"env_vars": worker_env(cfg)})
+    # The local raylet hands its environment to every worker, the ones it prestarts included;
+    # a job runtime_env would have Ray start fresh workers and leave those idle.
+    with scoped_environ(worker_env(cfg)):
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=cfg.ray.include_dashboard,
+                 dashboard_port=cfg.ray.dashboard_port, namespace=cfg.ray.namespace,
+                 logging_level="WARNING")
 
 
 def worker_env(cfg: JobConfig) -> dict[str, str]:
