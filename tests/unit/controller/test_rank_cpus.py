@@ -83,7 +83,7 @@ def test_each_rank_reserves_its_bundles_cpus_and_runs_as_many_threads(monkeypatc
     monkeypatch.setattr(worker_group.ray, "remote", lambda cls: Remote())
     group = worker_group.WorkerGroup.__new__(worker_group.WorkerGroup)
     group.pool, group.job_name, group._specs, group._label = Pool(), "j", {}, "actor"
-    group._actors = []
+    group._actors, group._warm = [], False  # processes of its own (rlhf.controller.warm)
     group._start_actors()
     assert [(o["num_cpus"], o["num_threads"]) for o in started] == [(3, 3), (3, 3)]
     threads = torch.get_num_threads()
