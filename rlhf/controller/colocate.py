@@ -80,12 +80,15 @@ class ColocatedWorker:
         if parallel_state is not None:
             parallel_state.destroy_model_parallel()
             parallel_state.destroy_distributed_environment()
+        envs = sys.modules.get("vllm.envs")
+        if envs is not None:  # the engine core cached its environment: the next one reads anew
+            envs.disable_envs_cache()
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
-        threads = [t.name for t in threading.enumerate()
-                   if t.ident not in self._threads and t.is_alive()]
-        children = _child_pids()
+        threads = [t.name for t in threading.enumerate() if t.ident not in self._threads
+                   and t.is_alive() and not _process_helper_thread(t)]
+        children = [pid for pid in _child_pids() if pid != _resource_tracker_pid()]
         if threads or children:
             return f"threads {threads} and child processes {children} outlived the roles"
         return None
@@ -161,6 +164,24 @@ class ColocatedWorker:
 
 
 _ACTOR_NAME_MARKER = ":actor_name:"  # ray._private.ray_constants.LOG_PREFIX_ACTOR_NAME
+
+
+# A library's process-wide helper is started once, by whichever role first needs it, and then
+# serves every later user in the process, as it would in a fresh process once started; it holds
+# nothing of the role that started it, so it does not stop the process being adopted:
+# - tqdm's monitor thread (one per tqdm class, started with its first bar: vLLM's loaders);
+# - multiprocessing's resource tracker process (started by the first semaphore or shared
+#   memory block; vLLM-CPU starts it).
+
+
+def _process_helper_thread(thread: threading.Thread) -> bool:
+    monitor = sys.modules.get("tqdm._monitor")
+    return monitor is not None and isinstance(thread, monitor.TMonitor)
+
+
+def _resource_tracker_pid() -> int | None:
+    tracker = sys.modules.get("multiprocessing.resource_tracker")
+    return getattr(getattr(tracker, "_resource_tracker", None), "_pid", None)
 
 
 def _child_pids() -> list[int]:

@@ -40,6 +40,20 @@ class CountingRole(Worker):
         self.stop = stop
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def start_process_helpers(self):
+        """What vLLM's engine leaves in a rank: tqdm's monitor thread (its loaders' bars) and
+        multiprocessing's resource tracker (a semaphore)."""
+        import multiprocessing
+
+        from tqdm import tqdm
+
+        with tqdm(total=1, disable=False) as bar:
+            bar.update()
+        self.lock = multiprocessing.get_context("spawn").Lock()
+        return {"tqdm_monitor": tqdm.monitor is not None and tqdm.monitor.is_alive(),
+                "tracker": multiprocessing.resource_tracker._resource_tracker._pid}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def die(self):
         os._exit(3)
 
@@ -79,6 +93,15 @@ def test_a_group_that_lost_a_rank_or_left_a_thread_leaves_no_process_behind(ray_
             spoilt.leave_a_thread()
     with group(f"after-{spoil}") as after:
         assert not pids(after) & lost
+
+
+def test_a_library_helper_started_by_a_role_does_not_keep_its_process_cold(ray_cluster):
+    with group("helpers") as first:
+        started = first.start_process_helpers()
+        kept = pids(first)
+    assert all(s["tqdm_monitor"] and s["tracker"] for s in started)  # both really started
+    with group("after-helpers") as after:
+        assert pids(after) == kept
 
 
 def test_cold_ranks_are_named_processes_of_their_own(ray_cluster):
