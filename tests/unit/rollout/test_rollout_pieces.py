@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,11 @@ def test_engine_args_cpu_bounds_the_kv_cache_and_refuses_tp():
     assert (args["max_num_seqs"], args["seed"], args["max_model_len"]) == (7, 3, 64)
     assert "enable_sleep_mode" not in args
     # whole-prompt prefill (seeded sampling breaks on split prefills in vLLM-CPU)
-    assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 4096
+    # (vLLM's 4096 tokens, or all that 7 sequences of 64 tokens can hold)
+    assert args["enable_chunked_prefill"] is False and args["max_num_batched_tokens"] == 7 * 64
+    many = vllm_args(replace(cfg, max_num_seqs=256), on_cuda=False, dtype=torch.float32,
+                     max_model_len=64)
+    assert many["max_num_batched_tokens"] == 4096
     long = vllm_args(cfg, on_cuda=False, dtype=torch.float32, max_model_len=8192)
     assert long["max_num_batched_tokens"] == 8192  # one longest prompt always fits
     with pytest.raises(ConfigError, match="rollout.tp=2 on the CPU"):
