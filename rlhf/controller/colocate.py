@@ -88,7 +88,8 @@ class ColocatedWorker:
         gc.collect()
         threads = [t.name for t in threading.enumerate() if t.ident not in self._threads
                    and t.is_alive() and not _process_helper_thread(t)]
-        children = [pid for pid in _child_pids() if pid != _resource_tracker_pid()]
+        tracker = _resource_tracker_pid()
+        children = [pid for pid in _child_pids() if pid != tracker]
         if threads or children:
             return f"threads {threads} and child processes {children} outlived the roles"
         return None
