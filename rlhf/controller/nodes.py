@@ -9,8 +9,6 @@ start of Ray's node id too.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -21,7 +19,7 @@ from rlhf.config import JobConfig
 from rlhf.config.paths import is_file_target
 from rlhf.config.schema import ALGORITHM_ENTRIES
 from rlhf.errors import RLHFError
-from rlhf.rewards.loader import load_object
+from rlhf.node_probes import import_each, interface_facts
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +85,7 @@ def check_user_files(specs: dict[str, str], views: Mapping[str, Any], *,
     if not specs:
         return
     nodes = [node for view in views.values() for node in view.group.rank_nodes]
-    found = run_on_nodes(_import_each, nodes, specs, timeout_s=timeout_s)
+    found = run_on_nodes(import_each, nodes, specs, timeout_s=timeout_s)
     table = node_table()
     problems = [f"on {node_label(node, table)}: {key}: {text}"
                 for node, errors in found.items() for key, text in errors.items()]
@@ -98,18 +96,6 @@ def check_user_files(specs: dict[str, str], views: Mapping[str, Any], *,
                         "--working-dir`:\n" + "\n".join(problems))
     logger.info("%s import on %s", ", ".join(specs.values()),
                 "; ".join(node_label(n, table) for n in found))
-
-
-def _import_each(specs: dict[str, str]) -> dict[str, str]:
-    """{key: error} for the specs that do not import in this process."""
-    errors = {}
-    for key, spec in specs.items():
-        try:
-            load_object(spec, what="environment" if key.startswith("rollout") else
-                        key if key.startswith("algorithm") else "reward function")
-        except RLHFError as e:
-            errors[key] = str(e)
-    return errors
 
 
 # ---- the interfaces a world spanning nodes bootstraps over -----------------------------------
@@ -150,12 +136,6 @@ def _matches(name: str, value: str, interfaces: list[str]) -> bool:
     return bool(chosen)
 
 
-def _interface_facts(names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
-    """(the variables `names` as this process sees them, the node's interface names)."""
-    return ({n: os.environ[n] for n in names if n in os.environ},
-            [name for _, name in socket.if_nameindex()])
-
-
 def check_node_interfaces(node_ids: Iterable[str], *, backend: str, timeout_s: float) -> None:
     """RLHFError naming each node and variable when ranks on `node_ids` span several nodes and
     a node lacks an interface variable `backend` needs (INTERFACE_VARIABLES) or names an
@@ -166,7 +146,7 @@ def check_node_interfaces(node_ids: Iterable[str], *, backend: str, timeout_s: f
     variables = INTERFACE_VARIABLES[backend]
     # Run as tasks of this job, so they see the environment the ranks will: the node's
     # `ray start` plus the job's runtime_env.
-    found = run_on_nodes(_interface_facts, nodes, variables, timeout_s=timeout_s)
+    found = run_on_nodes(interface_facts, nodes, variables, timeout_s=timeout_s)
     table = node_table()
     problems = [f"on {node_label(node, table)}: {problem}"
                 for node, (env, names) in found.items()

@@ -2,10 +2,17 @@
 what one node's environment and interfaces give for each backend, and a one-node group that is
 never checked. The Ray part runs on a loopback cluster in tests/ray/test_node_checks.py."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from rlhf.controller import nodes
 from rlhf.controller.nodes import check_node_interfaces, interface_problems
+from rlhf.node_probes import import_each, interface_facts
+
+ROOT = Path(__file__).resolve().parents[3]
 
 IFACES = ["lo", "eth0", "ib0"]
 
@@ -69,3 +76,18 @@ def test_the_error_names_each_node_and_variable_and_the_fix(monkeypatch):
         "on node bbbbbbbb: GLOO_SOCKET_IFNAME=enp1 names no interface of that node "
         "(interfaces there: eth0, ib0, lo)"]
     assert "before `ray start`" in lines[3] and "node aaaaaaaa" not in str(info.value)
+
+
+def test_a_node_check_task_imports_neither_torch_nor_the_controller():
+    # A task's worker imports the task's module first; each job with a runtime_env of its own
+    # starts fresh workers on every node, so this import is paid per node and job.
+    code = ("import sys\nfrom rlhf.node_probes import import_each, interface_facts\n"
+            "print(sorted({'torch', 'rlhf.controller'} & set(sys.modules)))\n"
+            "print(interface_facts(('NO_SUCH_VARIABLE',)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    imported, facts = out.stdout.splitlines()
+    assert imported == "[]"
+    assert facts.startswith("({}, [") and "'lo'" in facts
+    assert nodes.import_each is import_each and nodes.interface_facts is interface_facts
