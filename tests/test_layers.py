@@ -19,7 +19,7 @@ LAYERS = [
     ["rlhf.files", "rlhf.logs", "rlhf.families", "rlhf.trace", "rlhf.environ"],
     ["rlhf.config"],
     ["rlhf.rewards"],
-    ["rlhf.envs"],
+    ["rlhf.envs", "rlhf.node_probes"],
     ["rlhf.data", "rlhf.algorithms"],
     ["rlhf.parallel"],
     ["rlhf.models"],
