@@ -8,12 +8,20 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.conftest import RANK_PRELOAD
+
 ROOT = str(Path(__file__).resolve().parents[3])
+# The ranks benchmarks launch (rlhf.parallel.launch) fork from one server that imported these
+# once, as the suite's own launches do; vLLM too, which each rank of `bench sync` builds an
+# engine with.
+BENCH_RANK_PRELOAD = [*RANK_PRELOAD, "vllm"]
 # Printed after each command's stdout, with its exit status.
 END = "--- end of command, exit status"
 SCRIPT = f"""
 import json, sys, traceback
 from rlhf.cli import main
+from rlhf.parallel.launch import fork_ranks_from_a_server
+fork_ranks_from_a_server(json.loads(sys.argv[2]))
 for argv in json.loads(sys.argv[1]):
     try:
         rc = main(["bench", *argv])
@@ -44,7 +52,8 @@ class Run:
 
 def run_benchmarks(*commands: list[str], timeout_s: float) -> list[Run]:
     """Run `rlhf bench ARGV...` for each ARGV of `commands`, in turn, in one new interpreter."""
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(commands)],
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(commands),
+                           json.dumps(BENCH_RANK_PRELOAD)],
                           capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
     parts = proc.stdout.split(END)
     assert len(parts) == len(commands) + 1, \
