@@ -112,7 +112,8 @@ def import_gguf(path: str | Path, out: str | Path, *, overwrite: bool = False) -
         config = AutoConfig.from_pretrained(**where)
         tokenizer = AutoTokenizer.from_pretrained(**where)
         with _no_gguf_bar():
-            quantized = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+            quantized = AutoModelForCausalLM.from_pretrained(**where, config=config,
+                                                             dtype=torch.float32)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
         # A tied head has no tensor of its own in the file; anything else missing is a bug.
