@@ -64,6 +64,9 @@ def _example_job(smollm2, tmp_path):
         # (with one, the update's first forward gives them), so the gap measures the sync.
         "data.val_files=[]", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2",
         "rollout.n=4", "rollout.max_new_tokens=8", "trainer.total_steps=2",
+        # One rank (the example has two): the sync and its gap are each rank's own, and a
+        # second rank would load the model, its reference and a vLLM engine again.
+        "trainer.ranks_per_node=1",
         "trainer.val_every=0", "trainer.ray_metrics=false", f"trainer.output_dir={tmp_path / 'run'}"])
 
 
