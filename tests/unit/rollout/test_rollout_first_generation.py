@@ -3,6 +3,7 @@ token-rank count (dynamo, then a C++ kernel) in every new engine process, about 
 each (rlhf.rollout.compat.eager_rank_count). In the shared vLLM interpreter
 (vllm_interpreter.py)."""
 
+import sys
 import types
 
 import pytest
@@ -58,7 +59,7 @@ def test_the_rank_count_is_unwrapped_only_where_vllm_compiles_it(monkeypatch):
         return (x >= values).sum(-1)
 
     module = types.ModuleType("fake_sampler")
-    monkeypatch.setitem(__import__("sys").modules, "fake_sampler", module)
+    monkeypatch.setitem(sys.modules, "fake_sampler", module)
     monkeypatch.setattr(compat, "RANK_COUNT", ("fake_sampler", "count"))
     assert compat.eager_rank_count() is False  # no such function: nothing to change
     module.count = _compiled(count)
