@@ -131,29 +131,3 @@ def _has_runner_model(worker) -> bool:
     # Runs inside each vLLM worker (collective_rpc); the attribute chain `reload_weights` uses.
     runner = getattr(worker, "model_runner", None)
     return runner is not None and getattr(runner, "model", None) is not None
-
-
-# vLLM's sampler ranks each sampled token among the vocabulary (how many log-probs are at least
-# its own) with a function it compiles with torch.compile on first use, to spare CUDA a
-# (sequences x vocabulary) boolean copy. On the CPU that compile (dynamo, then inductor's C++
-# kernel built with the system compiler) costs every new engine process about 2 CPU-seconds in
-# its first generation, 100 times the generation itself on a small model, while the copy it
-# saves is a quarter of the log-prob tensor the sampler already holds.
-RANK_COUNT = ("vllm.v1.sample.sampler", "batched_count_greater_than")
-
-
-def eager_rank_count() -> bool:
-    """On the CPU: have vLLM's sampler count token ranks eagerly instead of through its compiled
-    function (the same `(x >= values).sum(-1)`, unwrapped). True when the sampler now calls the
-    eager function; False, changing nothing, when the installed vLLM has no such compiled
-    function (another version)."""
-    module_name, name = RANK_COUNT
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        return False
-    eager = getattr(getattr(module, name, None), "_torchdynamo_orig_callable", None)
-    if eager is not None:
-        setattr(module, name, eager)
-    function = getattr(module, name, None)
-    return callable(function) and not hasattr(function, "_torchdynamo_orig_callable")

