@@ -20,10 +20,10 @@ With `--async`: synchronous against one-step-off-policy steps, side by side. Bot
 same job (model, prompts, sizes) on one training rank and one rollout rank of its own
 (rollout.placement separate), one after the other on one local Ray cluster: first
 trainer.async_mode off (sample, then train), then one_step (sample batch k+1 while batch k
-trains). Prints one JSON line per run (mean seconds per timed
-step and per phase) and a summary: the synchronous run's generate and train times, their sum
-and their max (the step time a perfect overlap reaches), and the one-step-off step time against
-both.
+trains), whose ranks are the first run's processes kept warm (rlhf.controller.warm). Prints
+one JSON line per run (mean seconds per timed step and per phase) and a summary: the
+synchronous run's generate and train times, their sum and their max (the step time a perfect
+overlap reaches), and the one-step-off step time against both.
 """
 
 from __future__ import annotations
@@ -385,11 +385,15 @@ def run_async(args: argparse.Namespace) -> int:
     if args.cores < 2:
         raise SystemExit("error: --async needs --cores of at least 2 (a training rank and a "
                          "rollout rank)")
+    from rlhf.controller.warm import keep_ranks_warm
+
     args = argparse.Namespace(**{**vars(args), "ranks": 1})
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         base = _job_config(args, Path(tmp))
-        with _local_ray(base):  # one cluster for both runs (their Ray settings are the same)
+        # One cluster for both runs (their Ray settings are the same); the second run's ranks
+        # are the first one's processes (rlhf.controller.warm), with torch and vLLM imported.
+        with _local_ray(base), keep_ranks_warm():
             for mode in ("off", "one_step"):
                 cfg = _separate(base, mode, Path(tmp) / mode)
                 lines.append({"system": f"async_mode={mode}",

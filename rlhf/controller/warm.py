@@ -102,7 +102,11 @@ WARM = WarmRanks()
 @contextmanager
 def keep_ranks_warm(max_idle: int = 8) -> Iterator[WarmRanks]:
     """Within: CPU worker groups on a one-node cluster reuse up to `max_idle` rank processes
-    left by groups shut down before them. After: the idle ones are killed."""
+    left by groups shut down before them. After: the idle ones are killed. Inside an outer
+    `keep_ranks_warm` it changes nothing: the outer one keeps the processes."""
+    if WARM.enabled:
+        yield WARM
+        return
     WARM.enabled, WARM.max_idle = True, max_idle
     try:
         yield WARM

@@ -19,9 +19,11 @@ SIZES = ["--steps", str(STEPS), "--warmup", "1", "--layers", "2", "--hidden", "6
 @pytest.fixture(scope="module")
 def step_runs():
     """Both modes of the benchmark, one after the other in one interpreter (whose torch, Ray,
-    vLLM and transformers imports they share); each starts and stops its own Ray cluster."""
+    vLLM and transformers imports they share) and one Ray cluster of --cores CPUs: the async
+    runs' ranks are the processes the first run's two ranks left. The first run goes first:
+    it meters every rank process under the driver, and no idle one may be among them."""
     sync, overlap = run_benchmarks(["step", *SIZES, "--ranks", "2"], ["step", "--async", *SIZES],
-                                   timeout_s=880)
+                                   timeout_s=880, ray_cpus=2)
     return {"sync": sync, "async": overlap}
 
 
