@@ -10,6 +10,7 @@ implement or a quantisation the `gguf` package cannot dequantize stops before an
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import io
 import sys
@@ -40,6 +41,11 @@ def packaged_smollm2() -> Path:
 
 def check_gguf(path: str | Path) -> dict:
     """The file's architecture and tensor types; RLHFError when we cannot import it."""
+    return _read_checked(path)[1]
+
+
+def _read_checked(path: str | Path):
+    """(the file's gguf.GGUFReader, check_gguf's facts)."""
     try:
         import gguf
     except ImportError:
@@ -64,7 +70,30 @@ def check_gguf(path: str | Path) -> dict:
         raise RLHFError(f"{path.name}: tensor type(s) {', '.join(unknown)} cannot be "
                         f"dequantized by the installed gguf package; convert from F16/F32 or a "
                         f"Q4_0/Q4_1/Q8_0/K-quant file")
-    return {"architecture": arch, "tensor_types": types, "tensors": len(reader.tensors)}
+    return reader, {"architecture": arch, "tensor_types": types, "tensors": len(reader.tensors)}
+
+
+@contextlib.contextmanager
+def _parsed_once(reader, path: Path):
+    """Inside: transformers' GGUF loading (config, tokenizer and weights each open the file
+    with `gguf.GGUFReader`, and rebuild gguf's tensor-name table once per submodule) reuses
+    `reader`, the file's one parse (a few seconds each for a 49k-token vocabulary), and one
+    name table per (architecture, layers). gguf's own functions are put back after."""
+    import gguf
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    path = path.resolve()
+
+    def reader_for(file, *args, **kwargs):
+        if not args and not kwargs and Path(file).resolve() == path:
+            return reader
+        return make_reader(file, *args, **kwargs)
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader_for, functools.lru_cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
 
 
 @contextlib.contextmanager
@@ -104,11 +133,11 @@ def import_gguf(path: str | Path, out: str | Path, *, overwrite: bool = False) -
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     path, out = Path(path), Path(out)
-    facts = check_gguf(path)
+    reader, facts = _read_checked(path)
     if out.exists() and not overwrite:
         raise RLHFError(f"{out} exists; pass --overwrite to replace it")
     where = {"pretrained_model_name_or_path": path.parent, "gguf_file": path.name}
-    with quiet_transformers():
+    with quiet_transformers(), _parsed_once(reader, path):
         config = AutoConfig.from_pretrained(**where)
         tokenizer = AutoTokenizer.from_pretrained(**where)
         with _no_gguf_bar():

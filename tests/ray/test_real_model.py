@@ -29,14 +29,29 @@ def smollm2(tmp_path_factory):
         source = packaged_smollm2()
     except RLHFError as exc:
         pytest.skip(f"the real-model tests need the model wheel: {exc}")
+    import gguf
+
     out = tmp_path_factory.mktemp("real") / "smollm2"
-    facts = import_gguf(source, out)
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = lambda *args, **kwargs: (PARSES.append(args), reader(*args, **kwargs))[1]
+    try:
+        facts = import_gguf(source, out)
+    finally:
+        PARSES.append(gguf.get_tensor_name_map is name_map)  # put back by import_gguf
+        gguf.GGUFReader = reader
     assert (facts["architecture"], facts["vocab_size"], facts["chat_template"]) == \
         ("llama", 49152, True)
     return out
 
 
+# What the import did with gguf's functions: the file's parses, then whether the name-table
+# function was put back.
+PARSES: list = []
+
+
 def test_import_writes_a_plain_fp32_folder(smollm2):
+    # One parse of the 49k-token file for the check, the config, tokenizer and weights
+    assert len(PARSES) == 2 and PARSES[1] is True, PARSES
     config = json.loads((smollm2 / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert config["pad_token_id"] == config["eos_token_id"]  # pad = eos, as shipped
