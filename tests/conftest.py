@@ -10,6 +10,7 @@ reported as skipped, naming the package, instead of as a collection error, and t
 import datetime
 import importlib
 import importlib.util
+import os
 import sys
 
 import pytest
@@ -93,6 +94,13 @@ SLOW_FIRST = (RAY_TIER, "tests/unit/bench/", "tests/unit/rollout/", "tests/dist/
 
 
 def pytest_configure(config):
+    # Bytecode caching, which an environment may turn off (PYTHONDONTWRITEBYTECODE=1, as this
+    # project's development machines do): the suite starts hundreds of interpreters (Ray
+    # workers, ranks, CLI runs) that import the same modules, and each pytest process compiles
+    # every test module for its assertion rewriting; without __pycache__ all of them compile
+    # everything again. Python's default is back for the suite and the processes it starts.
+    sys.dont_write_bytecode = False
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     worker = hasattr(config, "workerinput")
     if (not worker and config.pluginmanager.hasplugin("xdist")
             and config.option.numprocesses is None and not config.option.collectonly):
