@@ -21,6 +21,11 @@ pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# What the import did with gguf's functions: the file's parses, and whether the name-table
+# function was put back after.
+IMPORT: dict = {"parses": []}
+
+
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     if importlib.util.find_spec("gguf") is None:
@@ -33,25 +38,23 @@ def smollm2(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("real") / "smollm2"
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    gguf.GGUFReader = lambda *args, **kwargs: (PARSES.append(args), reader(*args, **kwargs))[1]
-    try:
+
+    def counted_reader(*args, **kwargs):
+        IMPORT["parses"].append(args)
+        return reader(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", counted_reader)
         facts = import_gguf(source, out)
-    finally:
-        PARSES.append(gguf.get_tensor_name_map is name_map)  # put back by import_gguf
-        gguf.GGUFReader = reader
+        IMPORT["name_map_restored"] = gguf.get_tensor_name_map is name_map
     assert (facts["architecture"], facts["vocab_size"], facts["chat_template"]) == \
         ("llama", 49152, True)
     return out
 
 
-# What the import did with gguf's functions: the file's parses, then whether the name-table
-# function was put back.
-PARSES: list = []
-
-
 def test_import_writes_a_plain_fp32_folder(smollm2):
     # One parse of the 49k-token file for the check, the config, tokenizer and weights
-    assert len(PARSES) == 2 and PARSES[1] is True, PARSES
+    assert len(IMPORT["parses"]) == 1 and IMPORT["name_map_restored"], IMPORT
     config = json.loads((smollm2 / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert config["pad_token_id"] == config["eos_token_id"]  # pad = eos, as shipped
