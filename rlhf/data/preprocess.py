@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import sys
 import time
 from collections import deque
@@ -304,8 +303,11 @@ def _tokenised(inputs, job: Job, tokenizer, *, workers: int, split: str | None
         for rows in chunks:
             yield tokenise_chunk(rows, tokenizer, job)
         return
-    # fork: the workers start at once, without importing the package again.
-    context = multiprocessing.get_context("fork" if os.name == "posix" else "spawn")
+    # spawn, not fork: a child forked from a process with other threads (a Ray driver's, a
+    # progress bar's monitor) inherits whatever locks they held at that instant and the
+    # caller's signal handlers, and can wait forever on one (seen: a worker that outlived the
+    # pool's SIGTERM under a Ray driver). A fresh interpreter costs a second of imports.
+    context = multiprocessing.get_context("spawn")
     with context.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
         pending: deque = deque()
         for rows in chunks:

@@ -59,6 +59,11 @@ def write_datasets_folder(folder, rows):
     return folder
 
 
+def _inherited_by_a_fork(*args, **kwargs):
+    raise AssertionError("a preprocessing worker ran the caller's patched tokenise_chunk: it "
+                         "was forked from the caller instead of started fresh")
+
+
 def test_prompts_read_by_memory_map_equal_the_in_memory_rows(tmp_path, model, tokenizer):
     rows = prompt_rows(14)
     files = [write_jsonl(tmp_path / "a.jsonl", rows[:5]),
@@ -77,9 +82,13 @@ def test_prompts_read_by_memory_map_equal_the_in_memory_rows(tmp_path, model, to
     assert a["extra"] == b["extra"] and a["ground_truth"] == b["ground_truth"]
     assert a["raw_prompt"] == b["raw_prompt"] and a["data_source"] == b["data_source"]
     assert a["prompt_ids"].equal(b["prompt_ids"]) and torch.equal(a["index"], b["index"])
-    # Two processes write the same bytes as one (chunks come back in input order).
-    preprocess(files, tmp_path / "two", Job(kind="prompts", tokenizer_path=model), workers=2,
-               progress=False)
+    # Two processes write the same bytes as one (chunks come back in input order). They are
+    # fresh interpreters, not forks of this one: nothing of the caller's state reaches them
+    # (locks held by its other threads, its signal handlers; here, a function patched to fail).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("rlhf.data.preprocess.tokenise_chunk", _inherited_by_a_fork)
+        preprocess(files, tmp_path / "two", Job(kind="prompts", tokenizer_path=model),
+                   workers=2, progress=False)
     for name in ("tokens.bin", "offsets.npy", "rows.jsonl", "rows_offsets.npy"):
         assert (out / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
     # Overlong prompts are dropped as the in-memory dataset drops them.
