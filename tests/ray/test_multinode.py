@@ -10,6 +10,8 @@ One module-scoped scenario, each job reused by several tests:
      a fraction of a second on an idle machine: step 3 is the margin), never after its last.
   C  `ray job submit` again: it resumes B's last checkpoint on the nodes left, while the lost
      node is started again, and runs the steps after it, which must repeat A's exactly.
+Between A and B a small driver asks the cluster what it placed where, and runs the network
+interface checks (the head alone names the NCCL interface) directly and through a group.
 The cluster's system config (multinode_cluster.SYSTEM_CONFIG) declares the killed node dead
 in seconds.
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from rlhf.trainer.metrics import read_metrics
-from tests.ray.multinode_cluster import RAY, LoopbackCluster, client_env
+from tests.ray.multinode_cluster import NODE_ENV, RAY, LoopbackCluster, client_env
 from tests.unit.trainer.jobs import make_assets
 
 pytestmark = pytest.mark.timeout(900)
@@ -54,6 +56,37 @@ def score(*, prompt, response, ground_truth, extra):
 # Wall-clock figures differ between runs; everything else must repeat exactly.
 VARYING = ("timing/", "throughput/", "sync/", "rollout/seconds", "rollout/tokens_per_s",
            "memory/")
+
+
+# Run on the cluster after job A: the interface checks a job spanning nodes gets before any
+# rank starts (rlhf.controller.nodes.check_node_interfaces), directly and through a group.
+INTERFACE_CHECKS = """
+from rlhf.controller import WorkerGroup
+from rlhf.controller.nodes import check_node_interfaces
+from rlhf.errors import RLHFError
+
+ids = {k[3:]: n['NodeID'] for n in ray.nodes() if n['Alive'] for k in n['Resources']
+       if k.startswith('mn_')}
+out['ids'] = ids
+check_node_interfaces([ids['head'], ids['w1']], backend='gloo', timeout_s=60)
+check_node_interfaces([ids['w1'], ids['w1']], backend='nccl', timeout_s=60)  # one node: no check
+out['interfaces_passed'] = True
+try:
+    check_node_interfaces([ids['head'], ids['w1']], backend='nccl', timeout_s=60)
+except RLHFError as e:
+    out['nccl_error'] = str(e)
+
+class Role:
+    pass
+
+pool = ResourcePool('two-nodes', ranks_per_node=[1, 1], use_gpu=False)
+try:
+    WorkerGroup(pool, {'actor': Role}, job_name='nics', backend='nccl', init_timeout_s=60)
+except RLHFError as e:
+    out['group_error'], out['group_nodes'] = str(e), pool.node_ids()
+finally:
+    pool.remove()
+"""
 
 
 def comparable(records: list[dict]) -> dict[int, dict]:
@@ -94,8 +127,11 @@ def scenario(tmp_path_factory):
     # cluster below is still stopped.
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
+        # The head also names the NCCL interface, the workers only gloo's (test_interface_...)
         for name in ("head", "w1", "w2"):
-            cluster.start_node(name, head=name == "head")
+            cluster.start_node(name, head=name == "head",
+                               env={**NODE_ENV, "NCCL_SOCKET_IFNAME": "lo"} if name == "head"
+                               else NODE_ENV)
         out["nodes"] = cluster.node_ids()
 
         t0 = time.monotonic()
@@ -114,7 +150,7 @@ def scenario(tmp_path_factory):
             "try:\n"
             "    ResourcePool('too-big', ranks_per_node=[2], use_gpu=False, timeout_s=5)\n"
             "except ResourceError as e:\n"
-            "    out['too_big_error'] = str(e)"))
+            "    out['too_big_error'] = str(e)\n" + INTERFACE_CHECKS))
 
         run_b = root / "run-b"
         b = submit(cluster, job_dir, run_b, "mn-b", "trainer.total_steps=20")
@@ -184,6 +220,24 @@ def test_a_node_entry_larger_than_any_node_fails_fast(scenario):
     message = scenario["too_big_error"]
     assert "node entry 0 needs {CPU: 2} on one node" in message
     assert "largest node has {CPU: 1}" in message
+
+
+def test_a_group_spanning_nodes_is_refused_naming_the_node_without_its_variable(scenario):
+    """Head: GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME set before `ray start`; w1 and w2: only
+    the gloo one. A gloo world over two nodes passes, an NCCL one is refused naming the node
+    without the variable, and a worker group is refused before any rank starts."""
+    assert scenario.get("interfaces_passed"), scenario
+    head, w1 = scenario["ids"]["head"][:8], scenario["ids"]["w1"][:8]
+    message = scenario["nccl_error"]
+    assert message.startswith("the job's nccl ranks span 2 nodes"), message
+    assert f"(node {w1}): NCCL_SOCKET_IFNAME is not set (interfaces there: " in message
+    assert f"(node {head})" not in message and "GLOO_SOCKET_IFNAME" not in message.splitlines()[1]
+    assert "before `ray start`" in message
+    group = scenario["group_error"]  # the pool's two nodes: any two of the three
+    assert group.startswith("the job's nccl ranks span 2 nodes"), group
+    for node in scenario["group_nodes"]:
+        assert (f"(node {node[:8]}): NCCL_SOCKET_IFNAME is not set" in group) == \
+            (node[:8] != head), (node, group)
 
 
 def test_every_node_reads_the_shared_folder_and_imports_the_reward_file(scenario):
