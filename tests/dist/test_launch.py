@@ -72,10 +72,10 @@ def test_dead_rank_is_detected_promptly(fn, words):
 def test_hanging_rank_fails_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(DistributedTimeoutError) as info:
-        run_distributed(_hang_on_rank_1, 2, timeout_s=8)
+        run_distributed(_hang_on_rank_1, 2, timeout_s=3)
     elapsed = time.monotonic() - start
-    assert 8 <= elapsed < 20
-    assert "did not finish within 8 s" in str(info.value) and "1]" in str(info.value)
+    assert 3 <= elapsed < 15
+    assert "did not finish within 3 s" in str(info.value) and "1]" in str(info.value)
 
 
 def test_bad_arguments_are_rejected():

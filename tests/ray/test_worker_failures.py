@@ -17,6 +17,7 @@ from rlhf.controller import (
     WorkerGroup,
     register,
 )
+from rlhf.controller.warm import cold_ranks
 from workers.base import Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,6 +55,14 @@ class BrokenInit(Worker):
         super().__init__(ctx)
         if ctx.rank == 1:
             raise ValueError("cannot load the model on rank 1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_processes():
+    """These groups' ranks die by design: processes of their own, as every production group
+    has, not the warm ones the later tests of the session reuse (rlhf.controller.warm)."""
+    with cold_ranks():
+        yield
 
 
 @pytest.fixture
