@@ -246,7 +246,10 @@ def test_no_worker_process_outlives_close(fns):
                       on_error="fallback") as runner:
         result = score(runner, ["ok", "hang", "die", "ok"])  # two workers replaced
         assert result.metrics["reward/picky/fallbacks"] == 2.0
-        assert len(_worker_children() - before) == 2
+        # Seen once in a whole-suite run (not reproduced since): one live new worker, not two.
+        # What the runner holds says whether one of its workers died or pgrep missed it.
+        held = {w.proc.pid: w.proc.poll() for w in runner._processes._workers}
+        assert len(_worker_children() - before) == 2, f"runner's workers (pid: exit code) {held}"
     assert _worker_children() - before == set()
 
 
