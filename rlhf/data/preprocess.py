@@ -306,7 +306,7 @@ def _tokenised(inputs, job: Job, tokenizer, *, workers: int, split: str | None
     # spawn, not fork: a child forked from a process with other threads (a Ray driver's, a
     # progress bar's monitor) inherits whatever locks they held at that instant and the
     # caller's signal handlers, and can wait forever on one (seen: a worker that outlived the
-    # pool's SIGTERM under a Ray driver). A fresh interpreter costs a second of imports.
+    # pool's SIGTERM under a Ray driver). A fresh interpreter costs a few seconds of imports.
     context = multiprocessing.get_context("spawn")
     with context.Pool(workers, initializer=_init_worker, initargs=(job,)) as pool:
         pending: deque = deque()

@@ -127,7 +127,7 @@ def scenario(tmp_path_factory):
     # cluster below is still stopped.
     previous = signal.signal(signal.SIGTERM, _raise_exit)
     try:
-        # The head also names the NCCL interface, the workers only gloo's (test_interface_...)
+        # The head also names the NCCL interface, the workers only gloo's (test_a_group_spanning_...)
         for name in ("head", "w1", "w2"):
             cluster.start_node(name, head=name == "head",
                                env={**NODE_ENV, "NCCL_SOCKET_IFNAME": "lo"} if name == "head"
