@@ -63,5 +63,5 @@ def idle_expert_exchange(model: nn.Module, *, recompute: bool = False) -> Tensor
 def _exchange(block: SparseMoeBlock, x_TH: Tensor) -> Tensor:
     none_TK = torch.zeros((0, block.top_k), dtype=torch.int64, device=x_TH.device)
     return x_TH + experts_forward(x_TH, none_TK, x_TH.new_zeros((0, block.top_k)),
-                                  experts=block.experts, placement=block.expert_placement,
-                                  group=block.ep_group)
+                                  run=block.run_local_experts,
+                                  placement=block.expert_placement, group=block.ep_group)

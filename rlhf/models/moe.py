@@ -30,10 +30,19 @@ down row-split over TP as in the dense MLP; the router is replicated. The block 
 region once (all-gathers the sequence-parallel chunk, or copies the replicated stream), routes
 the whole stream on every rank, and leaves once (reduce-scatter or all-reduce of the partial
 sums). `compute_experts` is the seam where expert parallelism dispatches tokens.
+
+The experts run as grouped GEMMs (`grouped_experts`): the token copies sorted by expert go
+through torch's `_grouped_mm` over the experts' weights stacked (gate and up as one GEMM), so
+no Python loop over experts and no host read of the per-expert counts. The weights stay one
+`Expert` module per expert (the checkpoint's names, the TP and EP splits). The stack is a
+copy of the layer's expert weights, so it is never saved for backward (`_GroupedLinear`
+stacks again there): saved, every MoE layer's copy would be held from its forward to its
+backward, as much memory again as the experts themselves.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +163,7 @@ class _ScaleGrad(torch.autograd.Function):
 
 class Expert(nn.Module):
     """One expert's SwiGLU MLP. Its linears only hold weights (maybe TP shards): the block does
-    the collectives once for all experts."""
+    the collectives once for all experts, and runs them together (`grouped_experts`)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -165,6 +174,73 @@ class Expert(nn.Module):
     def forward(self, x_TH: Tensor) -> Tensor:
         gate = F.linear(x_TH, self.gate_proj.weight)
         return F.linear(F.silu(gate) * F.linear(x_TH, self.up_proj.weight), self.down_proj.weight)
+
+
+def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -> Tensor:
+    """Rows of `x_NH`, grouped by expert (`counts_E[e]` rows for `experts[e]`, in order),
+    through their experts: grouped GEMMs over the stacked weights, no host read; one expert
+    at a time where torch's grouped GEMM does not take these shapes (or no rows)."""
+    gate = experts[0].gate_proj.weight if experts else None
+    if gate is None or x_NH.shape[0] == 0 or not _grouped_mm_takes(x_NH, gate):
+        return _expert_loop(experts, x_NH, counts_E)
+    offs_E = counts_E.cumsum(0).to(torch.int32)  # each group's end row
+    gate_up_N2I = _GroupedLinear.apply(x_NH, offs_E, 2, *[e.gate_proj.weight for e in experts],
+                                       *[e.up_proj.weight for e in experts])
+    gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
+    hidden_NI = F.silu(gate_NI) * up_NI
+    return _GroupedLinear.apply(hidden_NI, offs_E, 1, *[e.down_proj.weight for e in experts])
+
+
+def _grouped_mm_takes(x_NH: Tensor, weight_IH: Tensor) -> bool:
+    """Whether torch's grouped GEMM runs these experts: its CPU kernel takes float types, its
+    CUDA one bfloat16; every row stride a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or x_NH.dtype != weight_IH.dtype:
+        return False
+    if x_NH.device.type != "cpu" and x_NH.dtype != torch.bfloat16:
+        return False
+    align = 16 // x_NH.element_size()
+    return all(n % align == 0 for n in weight_IH.shape)
+
+
+def _expert_loop(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -> Tensor:
+    rows = x_NH.split(counts_E.tolist())  # the fallback's one host read per layer
+    outs = [expert(x) for expert, x in zip(experts, rows)]
+    return torch.cat(outs) if outs else x_NH
+
+
+def _stacked(weights: Sequence[Tensor], parts: int) -> Tensor:
+    """(E, parts * O, I): expert e's `parts` weights (listed part by part, E each) one above
+    the other, e.g. gate over up."""
+    per_part = len(weights) // parts
+    return torch.cat([torch.stack(weights[p * per_part:(p + 1) * per_part])
+                      for p in range(parts)], dim=1)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of e] = x[rows of e] @ W_e^T for row groups ending at `offs_E`, W_e the experts'
+    weights stacked (`parts` per expert, concatenated on the output dim). Saves `x` and the
+    weights themselves, never their stacked copy: backward stacks again. The backward GEMMs
+    take the operand layouts torch's own grouped-GEMM backward uses."""
+
+    @staticmethod
+    def forward(ctx, x_NI, offs_E, parts, *weights):
+        ctx.parts = parts
+        ctx.save_for_backward(x_NI, offs_E, *weights)
+        return torch._grouped_mm(x_NI, _stacked(weights, parts).transpose(1, 2), offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, grad_NO):
+        x_NI, offs_E, *weights = ctx.saved_tensors
+        grad_NO = grad_NO.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad_NO, _stacked(weights, ctx.parts), offs=offs_E)
+        if not any(ctx.needs_input_grad[3:]):  # frozen experts (a LoRA run)
+            return grad_x, None, None, *[None] * len(weights)
+        grad_EIO = torch._grouped_mm(x_NI.transpose(0, 1), grad_NO, offs=offs_E)
+        grad_w = [g.transpose(0, 1).contiguous()  # (O, I) per expert and part
+                  for part in grad_EIO.chunk(ctx.parts, dim=2) for g in part.unbind(0)]
+        return grad_x, None, None, *grad_w
 
 
 class SparseMoeBlock(nn.Module):
@@ -219,23 +295,12 @@ class SparseMoeBlock(nn.Module):
         return torch.where(free_T1, chosen_TK, forced_TK)
 
     def compute_experts(self, x_TH: Tensor, experts_TK: Tensor, weights_TK: Tensor) -> Tensor:
-        """sum_k weights_TK[t, k] * expert[experts_TK[t, k]](x_TH[t]), one expert at a time."""
-        if group_size(self.ep_group) > 1:  # the experts live on several ranks
-            return experts_forward(x_TH, experts_TK, weights_TK, experts=self.experts,
-                                   placement=self.expert_placement, group=self.ep_group)
-        top_k = experts_TK.shape[1]
-        flat = experts_TK.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one read per layer
-        token_order = order // top_k
-        weight_order = weights_TK.reshape(-1)[order]
-        out_TH = torch.zeros_like(x_TH)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            rows = token_order[start:start + n]
-            y = self.experts[str(e)](x_TH[rows]) * weight_order[start:start + n, None]
-            out_TH.index_add_(0, rows, y)
-            start += n
-        return out_TH
+        """sum_k weights_TK[t, k] * expert[experts_TK[t, k]](x_TH[t]): the copies sorted by
+        expert through `grouped_experts`, over the ep group when the experts are split."""
+        placement = self.expert_placement or ExpertPlacement(self.num_experts)
+        return experts_forward(x_TH, experts_TK, weights_TK, run=self.run_local_experts,
+                               placement=placement, group=self.ep_group)
+
+    def run_local_experts(self, x_NH: Tensor, counts_E: Tensor) -> Tensor:
+        """This rank's experts (global index order) on copies grouped by expert."""
+        return grouped_experts(list(self.experts.values()), x_NH, counts_E)

@@ -23,7 +23,7 @@ the exchanges' share of a step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -92,8 +92,8 @@ class DispatchPlan:
     """Copies received from each ep rank."""
     local_order: Tensor
     """(N,) the received copies regrouped by local expert (then by source rank)."""
-    tokens_per_expert: list[int]
-    """Received copies for each local expert, in `local_order`."""
+    tokens_per_expert: Tensor
+    """(E_local,) received copies for each local expert, in `local_order` (on the device)."""
 
 
 def local_experts(num_experts: int, group: ProcessGroup | None) -> range:
@@ -124,9 +124,8 @@ def dispatch(x_TH: Tensor, experts_TK: Tensor, *, num_experts: int,
         raise ValueError(f"routing names expert {int(flat.max())} but the layer has "
                          f"{num_experts} experts")
     if ep == 1:
-        counts = counts_E.tolist()
         return copies_NH, DispatchPlan(order, [len(flat)], [len(flat)],
-                                       torch.arange(len(flat), device=flat.device), counts)
+                                       torch.arange(len(flat), device=flat.device), counts_E)
     # received[s, e]: copies source rank s sends to this rank's local expert e
     received = torch.empty_like(counts_E)
     with _timed(_WATCH.get()):
@@ -136,8 +135,7 @@ def dispatch(x_TH: Tensor, experts_TK: Tensor, *, num_experts: int,
     recv_splits = received_SE.sum(1).tolist()
     recv_NH = _AllToAll.apply(copies_NH, recv_splits, send_splits, group)
     local_order = _group_by_expert(received_SE)
-    plan = DispatchPlan(order, send_splits, recv_splits, local_order,
-                        received_SE.sum(0).tolist())
+    plan = DispatchPlan(order, send_splits, recv_splits, local_order, received_SE.sum(0))
     return recv_NH.index_select(0, local_order), plan
 
 
@@ -153,15 +151,15 @@ def combine(y_NH: Tensor, plan: DispatchPlan, *, top_k: int,
 
 
 def experts_forward(x_TH: Tensor, experts_TK: Tensor, weights_TK: Tensor, *,
-                    experts: Mapping[str, Callable[[Tensor], Tensor]],
+                    run: Callable[[Tensor, Tensor], Tensor],
                     placement: ExpertPlacement, group: ProcessGroup | None) -> Tensor:
     """sum_k weights_TK[t, k] * expert[experts_TK[t, k]](x_TH[t]) with the experts spread over
-    the ep `group`: `experts` holds this rank's (`placement.local`, keyed by global index as
-    strings). Collective over `group`; every rank of it calls this once per layer forward."""
+    the ep `group` (None or size 1: all here): `run(copies_NH, tokens_per_expert)` applies this
+    rank's experts (`placement.local`) to copies grouped by expert. Collective over `group`;
+    every rank of it calls this once per layer forward."""
     recv_NH, plan = dispatch(x_TH, experts_TK, num_experts=placement.num_experts, group=group)
-    outs = [experts[str(e)](rows)
-            for e, rows in zip(placement.local, recv_NH.split(plan.tokens_per_expert))]
-    y_TKH = combine(torch.cat(outs), plan, top_k=experts_TK.shape[1], group=group)
+    y_TKH = combine(run(recv_NH, plan.tokens_per_expert), plan, top_k=experts_TK.shape[1],
+                    group=group)
     return (weights_TK.unsqueeze(-1) * y_TKH).sum(1)
 
 

@@ -39,7 +39,7 @@ def _moe(x_TH, router_EH, w1, w2, *, group, skew):
     w_TK = w_TK / w_TK.sum(-1, keepdim=True)
     recv, plan = dispatch(x_TH, ids_TK, num_experts=E, group=group)
     outs = [F.silu(rows @ w1[i]) @ w2[i]
-            for i, rows in enumerate(recv.split(plan.tokens_per_expert))]
+            for i, rows in enumerate(recv.split(plan.tokens_per_expert.tolist()))]
     y = torch.cat(outs) if outs else recv
     y_TKH = combine(y, plan, top_k=K, group=group)
     return (w_TK.unsqueeze(-1) * y_TKH).sum(1)

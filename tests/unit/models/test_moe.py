@@ -218,3 +218,123 @@ def test_full_recompute_gives_the_same_grads(folder, packed):
     assert grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():
         assert torch.allclose(grad, grads[1][name], atol=1e-7), name
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensor -> Python scalar reads (`.item()`, `.tolist()` on the CPU dispatch to
+    `_local_scalar_dense` per element, or are counted by the patched `Tensor.tolist`)."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count = 0
+        real = torch.Tensor.tolist
+
+        def tolist(tensor):
+            self.count += 1
+            return real(tensor)
+
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_experts_run_as_grouped_gemms_without_a_host_read(models, monkeypatch):
+    """One block: grouped GEMMs (gate and up merged) equal the expert-by-expert loop, forward
+    and grads, an unrouted expert included, and read nothing back to the host."""
+    block = models[0].model.layers["0"].mlp
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(4)
+    x_TH = torch.randn(2, SPEC.hidden_size, generator=gen)  # 4 routes: 2+ of 6 experts idle
+    weights = [p for e in block.experts.values() for p in e.parameters()]
+
+    def run(x):
+        block.zero_grad()  # earlier tests leave grads on the shared model
+        out = block(x, Routing(num_tokens=2))
+        out.square().sum().backward()
+        grads = [p.grad.clone() for p in weights]
+        return out.detach(), grads
+
+    with _HostReads(monkeypatch) as reads:
+        grouped, grouped_grads = run(x_TH)
+    # forward: gate+up, then down; backward: down's input and weight grads, gate+up's weight
+    # grads (the block's input needs none here), no expert-by-expert loop either way
+    assert reads.count == 0 and len(calls) == 5
+    with monkeypatch.context() as m:
+        m.setattr("rlhf.models.moe._grouped_mm_takes", lambda x, w: False)
+        looped, looped_grads = run(x_TH)
+    assert len(calls) == 5  # the loop ran
+    torch.testing.assert_close(grouped, looped, rtol=0, atol=1e-6)
+    for got, want in zip(grouped_grads, looped_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    idle = [g.abs().max() == 0 for g in grouped_grads]
+    assert 2 * 3 <= sum(idle) < len(idle)  # the unrouted experts' grads are zeros
+
+
+def _experts_against_the_loop(experts, x_NH, counts_E, *, frozen: bool, monkeypatch):
+    """(grouped GEMM calls, output, input grad, weight grads) of grouped_experts and of the
+    expert-by-expert loop, the grads of a random projection of the output."""
+    from rlhf.models.moe import grouped_experts
+
+    weights = [p for e in experts for p in e.parameters()]
+    for w in weights:
+        w.requires_grad_(not frozen)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    probe = torch.randn(x_NH.shape, generator=torch.Generator().manual_seed(1)).to(x_NH)
+    results = []
+    for run in (lambda x: grouped_experts(experts, x, counts_E),
+                lambda x: torch.cat([e(r) for e, r in zip(experts, x.split(counts_E.tolist()))])):
+        x = x_NH.detach().clone().requires_grad_()
+        out = run(x)
+        (out * probe).sum().backward()
+        results.append((out.detach(), x.grad, [None if frozen else w.grad.clone()
+                                                for w in weights]))
+        for w in weights:
+            w.grad = None
+    return len(calls), results[0], results[1]
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+def test_grouped_experts_backward_equals_the_loop(frozen, monkeypatch):
+    """Input and weight grads through the grouped GEMMs' own backward equal the loop's; frozen
+    experts (a LoRA run) skip the weight-grad GEMMs."""
+    from rlhf.models.moe import Expert
+
+    torch.manual_seed(0)
+    experts = [Expert(64, 32) for _ in range(5)]
+    counts = torch.tensor([4, 0, 7, 1, 3])  # an unrouted expert among them
+    x = torch.randn(int(counts.sum()), 64)
+    calls, grouped, looped = _experts_against_the_loop(experts, x, counts, frozen=frozen,
+                                                       monkeypatch=monkeypatch)
+    # forward: gate+up, down; backward: both input grads, and both weight grads unless frozen
+    assert calls == (4 if frozen else 6)
+    for got, want in zip(grouped[:2], looped[:2]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    for got, want in zip(grouped[2], looped[2]):
+        if frozen:
+            assert got is None and want is None
+        else:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch):
+    """The CUDA grouped GEMM's operand layouts, forward and both backward GEMMs, in bf16."""
+    from rlhf.models.moe import Expert
+
+    torch.manual_seed(0)
+    experts = [Expert(64, 32).cuda().bfloat16() for _ in range(6)]
+    counts = torch.tensor([5, 0, 9, 3, 1, 6], device="cuda")
+    x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
+    calls, grouped, looped = _experts_against_the_loop(experts, x, counts, frozen=False,
+                                                       monkeypatch=monkeypatch)
+    assert calls == 6
+    for got, want in zip([*grouped[:2], *grouped[2]], [*looped[:2], *looped[2]]):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
