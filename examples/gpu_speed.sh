@@ -9,7 +9,9 @@
 #    the two trees taking turns 3 times (examples/engine_speed_ab.py): tokens/s, MFU,
 #    forward-backward and AdamW seconds, medians;
 # 3. one profiled step of each tree (--profile 25: the costliest kernels);
-# 4. one MoE block (16 experts, top-2) forward and backward, before and after.
+# 4. one MoE block (16 experts, top-2) forward and backward, before and after;
+# 5. rlhf bench experts at Qwen3-30B-A3B's expert shape (128 experts of 768, top-8, hidden
+#    2,048): our grouped GEMMs and our loop against transformers' grouped_mm and eager.
 # Writes OUT/*.jsonl and OUT/*.log. The before tree comes from `git archive`, so run it from a
 # clone that has BEFORE_COMMIT.
 set -euo pipefail
@@ -33,3 +35,5 @@ for tree in "$out/before" .; do
 done
 "$python" examples/engine_speed_ab.py --before "$out/before" --after . --repeats 3 moe-layer \
     | tee "$out/moe_layer_ab.jsonl"
+"$python" -m rlhf.cli bench experts --experts 128 --top-k 8 --hidden 2048 --intermediate 768 \
+    --tokens 8192 | tee "$out/experts.jsonl"

@@ -13,7 +13,8 @@ import importlib
 BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout": "rollout",
                                "engine": "engine", "attention": "attention",
                                "step": "step", "fixed-memory": "fixed_memory", "gap": "gap",
-                               "data": "data", "cost-model": "cost_model"}
+                               "data": "data", "cost-model": "cost_model",
+                               "experts": "experts"}
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

@@ -31,11 +31,12 @@ region once (all-gathers the sequence-parallel chunk, or copies the replicated s
 the whole stream on every rank, and leaves once (reduce-scatter or all-reduce of the partial
 sums). `compute_experts` is the seam where expert parallelism dispatches tokens.
 
-The experts run as grouped GEMMs (`grouped_experts`): the token copies sorted by expert go
-through torch's `_grouped_mm` over the experts' weights stacked (gate and up as one GEMM), so
-no Python loop over experts and no host read of the per-expert counts. The weights stay one
-`Expert` module per expert (the checkpoint's names, the TP and EP splits). The stack is a
-copy of the layer's expert weights, so it is never saved for backward (`_GroupedLinear`
+On CUDA the experts run as grouped GEMMs (`grouped_experts`): the token copies sorted by
+expert go through torch's `_grouped_mm` over the experts' weights stacked (gate and up as one
+GEMM), so no Python loop over experts and no host read of the per-expert counts (a stream
+sync per layer). On the CPU they run one at a time (`runs_grouped` says why). The weights
+stay one `Expert` module per expert (the checkpoint's names, the TP and EP splits). The stack
+is a copy of the layer's expert weights, so it is never saved for backward (`_GroupedLinear`
 stacks again there): saved, every MoE layer's copy would be held from its forward to its
 backward, as much memory again as the experts themselves.
 """
@@ -178,10 +179,10 @@ class Expert(nn.Module):
 
 def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -> Tensor:
     """Rows of `x_NH`, grouped by expert (`counts_E[e]` rows for `experts[e]`, in order),
-    through their experts: grouped GEMMs over the stacked weights, no host read; one expert
-    at a time where torch's grouped GEMM does not take these shapes (or no rows)."""
+    through their experts: grouped GEMMs over the stacked weights with no host read where
+    `runs_grouped` says so, else one expert at a time."""
     gate = experts[0].gate_proj.weight if experts else None
-    if gate is None or x_NH.shape[0] == 0 or not _grouped_mm_takes(x_NH, gate):
+    if gate is None or x_NH.shape[0] == 0 or not runs_grouped(x_NH, gate):
         return _expert_loop(experts, x_NH, counts_E)
     offs_E = counts_E.cumsum(0).to(torch.int32)  # each group's end row
     gate_up_N2I = _GroupedLinear.apply(x_NH, offs_E, 2, *[e.gate_proj.weight for e in experts],
@@ -191,12 +192,14 @@ def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -
     return _GroupedLinear.apply(hidden_NI, offs_E, 1, *[e.down_proj.weight for e in experts])
 
 
-def _grouped_mm_takes(x_NH: Tensor, weight_IH: Tensor) -> bool:
-    """Whether torch's grouped GEMM runs these experts: its CPU kernel takes float types, its
-    CUDA one bfloat16; every row stride a multiple of 16 bytes."""
-    if not hasattr(torch, "_grouped_mm") or x_NH.dtype != weight_IH.dtype:
+def runs_grouped(x_NH: Tensor, weight_IH: Tensor) -> bool:
+    """Whether the experts run as grouped GEMMs: on CUDA in bfloat16 (the grouped kernel's
+    dtype there) with every row stride a multiple of 16 bytes. Not on the CPU: reading the
+    counts is no device sync there, and the loop beat the stacking copies (`rlhf bench
+    experts`)."""
+    if not hasattr(torch, "_grouped_mm") or x_NH.device.type != "cuda":
         return False
-    if x_NH.device.type != "cpu" and x_NH.dtype != torch.bfloat16:
+    if x_NH.dtype != torch.bfloat16 or weight_IH.dtype != torch.bfloat16:
         return False
     align = 16 // x_NH.element_size()
     return all(n % align == 0 for n in weight_IH.shape)

@@ -242,9 +242,11 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 def test_experts_run_as_grouped_gemms_without_a_host_read(models, monkeypatch):
-    """One block: grouped GEMMs (gate and up merged) equal the expert-by-expert loop, forward
-    and grads, an unrouted expert included, and read nothing back to the host."""
+    """One block: grouped GEMMs (gate and up merged; CUDA's path, forced here) equal the
+    expert-by-expert loop, forward and grads, an unrouted expert included, and read nothing
+    back to the host."""
     block = models[0].model.layers["0"].mlp
+    monkeypatch.setattr("rlhf.models.moe.runs_grouped", lambda x, w: True)
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
@@ -265,7 +267,7 @@ def test_experts_run_as_grouped_gemms_without_a_host_read(models, monkeypatch):
     # grads (the block's input needs none here), no expert-by-expert loop either way
     assert reads.count == 0 and len(calls) == 5
     with monkeypatch.context() as m:
-        m.setattr("rlhf.models.moe._grouped_mm_takes", lambda x, w: False)
+        m.setattr("rlhf.models.moe.runs_grouped", lambda x, w: False)
         looped, looped_grads = run(x_TH)
     assert len(calls) == 5  # the loop ran
     torch.testing.assert_close(grouped, looped, rtol=0, atol=1e-6)
@@ -283,6 +285,7 @@ def _experts_against_the_loop(experts, x_NH, counts_E, *, frozen: bool, monkeypa
     weights = [p for e in experts for p in e.parameters()]
     for w in weights:
         w.requires_grad_(not frozen)
+    monkeypatch.setattr("rlhf.models.moe.runs_grouped", lambda x, w: True)  # CPU runs the loop
     calls = []
     real = torch._grouped_mm
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])

@@ -40,8 +40,12 @@ def test_expert_and_router_parameters_per_rank():
     assert sum(p.numel for p in full if ".mlp." in p.name) == 2 * per_layer
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
 @pytest.mark.parametrize("top_k,experts", [(2, 8), (3, 4)])
-def test_sparse_block_activation_estimate_is_what_autograd_saves(top_k, experts):
+def test_sparse_block_activation_estimate_is_what_autograd_saves(top_k, experts, grouped,
+                                                                  monkeypatch):
+    # grouped: CUDA's grouped GEMMs (forced here), whose stacked weights must not be saved
+    monkeypatch.setattr("rlhf.models.moe.runs_grouped", lambda x, w: grouped)
     args = dataclasses.replace(ARGS, num_experts=experts, num_experts_per_tok=top_k)
     tokens = 512
     block = SparseMoeBlock(args, layer=0)
