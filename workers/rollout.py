@@ -48,6 +48,16 @@ class RolloutWorker(Worker):
         return sample_rollouts(self.replica, batch, greedy=greedy, where="rollout.generate",
                                env=self.config.rollout.env.path is not None)
 
+    @register(dispatch=Dispatch.RANK_SPLIT)
+    def generate_segments(self, batch: Batch) -> Batch:
+        """One segment of streaming rollouts (trainer.async_mode streaming): each `input_ids`
+        row (prompt + tokens so far) continues by at most its `max_tokens` new tokens with its
+        `seed`; see RolloutReplica.continue_samples."""
+        require_fields(batch, ("input_ids", "max_tokens", "seed"), "rollout.generate_segments")
+        return self.replica.continue_samples(batch["input_ids"],
+                                             max_tokens=batch["max_tokens"].tolist(),
+                                             seeds=batch["seed"].tolist())
+
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def holds_weights(self) -> bool:
         """Whether this rank's engine still holds the weights it was last sent (the driver

@@ -890,13 +890,26 @@ class TrainerConfig:
     init_timeout_s: float = 600.0
     """Seconds each role's ranks may take to start (build the model, load its weights) before
     the job stops; raise it for large models loaded from slow shared storage."""
-    async_mode: Literal["off", "one_step", "bounded"] = "off"
+    async_mode: Literal["off", "one_step", "bounded", "streaming"] = "off"
     """off: generate then train; one_step: the rollout pool samples batch k+1 while the actor
-    trains batch k, one policy version behind; bounded: up to max_staleness versions behind
-    (both need rollout.placement separate)."""
+    trains batch k, one policy version behind; bounded: up to max_staleness versions behind;
+    streaming: the pool generates continuously in segments, hands over finished groups and
+    continues samples in flight under new weights (all need rollout.placement separate)."""
     max_staleness: int = 1
-    """Most policy versions a trained sample may lag (async_mode bounded; one_step is 1);
-    older samples are dropped and counted."""
+    """Most policy versions a trained sample (streaming: any token) may lag (bounded and
+    streaming; one_step is 1); bounded drops older samples, streaming applies stale_policy."""
+    stale_policy: Literal["drop", "regenerate"] = "regenerate"
+    """async_mode streaming: a sample with a token past max_staleness is regenerated from
+    scratch (regenerate) or its whole group dropped (drop); both counted."""
+    stream_segment_tokens: int = 64
+    """async_mode streaming: most new tokens per sample per segment; between segments finished
+    groups go to the trainer and new weights to the rollout pool."""
+    stream_slots: int = 0
+    """async_mode streaming: samples generating at once; 0 = one batch's
+    (data.train_batch_size * rollout.n). At least rollout.n (a group starts whole)."""
+    stream_wait_timeout_s: float = 1800.0
+    """async_mode streaming: seconds the driver waits for one segment of the rollout pool
+    before it stops the job, naming what it waited for and the stream's state."""
     async_old_log_probs: Literal["rollout", "recompute"] = "rollout"
     """Async ratio denominator: rollout = the sampling version's vLLM log-probs; recompute = the
     trainer's current weights (rollout.tis_cap then corrects towards the sampling version)."""
@@ -941,7 +954,11 @@ class TrainerConfig:
             raise ConfigError(f"init_timeout_s must be positive, got {self.init_timeout_s}")
         require_min(self, 0, "val_every", "save_every", "max_keep", "critic_warmup")
         require_min(self, 1, "max_staleness", "trace_every", "samples_rows")
-        require_min(self, 0, "samples_every")
+        require_min(self, 0, "samples_every", "stream_slots")
+        require_min(self, 1, "stream_segment_tokens")
+        if self.stream_wait_timeout_s <= 0:
+            raise ConfigError(f"stream_wait_timeout_s must be positive, got "
+                              f"{self.stream_wait_timeout_s}")
         if self.trace == "steps" and not self.trace_steps:
             raise ConfigError("trace is 'steps' but trace_steps is empty; list the steps to "
                               "trace (trainer.trace_steps=[1,50]) or use trace=every_n")

@@ -122,6 +122,34 @@ class RolloutReplica:
             metrics.update(env_metrics(self._sum_over_group(env_sums)))
         return batch.with_meta(metrics=metrics)
 
+    def continue_samples(self, inputs: Ragged, *, max_tokens: list[int],
+                         seeds: list[int]) -> Batch:
+        """One segment of streaming rollouts (rlhf.trainer.stream), token in, token out: each
+        row of `inputs` (a prompt + its sample's tokens so far) gets at most its `max_tokens`
+        new tokens, sampled with its own seed. Returns `response_ids` (the new tokens),
+        `rollout_log_probs` and `stopped` (the sampler ended the response: EOS or a stop
+        string, not a token limit), metrics in meta; collective over the group. The engine
+        stays awake: streaming needs rollout.placement separate, whose engines are resident."""
+        start = time.perf_counter()
+        mine = [row.tolist() for row in inputs.to_list()]
+        if len(max_tokens) != len(mine) or len(seeds) != len(mine):
+            raise ValueError(f"{len(mine)} inputs with {len(max_tokens)} max_tokens and "
+                             f"{len(seeds)} seeds")
+        first = self._first_position(mine, check_lengths=False)
+        rows, skip = self._replica_rows(list(zip(mine, max_tokens, seeds)), first)
+        sampler = self.ensure_sampler()
+        params = sampling_params(self.spec.config, greedy=False,
+                                 seeds=[seed for _, (_, _, seed) in rows],
+                                 max_tokens=[limit for _, (_, limit, _) in rows])
+        completions = sampler.generate([ids for _, (ids, _, _) in rows],
+                                       params)[skip:skip + len(mine)]
+        batch = _to_batch(completions, meta={})
+        stopped = torch.tensor([c.finish_reason == "stop" for c in completions], dtype=torch.bool)
+        batch = batch.union(Batch({"stopped": stopped}, size=len(batch)))
+        metrics = self._rollout_metrics(batch["response_ids"].lengths,
+                                        time.perf_counter() - start)
+        return batch.with_meta(metrics=metrics)
+
     def _sum_over_group(self, sums: dict[str, float]) -> dict[str, float]:
         """Every rank's sums added up; "seconds" is the slowest rank's."""
         group = self.spec.world_group
@@ -136,11 +164,11 @@ class RolloutReplica:
                               else total.get(key, 0.0) + value)
         return total
 
-    def _first_position(self, mine: list[list[int]]) -> int:
+    def _first_position(self, mine: list, *, check_lengths: bool = True) -> int:
         """Row of this rank's first prompt in the driver's batch: ranks hold contiguous chunks
         in rank order, so it is the number of prompts on lower ranks. Every rank raises the
         same error for a bad prompt on any rank, so none is left waiting in a collective."""
-        report = (len(mine), self._length_problem(mine))
+        report = (len(mine), self._length_problem(mine) if check_lengths else None)
         group = self.spec.world_group
         reports = [report]
         if group_size(group) > 1:

@@ -14,8 +14,9 @@ trainer.samples_every steps a sample table (samples.py) goes to output_dir and t
 The driver-side pieces come first (scoring and advantages), then `PPOTrainer`; the recipes'
 glue (dynamic sampling, overlong shaping, the update's masks and weights) is recipes.py.
 Sampling goes through rollout_source.RolloutSource (actor replicas or separate rollout ranks);
-with trainer.async_mode on, rollout_source.RolloutPipeline samples the next batch while this
-one trains (one batch a step: dynamic sampling needs async_mode off).
+with trainer.async_mode one_step or bounded, rollout_source.RolloutPipeline samples the next
+batch while this one trains (one batch a step: dynamic sampling needs async_mode off); with
+streaming, rollout_source.StreamingPipeline samples continuously in segments.
 """
 
 from __future__ import annotations
@@ -65,7 +66,12 @@ from rlhf.trainer.recipes import (
     shape_scores,
     truncated_responses,
 )
-from rlhf.trainer.rollout_source import VERSION, RolloutPipeline, RolloutSource
+from rlhf.trainer.rollout_source import (
+    VERSION,
+    RolloutPipeline,
+    RolloutSource,
+    streaming_pipeline,
+)
 from rlhf.trainer.samples import FUNCTION_SCORE, sample_table
 from rlhf.trainer.step_splits import StepSplits, fuse_old_log_probs
 from rlhf.trainer.timeline import Timeline
@@ -192,7 +198,9 @@ class PPOTrainer:
         self.runner: RewardRunner | None = None
         self.rollouts = RolloutSource(views, n=cfg.rollout.n)
         self.pipeline = None  # trainer.async_mode: sample batch k+1 while batch k trains
-        if cfg.trainer.async_mode != "off":
+        if cfg.trainer.async_mode == "streaming":
+            self.pipeline = streaming_pipeline(cfg, self.rollouts, lambda: next(self.loader))
+        elif cfg.trainer.async_mode != "off":
             self.pipeline = RolloutPipeline(
                 self.rollouts, self._prompts, max_staleness=cfg.trainer.max_staleness,
                 total_steps=cfg.trainer.total_steps,

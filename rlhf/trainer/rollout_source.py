@@ -32,7 +32,11 @@ import torch
 
 from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
+from rlhf.data.ragged import Ragged
+from rlhf.errors import ConfigError
+from rlhf.rollout.sampling import derive_seed
 from rlhf.trainer.metrics import SectionTimer
+from rlhf.trainer.stream import RolloutStream, Segment
 
 VERSION = "policy_version"  # per-sample field: the policy version that sampled it
 SKIPPED_SYNC = {"sync/bytes": 0.0, "sync/full_bytes": 0.0, "sync/seconds": 0.0,
@@ -210,3 +214,187 @@ class RolloutPipeline:
         self.pending = (None if pending is None else
                         InFlight(pending["prompts"], pending["version"], None, pending["out"]))
         self._busy_since = None
+
+
+TOKEN_VERSIONS = "token_versions"  # streaming: per response token, the version that sampled it
+
+
+class StreamingPipeline:
+    """trainer.async_mode streaming: the rollout pool samples continuously in segments
+    (rlhf.trainer.stream keeps the books). Each step takes data.train_batch_size finished
+    groups, oldest first; while it trains, the pool samples the next segment. Before every
+    segment the pool gets the current weights when the policy changed, so a sample in flight
+    continues under the new version (a partial rollout) and its tokens carry the versions and
+    sampler log-probs that produced them: with async_old_log_probs rollout, `old_log_probs`
+    are those per-token sampler log-probs, so the update's ratio corrects each token towards
+    the policy that sampled it."""
+
+    def __init__(self, source: RolloutSource, draw: Callable[[], Batch], *, stream,
+                 groups_per_step: int, seed: int, old_from_rollout: bool,
+                 wait_timeout_s: float):
+        if source.rollout is None:
+            raise ValueError("async_mode streaming needs rollout ranks of their own "
+                             "(rollout.placement separate)")
+        self.source, self.draw, self.stream = source, draw, stream
+        self.groups_per_step, self.seed = groups_per_step, seed
+        self.old_from_rollout, self.wait_timeout_s = old_from_rollout, wait_timeout_s
+        self.pending: tuple[list, object, int, float] | None = None  # requests, call, version
+        self._last_counts = dict(stream.counts)
+        self._rollout_busy_s = self._rollout_span_s = 0.0
+
+    def next_batch(self, step: int, timer: SectionTimer) -> tuple[Batch, dict[str, float]]:
+        """Step `step`'s groups (segments sampled until enough finished), after submitting the
+        next segment, which samples while this step trains."""
+        metrics: dict[str, float] = {}
+        began = time.perf_counter()
+        deadline = began + self.wait_timeout_s
+        with timer("wait_rollout"):  # the trainer's idle time: nothing it can train yet
+            while True:
+                if time.perf_counter() > deadline:
+                    raise TimeoutError(self._state(
+                        f"waiting {self.wait_timeout_s:g} s for {self.groups_per_step} finished "
+                        "groups in the buffer"))
+                self._collect()
+                groups = self.stream.take(self.groups_per_step,
+                                          version=self.source.policy_version)
+                if groups:
+                    break
+                metrics.update(self._submit(timer))
+                if self.pending is None:
+                    raise RuntimeError(self._state("the prompt stream ran dry: no sample is "
+                                                   "generating and the buffer is short"))
+        metrics.update(self._submit(timer))
+        batch = self._assemble(groups)
+        batch, admit = self._admit(batch)
+        metrics.update(admit)
+        metrics["async/trainer_wait_s"] = time.perf_counter() - began
+        metrics["async/rollout_idle_s"] = max(0.0, self._rollout_span_s - self._rollout_busy_s)
+        self._rollout_span_s = self._rollout_busy_s = 0.0
+        return batch, metrics
+
+    def _submit(self, timer: SectionTimer) -> dict[str, float]:
+        """Sync the pool if the policy changed, start queued prompts, send one segment of every
+        unfinished sample (non-blocking); returns the sync's metrics."""
+        source, stream = self.source, self.stream
+        sync = {}
+        if source.held_version() != source.policy_version:
+            with timer("sync_weights"):
+                sync = source.sync()
+        while len(stream.queue) < stream.slots // stream.n + 1:  # room to start a group
+            stream.queue_prompts(self._rows(self.draw()))
+        stream.start()
+        version = source.rollout_version
+        assert version is not None  # synced above
+        requests = stream.requests(version=version)
+        if not requests:
+            return sync
+        inputs = Batch({
+            "input_ids": Ragged.from_list([r.input_ids for r in requests], dtype=torch.int64),
+            "max_tokens": torch.tensor([r.max_tokens for r in requests], dtype=torch.int64),
+            "seed": torch.tensor([derive_seed(self.seed, *r.seed_parts) for r in requests],
+                                 dtype=torch.int64)})
+        call = source.rollout.generate_segments(inputs, blocking=False)
+        self.pending = (requests, call, version, time.perf_counter())
+        return sync
+
+    def _collect(self) -> None:
+        """Wait for the segment in flight (if any) and record it."""
+        if self.pending is None:
+            return
+        requests, call, version, sent = self.pending
+        try:
+            out = call.get(timeout_s=self.wait_timeout_s)
+        except Exception as e:  # the worker group names the ranks; the note, the stream
+            e.add_note(self._state(f"waiting for rollout.generate_segments ({len(requests)} "
+                                   f"samples, version {version})"))
+            raise
+        self.pending = None
+        self._rollout_busy_s += out.meta.get("metrics", {}).get("rollout/seconds", 0.0)
+        self._rollout_span_s += time.perf_counter() - sent
+        segments = [Segment(ids.tolist(), lps.tolist(), "stop" if stopped else "length")
+                    for ids, lps, stopped in zip(out["response_ids"].to_list(),
+                                                 out["rollout_log_probs"].to_list(),
+                                                 out["stopped"].tolist())]
+        self.stream.record(requests, segments, version=version)
+
+    def _state(self, what: str) -> str:
+        s = self.stream
+        return (f"async_mode streaming: {what}; stream state: {s.ready()} groups buffered, "
+                f"{s.busy_slots()} samples generating, {len(s.queue)} prompts queued, "
+                f"{s.drawn} drawn, policy version {self.source.policy_version}, pool holds "
+                f"{self.source.rollout_version}; raise trainer.stream_wait_timeout_s if the "
+                "pool is only slow")
+
+    @staticmethod
+    def _rows(prompts: Batch) -> list[tuple[Batch, list[int]]]:
+        prompts = Batch({k: prompts[k] for k in prompts.keys()})  # the loader's meta stays out
+        return [(prompts.select([i]), prompts["prompt_ids"][i].tolist())
+                for i in range(len(prompts))]
+
+    def _assemble(self, groups: list) -> Batch:
+        """The groups' prompts repeated per sample with their responses, per-token versions
+        and sampler log-probs; `policy_version` = a sample's oldest token's version."""
+        samples = [s for g in groups for s in g.samples]
+        batch = Batch.concat([g.prompt for g in groups]).repeat_interleave(self.stream.n)
+        return batch.union(Batch({
+            "response_ids": Ragged.from_list([s.tokens for s in samples], dtype=torch.int64),
+            "rollout_log_probs": Ragged.from_list([s.log_probs for s in samples],
+                                                  dtype=torch.float32),
+            TOKEN_VERSIONS: Ragged.from_list([s.versions for s in samples], dtype=torch.int64),
+            VERSION: torch.tensor([min(s.versions, default=0) for s in samples],
+                                  dtype=torch.int64)}))
+
+    def _admit(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """The staleness of every token (the stream kept it within the bound) as quantiles
+        and a histogram, the stream's state and what happened since the last step."""
+        stream = self.stream
+        staleness_T = (self.source.policy_version - batch[TOKEN_VERSIONS].values).float()
+        counts = stream.counts
+        delta = {k: counts[k] - self._last_counts.get(k, 0) for k in counts}
+        self._last_counts = dict(counts)
+        metrics = {"async/policy_version": float(self.source.policy_version),
+                   "async/buffer_groups": float(stream.ready()),
+                   "async/generating_samples": float(stream.busy_slots()),
+                   "async/interrupted_samples": float(delta["interrupted"]),
+                   "async/dropped_samples": float(delta["dropped_samples"]),
+                   "async/regenerated_samples": float(delta["regenerated_samples"]),
+                   "async/segments": float(delta["segments"])}
+        if staleness_T.numel():
+            for q in (0.5, 0.9, 1.0):
+                metrics[f"async/token_staleness_p{int(q * 100)}"] = float(
+                    staleness_T.quantile(q))
+            for s in range(stream.max_staleness + 1):
+                metrics[f"async/token_staleness_{s}"] = float((staleness_T == s).float().mean())
+        if self.old_from_rollout:
+            batch = batch.union(Batch({"old_log_probs": batch["rollout_log_probs"]}))
+        return batch, metrics
+
+    def state_dict(self) -> dict:
+        """The stream (prompts queued, samples in flight with their tokens, buffered groups,
+        every drawn prompt's fate) after the segment in flight is recorded, and the versions."""
+        self._collect()
+        return {"stream": self.stream.state_dict(), "source": self.source.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "stream" not in state:
+            raise ValueError("this checkpoint was not written by an async_mode streaming run; "
+                             "resume it with the trainer.async_mode it was trained with")
+        self.source.load_state_dict(state["source"])
+        self.stream.load_state_dict(state["stream"])
+        self._last_counts = dict(self.stream.counts)
+
+
+def streaming_pipeline(cfg, source: RolloutSource, draw: Callable[[], Batch]) -> StreamingPipeline:
+    """The StreamingPipeline of a JobConfig with trainer.async_mode streaming."""
+    t, rollout = cfg.trainer, cfg.rollout
+    if rollout.env.path is not None:
+        raise ConfigError("trainer.async_mode streaming does not run multi-turn episodes "
+                          "(rollout.env) yet; use async_mode one_step or bounded")
+    stream = RolloutStream(n=rollout.n,
+                           slots=t.stream_slots or cfg.data.train_batch_size * rollout.n,
+                           max_staleness=t.max_staleness, max_new_tokens=rollout.max_new_tokens,
+                           segment_tokens=t.stream_segment_tokens, stale_policy=t.stale_policy)
+    return StreamingPipeline(source, draw, stream=stream,
+                             groups_per_step=cfg.data.train_batch_size, seed=rollout.seed,
+                             old_from_rollout=t.async_old_log_probs == "rollout",
+                             wait_timeout_s=t.stream_wait_timeout_s)

@@ -1,0 +1,153 @@
+"""StreamingPipeline (trainer.async_mode streaming) against scripted fakes of the actor and the
+rollout pool: segments resubmitted with their tokens so far, weights pushed between segments
+(samples in flight continue under the new version), whole groups per step, per-token versions
+and sampler log-probs as the ratio's denominator, the staleness bound, and resume."""
+
+import pickle
+
+import pytest
+import torch
+
+from rlhf.data.batch import Batch
+from rlhf.data.ragged import Ragged
+from rlhf.trainer.metrics import SectionTimer
+from rlhf.trainer.rollout_source import TOKEN_VERSIONS, RolloutSource, StreamingPipeline
+from rlhf.trainer.stream import RolloutStream
+from tests.unit.trainer.test_async_loop import Done, FakeActor, FakeRollout
+
+N, GROUPS, MAX_NEW, SEGMENT = 2, 2, 12, 4
+
+
+class Call(Done):
+    """A PendingCall that has finished (the driver waits with a timeout)."""
+
+    def get(self, timeout_s=None):
+        assert timeout_s is not None  # every wait of the stream is bounded
+        return self.value
+
+
+def length_of(prompt_id: int) -> int:
+    return MAX_NEW if prompt_id % 3 == 0 else 1 + (prompt_id * 5) % 6
+
+
+class SegmentRollout(FakeRollout):
+    """Token t of a response is 100 * engine version + t; log-prob -(version + 1); the
+    response of prompt p (its first token) stops after length_of(p) tokens."""
+
+    def __init__(self, actor):
+        super().__init__(actor)
+        self.segments = []  # (inputs, max_tokens, engine version) per call
+
+    def generate_segments(self, batch, blocking=True):
+        rows = batch["input_ids"].to_list()
+        limits = batch["max_tokens"].tolist()
+        self.segments.append(([r.tolist() for r in rows], limits, self.engine_version))
+        ids, lps, stopped = [], [], []
+        for row, limit in zip(rows, limits):
+            so_far = len(row) - 2
+            left = length_of(int(row[0])) - so_far
+            k = min(limit, left)
+            ids.append([100 * self.engine_version + so_far + t for t in range(k)])
+            lps.append([-(self.engine_version + 1.0)] * k)
+            stopped.append(k == left)
+        out = Batch(meta={"metrics": {"rollout/seconds": 0.01}}, fields={
+            "response_ids": Ragged.from_list(ids, dtype=torch.int64),
+            "rollout_log_probs": Ragged.from_list(lps, dtype=torch.float32),
+            "stopped": torch.tensor(stopped)})
+        return out if blocking else Call(out)
+
+
+class Loader:
+    def __init__(self):
+        self.position = 0
+
+    def __call__(self):
+        p = self.position
+        self.position += GROUPS
+        return Batch({"prompt_ids": Ragged.from_list([[p + i, 7] for i in range(GROUPS)],
+                                                     dtype=torch.int64),
+                      "raw_prompt": [f"p{p + i}" for i in range(GROUPS)]})
+
+
+def make(*, max_staleness=1, policy="regenerate", state=None):
+    actor = FakeActor()
+    rollout = SegmentRollout(actor)
+    source = RolloutSource({"actor": actor, "rollout": rollout}, n=N)
+    stream = RolloutStream(n=N, slots=N * GROUPS, max_staleness=max_staleness,
+                           max_new_tokens=MAX_NEW, segment_tokens=SEGMENT, stale_policy=policy)
+    loader = Loader()
+    pipe = StreamingPipeline(source, loader, stream=stream, groups_per_step=GROUPS, seed=3,
+                             old_from_rollout=True, wait_timeout_s=5.0)
+    if state is not None:
+        pipe.load_state_dict(state["pipe"])
+        loader.position = state["loader"]
+        actor.version = state["pipe"]["source"]["policy_version"]
+    return actor, rollout, source, pipe, loader
+
+
+def train(actor, source, pipe, steps):
+    seen = []
+    for step in steps:
+        batch, metrics = pipe.next_batch(step, SectionTimer())
+        seen.append((step, batch, metrics, source.policy_version))
+        actor.version += 1
+        source.policy_changed()
+    return seen
+
+
+def test_streaming_hands_over_whole_groups_and_continues_samples_across_updates():
+    actor, rollout, source, pipe, _ = make(max_staleness=2)
+    seen = train(actor, source, pipe, range(1, 7))
+    interrupted = 0
+    for _, batch, metrics, version in seen:
+        assert len(batch) == N * GROUPS
+        prompts = batch["prompt_ids"].values.view(-1, 2)[:, 0].tolist()
+        assert prompts[::N] == prompts[1::N]  # each prompt's n samples together: whole groups
+        versions = batch[TOKEN_VERSIONS]
+        for i, (ids, vs) in enumerate(zip(batch["response_ids"].to_list(), versions.to_list())):
+            assert len(ids) == length_of(prompts[i])
+            # each token's version is the engine's that sampled it, and its log-prob that one's
+            assert (ids // 100).tolist() == vs.tolist()
+            assert (version - vs).max() <= 2
+        old = batch["old_log_probs"].values
+        assert torch.equal(old, -(versions.values.float() + 1))  # per-token denominators
+        interrupted += metrics["async/interrupted_samples"]
+        assert metrics["async/token_staleness_p100"] <= 2
+        assert metrics["async/dropped_samples"] == 0
+    assert interrupted > 0
+    assert any(len(set(vs.tolist())) > 1 for _, b, _, _ in seen
+               for vs in b[TOKEN_VERSIONS].to_list())
+    # a continued request carries its prompt and tokens so far; segments end at SEGMENT tokens
+    continued = [(ids, limit) for inputs, limits, _ in rollout.segments
+                 for ids, limit in zip(inputs, limits) if len(ids) > 2]
+    assert continued and all(limit <= SEGMENT for _, limit in continued)
+    assert actor.sent == [1, 2, 3, 4, 5]  # the pool got every new version before sampling on
+
+
+def test_a_resumed_stream_trains_what_an_uninterrupted_one_does():
+    actor, _, source, pipe, loader = make()
+    whole = train(actor, source, pipe, range(1, 7))
+    actor, _, source, pipe, loader = make()
+    train(actor, source, pipe, range(1, 4))
+    state = pickle.loads(pickle.dumps({"pipe": pipe.state_dict(), "loader": loader.position}))
+    actor, rollout, source, pipe, _ = make(state=state)
+    again = train(actor, source, pipe, range(4, 7))
+    assert rollout.segments[0][2] == 3  # the fresh pool got the checkpoint's weights first
+    for (s1, b1, _, v1), (s2, b2, _, v2) in zip(whole[3:], again):
+        assert (s1, v1) == (s2, v2)
+        assert b1.equal(b2)
+    fates = pipe.stream.fates
+    trained = [p for _, b, _, _ in whole for p in b["raw_prompt"][::N]]
+    assert len(trained) == len(set(trained))
+    assert sum(f == "trained" for f in fates.values()) == len(trained)
+
+
+def test_a_pool_that_never_catches_up_stops_with_the_stream_state():
+    """A pool stuck on stale weights regenerates forever: the wait for the buffer times out
+    and names what it waited for and the stream's state, instead of spinning silently."""
+    actor, _, source, pipe, _ = make()
+    pipe.wait_timeout_s = 0.5
+    train(actor, source, pipe, range(1, 3))
+    source.held_version = lambda: source.policy_version  # a sync that never happens
+    with pytest.raises(TimeoutError, match=r"finished groups in the buffer.*groups buffered"):
+        train(actor, source, pipe, range(3, 12))
