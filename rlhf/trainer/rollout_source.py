@@ -238,6 +238,7 @@ class StreamingPipeline:
         self.source, self.draw, self.stream = source, draw, stream
         self.groups_per_step, self.seed = groups_per_step, seed
         self.old_from_rollout, self.wait_timeout_s = old_from_rollout, wait_timeout_s
+        self.report_every_s = 60.0  # how often a long wait for the buffer prints its state
         self.pending: tuple[list, object, int, float] | None = None  # requests, call, version
         self._last_counts = dict(stream.counts)
         self._rollout_busy_s = self._rollout_span_s = 0.0
@@ -247,13 +248,18 @@ class StreamingPipeline:
         next segment, which samples while this step trains."""
         metrics: dict[str, float] = {}
         began = time.perf_counter()
-        deadline = began + self.wait_timeout_s
+        deadline, reported = began + self.wait_timeout_s, began
         with timer("wait_rollout"):  # the trainer's idle time: nothing it can train yet
             while True:
-                if time.perf_counter() > deadline:
+                now = time.perf_counter()
+                if now > deadline:
                     raise TimeoutError(self._state(
                         f"waiting {self.wait_timeout_s:g} s for {self.groups_per_step} finished "
                         "groups in the buffer"))
+                if now - reported >= self.report_every_s:  # a long wait says what it is
+                    reported = now
+                    print(self._state(f"step {step} has waited {now - began:.1f} s for "
+                                      f"{self.groups_per_step} finished groups"), flush=True)
                 self._collect()
                 groups = self.stream.take(self.groups_per_step,
                                           version=self.source.policy_version)

@@ -4,6 +4,7 @@ rollout pool: segments resubmitted with their tokens so far, weights pushed betw
 and sampler log-probs as the ratio's denominator, the staleness bound, and resume."""
 
 import pickle
+import re
 
 import pytest
 import torch
@@ -142,12 +143,18 @@ def test_a_resumed_stream_trains_what_an_uninterrupted_one_does():
     assert sum(f == "trained" for f in fates.values()) == len(trained)
 
 
-def test_a_pool_that_never_catches_up_stops_with_the_stream_state():
-    """A pool stuck on stale weights regenerates forever: the wait for the buffer times out
-    and names what it waited for and the stream's state, instead of spinning silently."""
+def test_a_pool_that_never_catches_up_stops_with_the_stream_state(capsys):
+    """A pool stuck on stale weights regenerates forever: the wait reports the stream's state
+    as it goes (the watchdog), then times out naming what it waited for and that state,
+    instead of spinning silently."""
     actor, _, source, pipe, _ = make()
     pipe.wait_timeout_s = 0.5
     train(actor, source, pipe, range(1, 3))
+    assert "has waited" not in capsys.readouterr().out
+    pipe.report_every_s = 0.2
     source.held_version = lambda: source.policy_version  # a sync that never happens
     with pytest.raises(TimeoutError, match=r"finished groups in the buffer.*groups buffered"):
         train(actor, source, pipe, range(3, 12))
+    report = capsys.readouterr().out
+    assert re.search(r"step \d has waited 0\.[2-9] s for 2 finished groups; stream state: "
+                     r"0 groups buffered", report), report
