@@ -34,6 +34,7 @@ from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError
+from rlhf.rollout.routing import records_in_rollout
 from rlhf.rollout.sampling import derive_seed
 from rlhf.trainer.metrics import SectionTimer
 from rlhf.trainer.stream import RolloutStream, Segment
@@ -392,10 +393,15 @@ class StreamingPipeline:
 
 def streaming_pipeline(cfg, source: RolloutSource, draw: Callable[[], Batch]) -> StreamingPipeline:
     """The StreamingPipeline of a JobConfig with trainer.async_mode streaming."""
-    t, rollout = cfg.trainer, cfg.rollout
+    rollout = cfg.rollout
     if rollout.env.path is not None:
         raise ConfigError("trainer.async_mode streaming does not run multi-turn episodes "
                           "(rollout.env) yet; use async_mode one_step or bounded")
+    if records_in_rollout(rollout):  # a sample's routes would span several segments' calls
+        raise ConfigError("trainer.async_mode streaming does not keep vLLM's routed experts "
+                          "(rollout.routing_replay=rollout) yet; use routing_replay=trainer "
+                          "or async_mode one_step or bounded")
+    t = cfg.trainer
     stream = RolloutStream(n=rollout.n,
                            slots=t.stream_slots or cfg.data.train_batch_size * rollout.n,
                            max_staleness=t.max_staleness, max_new_tokens=rollout.max_new_tokens,

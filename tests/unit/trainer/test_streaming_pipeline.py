@@ -5,14 +5,21 @@ and sampler log-probs as the ratio's denominator, the staleness bound, and resum
 
 import pickle
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from rlhf.data.batch import Batch
 from rlhf.data.ragged import Ragged
+from rlhf.errors import ConfigError
 from rlhf.trainer.metrics import SectionTimer
-from rlhf.trainer.rollout_source import TOKEN_VERSIONS, RolloutSource, StreamingPipeline
+from rlhf.trainer.rollout_source import (
+    TOKEN_VERSIONS,
+    RolloutSource,
+    StreamingPipeline,
+    streaming_pipeline,
+)
 from rlhf.trainer.stream import RolloutStream
 from tests.unit.trainer.test_async_loop import Done, FakeActor, FakeRollout
 
@@ -158,3 +165,14 @@ def test_a_pool_that_never_catches_up_stops_with_the_stream_state(capsys):
     report = capsys.readouterr().out
     assert re.search(r"step \d has waited 0\.[2-9] s for 2 finished groups; stream state: "
                      r"0 groups buffered", report), report
+
+
+def test_streaming_refuses_what_it_does_not_carry_across_segments():
+    """Multi-turn episodes and vLLM's routed experts span one generate call, not segments."""
+    actor = FakeActor()
+    source = RolloutSource({"actor": actor, "rollout": SegmentRollout(actor)}, n=N)
+    for env, replay, fix in ((SimpleNamespace(path="env.py"), "off", "rollout.env"),
+                             (SimpleNamespace(path=None), "rollout", "routing_replay=trainer")):
+        cfg = SimpleNamespace(rollout=SimpleNamespace(env=env, routing_replay=replay))
+        with pytest.raises(ConfigError, match=fix):
+            streaming_pipeline(cfg, source, Loader())
