@@ -250,6 +250,7 @@ class StreamingPipeline:
         metrics: dict[str, float] = {}
         began = time.perf_counter()
         deadline, reported = began + self.wait_timeout_s, began
+        syncs: list[dict[str, float]] = []
         with timer("wait_rollout"):  # the trainer's idle time: nothing it can train yet
             while True:
                 now = time.perf_counter()
@@ -266,11 +267,13 @@ class StreamingPipeline:
                                           version=self.source.policy_version)
                 if groups:
                     break
-                metrics.update(self._submit(timer))
+                syncs.append(self._submit(timer))
                 if self.pending is None:
                     raise RuntimeError(self._state("the prompt stream ran dry: no sample is "
                                                    "generating and the buffer is short"))
-        metrics.update(self._submit(timer))
+        syncs.append(self._submit(timer))
+        # at most one sync a step (the policy changes once): its figures, else a skip
+        metrics.update(next((s for s in syncs if s), SKIPPED_SYNC))
         batch = self._assemble(groups)
         batch, admit = self._admit(batch)
         metrics.update(admit)

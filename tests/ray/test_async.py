@@ -163,8 +163,9 @@ def test_streaming_continues_samples_across_updates_and_resumes_exactly(ray_clus
     resumed from step 2's checkpoint (its stream: samples in flight, the buffer, the fates)
     trains step 3 exactly as the uninterrupted run does."""
     assets = make_assets(tmp_path)
+    # validation at step 2 samples on the pool behind the segment in flight, with version 2
     streaming = {"async_mode": "streaming", "stream_segment_tokens": 3, "total_steps": 3,
-                 "max_staleness": 1, "stream_slots": 12}
+                 "max_staleness": 1, "stream_slots": 12, "val_every": 2}
     rollout = {**SEPARATE, "max_new_tokens": 12}
     whole = _job(assets, tmp_path / "whole", rollout=rollout,
                  trainer={**streaming, "save_every": 2})
@@ -177,14 +178,17 @@ def test_streaming_continues_samples_across_updates_and_resumes_exactly(ray_clus
         again = _fit(resumed, groups)
     finally:
         groups.shutdown()
-    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["step"] for r in records] == [0, 1, 2, 3]  # step 0: validation before training
+    records = records[1:]
     first, later = records[0], records[1:]
+    assert later[0]["sync/skipped"] == 0.0 and later[0]["sync/bytes"] > 0
+    assert "val/accuracy" in later[0] and later[1]["sync/skipped"] == 1.0  # version 2 was sent
     assert first["async/token_staleness_0"] == 1.0 and first["async/interrupted_samples"] == 0
     for r in later:
         # segments sampled by the previous version, continued under this step's weights
         assert r["async/interrupted_samples"] > 0, r
         assert 0 < r["async/token_staleness_1"] < 1 and r["async/token_staleness_p100"] == 1
-        assert r["async/dropped_samples"] == 0 and r["sync/bytes"] > 0
+        assert r["async/dropped_samples"] == 0
         assert r["async/policy_version"] == r["step"] - 1
         assert 3 < r["response_length/mean"] <= 12  # most run past a segment (measured 11.75)
     assert [r["step"] for r in again] == [3]
