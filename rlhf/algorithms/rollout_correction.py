@@ -1,6 +1,7 @@
-"""Sequence-level rollout correction: the sampler (vLLM) and the trainer give slightly different
+"""Rollout correction on the driver: the sampler (vLLM) and the trainer give slightly different
 probabilities to the same tokens (bf16 vs fp32, other kernels, or a stale policy when samples
-are off-policy). These functions weigh or reject whole responses by the trainer/sampler ratio.
+are off-policy). These functions weigh or reject whole responses, or mask single tokens, by the
+trainer/sampler ratio.
 
 Inputs are packed per-token streams as everywhere in rlhf.algorithms: `old_logp_T` (trainer,
 pi_old), `rollout_logp_T` (sampler), `mask_T`, `cu_seqlens`. Nothing here needs a gradient.
@@ -59,6 +60,19 @@ def reject_outside_band(old_logp_T: Tensor, rollout_logp_T: Tensor, mask_T: Tens
     mean_N = log_ratio_N / count_N.clamp_min(1)
     keep_N = (mean_N >= math.log(low)) & (mean_N <= math.log(high))
     return keep_N | (count_N == 0)
+
+
+@torch.no_grad()
+def keep_tokens_in_band(old_logp_T: Tensor, rollout_logp_T: Tensor, *, low: float,
+                        high: float) -> Tensor:
+    """(T,) bool, True = keep: the token's own ratio exp(old - rollout) lies in [low, high]
+    (IcePop's token mask: a token the two sides disagree on trains nothing, its response's
+    other tokens still do)."""
+    if not 0 < low <= 1 <= high:
+        raise ValueError(f"the token band needs 0 < low <= 1 <= high, got [{low}, {high}]")
+    check_tokens(old_logp_T.shape[0], rollout_logp_T=rollout_logp_T)
+    log_ratio_T = old_logp_T.detach().double() - rollout_logp_T.detach().double()
+    return (log_ratio_T >= math.log(low)) & (log_ratio_T <= math.log(high))
 
 
 def effective_sample_size(log_weights_N: Tensor) -> float:

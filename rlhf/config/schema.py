@@ -194,6 +194,9 @@ class RolloutConfig:
     """Sequence-level TIS: weight a response's tokens by min(pi_train(y) / pi_vllm(y), cap)."""
     reject_band: tuple[float, float] | None = None
     """[low, high]: mask responses whose per-token geometric-mean pi_train / pi_vllm leaves it."""
+    token_band: tuple[float, float] | None = None
+    """[low, high]: mask single tokens whose pi_train / pi_vllm leaves it (IcePop: e.g. [0.5,
+    5]); the rest of their response still trains."""
     placement: Literal["colocated", "separate"] = "colocated"
     """colocated: a vLLM replica on every actor rank, synced in-process; separate: world_size
     rollout ranks of their own (no training engine), sent weights over a transfer group."""
@@ -208,6 +211,13 @@ class RolloutConfig:
     """Most model turns per episode when rollout.env is set (max_new_tokens is per turn)."""
     max_episode_tokens: int | None = None
     """Most response tokens of an episode (model + environment); null = max_turns x max_new_tokens."""
+
+    @property
+    def corrects_on_driver(self) -> bool:
+        """Whether the driver weighs or masks the update by the trainer/sampler ratio
+        (seq_tis_cap, reject_band, token_band): it needs the old log-probs before the update."""
+        return (self.seq_tis_cap is not None or self.reject_band is not None
+                or self.token_band is not None)
 
     @property
     def max_response_tokens(self) -> int:
@@ -242,10 +252,11 @@ class RolloutConfig:
         if self.seq_tis_cap is not None and self.seq_tis_cap < 1:
             raise ConfigError(f"seq_tis_cap must be at least 1 (a cap below 1 down-weights every "
                               f"response) or null, got {self.seq_tis_cap}")
-        band = self.reject_band
-        if band is not None and not 0 < band[0] <= 1 <= band[1]:
-            raise ConfigError(f"reject_band must be [low, high] with 0 < low <= 1 <= high (a "
-                              f"ratio of 1 means sampler and trainer agree), got {list(band)}")
+        for name in ("reject_band", "token_band"):
+            band = getattr(self, name)
+            if band is not None and not 0 < band[0] <= 1 <= band[1]:
+                raise ConfigError(f"{name} must be [low, high] with 0 < low <= 1 <= high (a "
+                                  f"ratio of 1 means sampler and trainer agree), got {list(band)}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
         require_min(self, 1, "max_turns")

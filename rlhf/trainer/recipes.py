@@ -1,8 +1,9 @@
 """The per-response recipes' glue on the driver: overlong shaping of the scores, the masks
-and weights of the update (truncated responses, rollout.reject_band, sequence-level TIS), and
-dynamic sampling (DAPO: rounds of generate-and-score until the batch holds enough prompt groups
-with a reward spread). Their math lives in rlhf.algorithms (overlong.py, rollout_correction.py,
-group_filters.py); `PPOTrainer` (rlhf/trainer/ppo.py) calls these between its phases.
+and weights of the update (truncated responses, rollout.reject_band and token_band,
+sequence-level TIS), and dynamic sampling (DAPO: rounds of generate-and-score until the batch
+holds enough prompt groups with a reward spread). Their math lives in rlhf.algorithms
+(overlong.py, rollout_correction.py, group_filters.py); `PPOTrainer` (rlhf/trainer/ppo.py) calls
+these between its phases.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 from rlhf.algorithms.group_filters import NO_FILTER, get_group_filter
 from rlhf.algorithms.overlong import overlong_penalty, truncated
 from rlhf.algorithms.rollout_correction import (
+    keep_tokens_in_band,
     reject_outside_band,
     rollout_correction_metrics,
     seq_tis_weights,
@@ -68,29 +70,40 @@ def rollout_corr_metrics(batch: Batch, cfg: JobConfig,
 def prepare_update(batch: Batch, cfg: JobConfig,
                    eos_token_id: int | None) -> tuple[Batch, dict[str, float]]:
     """The batch the actor trains on: truncated responses masked (algorithm.mask_truncated),
-    responses outside rollout.reject_band masked, and `seq_is_weights` (rollout.seq_tis_cap);
-    with the rollout_corr/* metrics of the batch as it came (when old log-probs exist)."""
+    responses outside rollout.reject_band masked, tokens outside rollout.token_band masked, and
+    `seq_is_weights` (rollout.seq_tis_cap); with the rollout_corr/* metrics of the batch as it
+    came (when old log-probs exist)."""
     algo, rollout = cfg.algorithm, cfg.rollout
     mask = response_mask(batch)
     cu, keep_N, fields = mask.offsets, None, {}
     drop_N = torch.zeros(len(batch), dtype=torch.bool)
+    keep_T = mask.values.clone()
     if algo.mask_truncated:
         drop_N |= truncated_responses(batch, cfg, eos_token_id)
-    if rollout.seq_tis_cap is not None or rollout.reject_band is not None:
+    token_metrics = {}
+    if rollout.corrects_on_driver:
         if "rollout_log_probs" not in batch or "old_log_probs" not in batch:
-            raise ValueError("sequence-level rollout correction needs old_log_probs and "
+            raise ValueError("rollout correction on the driver needs old_log_probs and "
                              "rollout_log_probs in the batch before the actor update")
         old_T, rollout_T = batch["old_log_probs"].values, batch["rollout_log_probs"].values
         if rollout.reject_band is not None:
             low, high = rollout.reject_band
             keep_N = reject_outside_band(old_T, rollout_T, mask.values, cu, low=low, high=high)
             drop_N |= ~keep_N
+        if rollout.token_band is not None:
+            low, high = rollout.token_band
+            in_band_T = keep_tokens_in_band(old_T, rollout_T, low=low, high=high)
+            valid = int(mask.values.sum())
+            token_metrics["rollout_corr/token_masked_frac"] = (
+                float((mask.values & ~in_band_T).sum()) / valid if valid else 0.0)
+            keep_T &= in_band_T
         if rollout.seq_tis_cap is not None:
             w_N = seq_tis_weights(old_T, rollout_T, mask.values, cu, cap=rollout.seq_tis_cap)
             fields[SEQ_IS_WEIGHTS] = Ragged(w_N.float().repeat_interleave(mask.lengths), cu)
-    metrics = rollout_corr_metrics(batch, cfg, keep_N)
-    if bool(drop_N.any()):
-        fields[MASK] = Ragged(mask.values & ~drop_N.repeat_interleave(mask.lengths), cu)
+    metrics = {**rollout_corr_metrics(batch, cfg, keep_N), **token_metrics}
+    keep_T &= ~drop_N.repeat_interleave(mask.lengths)
+    if not bool(keep_T.equal(mask.values)):
+        fields[MASK] = Ragged(keep_T, cu)
         if MASK in batch:
             batch = batch.pop(MASK)[1]
     return (batch.union(Batch(fields)) if fields else batch), metrics

@@ -29,16 +29,15 @@ def fuse_old_log_probs(cfg: JobConfig, needs: AlgorithmNeeds, *, step: int) -> b
     """Whether update_actor takes the old log-probs from its own first forward instead of a
     separate compute_log_prob pass: only when the update is on-policy (one PPO epoch of one
     mini-batch, so the old policy is the current one there), nothing before the update reads
-    them (no KL in the reward, no sequence-level rollout correction), the actor updates at this
+    them (no KL in the reward, no rollout correction on the driver), the actor updates at this
     step (after the warm-up of a critic `needs` calls for) and the old policy is the trainer's
     (not the sampling version's, trainer.async_old_log_probs)."""
     algo, rollout, trainer = cfg.algorithm, cfg.rollout, cfg.trainer
     one_step = algo.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size == cfg.data.train_batch_size
     actor_updates = not (needs.critic and step <= trainer.critic_warmup)
-    seq_correction = rollout.seq_tis_cap is not None or rollout.reject_band is not None
     old_is_rollout = trainer.async_mode != "off" and trainer.async_old_log_probs == "rollout"
-    return (one_step and not algo.kl_in_reward and not seq_correction and actor_updates
-            and not old_is_rollout)
+    return (one_step and not algo.kl_in_reward and not rollout.corrects_on_driver
+            and actor_updates and not old_is_rollout)
 
 
 def cost_plan(role, cost: RoleCost, phase: str) -> CostPlan:

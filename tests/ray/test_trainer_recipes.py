@@ -31,7 +31,7 @@ def test_gspo_with_sequence_level_rollout_correction(ray_cluster, tmp_path):
     cfg = job_config(
         assets, tmp_path / "gspo-run", actor={"ppo_mini_batch_size": 4},
         algorithm={**GRPO, "policy_loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"},
-        rollout={"seq_tis_cap": 2.0, "reject_band": [0.5, 2.0]},
+        rollout={"seq_tis_cap": 2.0, "reject_band": [0.5, 2.0], "token_band": [0.5, 5.0]},
         reward=reward_section(tmp_path), trainer={"total_steps": 2, "save_every": 0})
     run_train(cfg, progress=False)
     records = read_metrics(cfg.trainer.output_dir)
@@ -39,10 +39,12 @@ def test_gspo_with_sequence_level_rollout_correction(ray_cluster, tmp_path):
     for r in records:
         # the correction needs old log-probs before the update: their own pass runs
         assert {"timing/old_log_prob", "actor/pg_loss", "actor/clipfrac",
-                "rollout_corr/ess", "rollout_corr/rejected_frac", "rollout_corr/kl"} <= set(r)
+                "rollout_corr/ess", "rollout_corr/rejected_frac", "rollout_corr/kl",
+                "rollout_corr/token_masked_frac"} <= set(r)
         assert 0 < r["rollout_corr/ess"] <= 1 and 0 <= r["rollout_corr/rejected_frac"] <= 1
-        # vLLM and the fp32 trainer agree closely on CPU: nothing leaves the band
+        # vLLM and the fp32 trainer agree closely on CPU: nothing leaves either band
         assert r["rollout_corr/rejected_frac"] == 0.0 and r["rollout_corr/kl"] < 0.05
+        assert r["rollout_corr/token_masked_frac"] == 0.0
 
 
 def test_cispo_overlong_masking_and_dynamic_sampling(ray_cluster, tmp_path):

@@ -1,5 +1,5 @@
-"""Sequence-level rollout correction: TIS weights, band rejection, ESS and the metrics, on
-hand-worked numbers."""
+"""Rollout correction: sequence TIS weights, band rejection, the token band, ESS and the
+metrics, on hand-worked numbers."""
 
 import math
 
@@ -8,6 +8,7 @@ import torch
 
 from rlhf.algorithms.rollout_correction import (
     effective_sample_size,
+    keep_tokens_in_band,
     reject_outside_band,
     rollout_correction_metrics,
     seq_tis_weights,
@@ -77,3 +78,14 @@ def test_metrics_without_correction_report_the_raw_ratios():
     metrics = rollout_correction_metrics(OLD, OLD, MASK, CU)
     assert metrics == {"rollout_corr/ess": pytest.approx(1.0),
                        "rollout_corr/rejected_frac": 0.0, "rollout_corr/kl": 0.0}
+
+
+def test_token_band_keeps_each_token_by_its_own_ratio():
+    # token ratios exp(0.1, 0.2, -0.5, -0.4, -0.3, 50, 2) = 1.11, 1.22, 0.61, 0.67, 0.74, huge,
+    # 7.39 against [0.65, 1.5]; the mask does not matter here (the driver ANDs it after)
+    keep = keep_tokens_in_band(OLD, ROLLOUT, low=0.65, high=1.5)
+    assert keep.tolist() == [True, True, False, True, True, False, False]
+    assert keep_tokens_in_band(OLD, ROLLOUT, low=0.5, high=8.0).tolist() == [True] * 5 + [
+        False, True]
+    with pytest.raises(ValueError, match="token band"):
+        keep_tokens_in_band(OLD, ROLLOUT, low=1.1, high=2.0)

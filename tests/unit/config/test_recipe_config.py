@@ -17,6 +17,7 @@ BAD = {
     "seq-tis-cap": (["rollout.seq_tis_cap=0.5"], "rollout.seq_tis_cap"),
     "reject-band-order": (["rollout.reject_band=[1.5, 2.0]"], "rollout.reject_band"),
     "reject-band-length": (["rollout.reject_band=[0.5]"], "rollout.reject_band"),
+    "token-band-order": (["rollout.token_band=[0.2, 0.9]"], "rollout.token_band"),
     "overlong-buffer-negative": (["algorithm.overlong_buffer=-1"], "algorithm.overlong_buffer"),
     "overlong-buffer-vs-max": (["algorithm.overlong_buffer=100", "rollout.max_new_tokens=64"],
                                "algorithm.overlong_buffer"),
@@ -87,6 +88,7 @@ def test_sequence_correction_needs_the_old_log_prob_pass(no_model_folder):
                                       "data.train_batch_size=16", "actor.ppo_mini_batch_size=16"]
     cfg = load_config(QUICKSTART, base)
     assert fuse_old_log_probs(cfg, algorithm_needs(cfg), step=1)
-    for extra in ("rollout.seq_tis_cap=2", "rollout.reject_band=[0.5, 2]"):
+    for extra in ("rollout.seq_tis_cap=2", "rollout.reject_band=[0.5, 2]",
+                  "rollout.token_band=[0.5, 5]"):
         cfg = load_config(QUICKSTART, base + [extra])
         assert not fuse_old_log_probs(cfg, algorithm_needs(cfg), step=1)

@@ -66,6 +66,23 @@ def test_rejection_band_and_sequence_weights():
     assert metrics["rollout_corr/ess"] == pytest.approx(expected)
 
 
+def test_token_band_masks_single_tokens_and_counts_them():
+    # IcePop: old - rollout per token 0.1, 0.1 | -1 x4 | 0, 0, 0, 0 and a band [0.5, 2]:
+    # exp(-1) = 0.37 leaves it, token by token; one sampler log-prob moved to make a response's
+    # single token leave the band while the rest of it stays
+    batch = batch_of()
+    rollout = batch["rollout_log_probs"].values.clone()
+    rollout[6] = -2.0  # sample 2's first token: old - rollout = 1, ratio e = 2.72 > 2
+    batch = batch.pop("rollout_log_probs")[1].union(Batch(
+        {"rollout_log_probs": Ragged(rollout, batch["old_log_probs"].offsets)}))
+    out, metrics = prepare_update(batch, cfg_of(rollout={"token_band": (0.5, 2.0)}), EOS)
+    assert out[MASK].values.tolist() == [True] * 2 + [False] * 4 + [False, True, True, True]
+    assert metrics["rollout_corr/token_masked_frac"] == pytest.approx(5 / 10)
+    assert SEQ_IS_WEIGHTS not in out
+    wide, metrics = prepare_update(batch_of(), cfg_of(rollout={"token_band": (0.3, 3.0)}), EOS)
+    assert MASK not in wide and metrics["rollout_corr/token_masked_frac"] == 0.0
+
+
 def test_an_existing_mask_is_narrowed_not_replaced():
     batch = batch_of().union(Batch({MASK: Ragged.from_list(
         [[True, False], [True] * 4, [True, True, False, True]])}))
