@@ -1,37 +1,446 @@
-"""Engine checkpoints: one file per model-parallel rank, plus one per ZeRO-1 optimizer shard.
+"""Engine checkpoints through torch.distributed.checkpoint (DCP), loadable into any layout.
 
-Data-parallel replicas hold bit-identical weights, so only dp rank 0 writes the file of its
-(pp, tp) coordinate. Without ZeRO-1 the optimizer state is replicated too and goes in that
-file; with ZeRO-1 each dp rank writes its own shard to `optim_pp.._tp.._dp...pt` and the main
-file records how many shards there are. Loading at the same split reads one shard; at
-another dp size (or with ZeRO-1 switched) every shard of the coordinate is read and
-resharded. Each file is written to a temporary name, flushed to disk, then renamed into
-place, so a crash never leaves a truncated checkpoint under the final name. With LoRA adapters
-the model part holds the adapters only (the optimizer state is theirs already) and a
-fingerprint of the frozen base, checked against model.path on resume (`model_state`).
+Every tensor is written as the GLOBAL tensor it is a slice of, keyed by its HF name: a weight
+of full HF shape (a padded vocabulary cut back to its real size), its Adam moments and, for a
+low-precision model, its fp32 master. Each rank describes the boxes of those global tensors it
+holds (`_chunks`, read from the model's `ParamTable`): its TP slice of a weight; for the
+optimizer state, the pieces of its ZeRO-1 flat partition, each cut into the few rectangular
+boxes a row-major range of a tensor makes (`flat_boxes`), so a partition that cuts across
+parameters needs no gather. DCP's planner writes each box once (replicas and the dp copies of
+unsharded state are deduplicated; a tied LM head is its embedding and is not written) into
+one file per rank, with a `.metadata` file listing every box of every tensor. Loading asks
+for the boxes this rank holds in ITS layout and DCP reads the overlapping parts of the saved
+ones: tp, pp, vpp, dp (ZeRO-1 on or off) and ep may all differ from the run that saved.
 
-At ep > 1 the ranks of an expert-parallel group hold different routed experts: the (pp, tp)
-file keeps the dense part, and each ep rank's edp rank 0 writes its experts (model state, and
-optimizer state unless ZeRO-1 shards it over edp: then every edp rank writes its shard) to
-`experts_pp.._tp.._ep...pt`. The expert optimizer reshards over edp as the dense one does over
-dp; another ep is refused (the experts would move between files).
+`engine.json` (format_version 3) holds the step and the layout that wrote the checkpoint.
+With LoRA adapters only the trainable tensors are written, plus a (sum, sum of squares)
+fingerprint of each frozen base tensor (global, so any layout can check it) against which a
+resume checks that model.path still holds the same base.
+
+Checkpoints of format 2 (files per (pp, tp) and per dp rank, resharded over dp only) are still
+read by `load_shard` below, for resumes of runs saved before DCP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from rlhf.engine.optim import ShardedAdamW
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_write
 from rlhf.models.lora import has_lora
+from rlhf.models.param_table import ParamInfo, ParamTable
 from rlhf.parallel.mesh import ParallelMesh
 
-FORMAT_VERSION = 2  # 2: flat (ZeRO-1 capable) optimizer state
+FORMAT_VERSION = 3  # 3: DCP, global tensors by HF name (any layout); 2: per-(pp, tp) files
+ENGINE_FILE = "engine.json"  # the step and the layout that wrote a format-3 checkpoint
+# Key prefixes of the global tensors in a format-3 checkpoint, before the HF name.
+WEIGHTS, EXP_AVG, EXP_AVG_SQ, MASTER, LORA_BASE = ("model/", "optim/exp_avg/",
+                                                   "optim/exp_avg_sq/", "optim/master/",
+                                                   "lora_base/")
+
+
+def checkpoint_format(folder: str | Path) -> int:
+    """3 when `folder` holds a DCP engine checkpoint, 2 for one from before (files per (pp, tp)
+    coordinate); RLHFError when it holds neither."""
+    folder = Path(folder)
+    if (folder / ENGINE_FILE).is_file():
+        return FORMAT_VERSION
+    if folder.is_dir() and any(folder.glob("engine_pp*_tp*.pt")):
+        return FORMAT_VERSION_2
+    raise RLHFError(f"{folder} does not exist or holds no engine checkpoint (no {ENGINE_FILE}, "
+                    "no engine_pp.._tp...pt files); give the role's folder of a checkpoint, "
+                    "OUTPUT_DIR/checkpoints/step_N/ROLE")
+
+
+# ---- which boxes of which global tensors this rank holds ---------------------------------------
+
+@dataclass(frozen=True)
+class Chunk:
+    """A box of the global tensor `key` (of shape `size`) at `offsets`: `tensor`, a view of
+    this rank's storage with the box's shape (written from on save, read into on load)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    size: tuple[int, ...]
+    tensor: Tensor
+
+
+def flat_boxes(shape: Sequence[int], start: int, stop: int
+               ) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """The range [start, stop) of a row-major tensor of `shape`, flattened, as rectangular
+    boxes (flat start, offsets, sizes), in order: each is a contiguous run of the range (a
+    partial row, whole rows, a partial row, recursively); at most 2 * ndim - 1 of them."""
+    if start >= stop:
+        return []
+    if not shape:
+        return [(start, (), ())]
+    inner = math.prod(shape[1:])
+    first, last = start // inner, (stop - 1) // inner
+    if start % inner == 0 and stop % inner == 0 or first == last and inner == 1:
+        return [(start, (first, *[0] * (len(shape) - 1)), (last - first + 1, *shape[1:]))]
+    out = []
+    lo = start
+    if start % inner:  # the partial row the range starts in
+        hi = min(stop, (first + 1) * inner)
+        out += [(lo + a - start % inner, (first, *offs), (1, *sizes))
+                for a, offs, sizes in flat_boxes(shape[1:], start % inner, hi - first * inner)]
+        lo = hi
+    whole = stop // inner * inner
+    if lo < whole:  # whole rows
+        out.append((lo, (lo // inner, *[0] * (len(shape) - 1)),
+                    ((whole - lo) // inner, *shape[1:])))
+        lo = whole
+    if lo < stop:  # the partial row it ends in
+        row = lo // inner
+        out += [(lo + a, (row, *offs), (1, *sizes))
+                for a, offs, sizes in flat_boxes(shape[1:], 0, stop - lo)]
+    return out
+
+
+def _to_global(entry: ParamInfo, local_shape: Sequence[int], offsets: Sequence[int],
+               view: Tensor, tp_rank: int) -> tuple[tuple[int, ...], tuple[int, ...],
+                                                    Tensor] | None:
+    """(global offsets, global shape, view cut to real entries) of a box at local `offsets`
+    of a parameter; None when it lies wholly in the padding of a padded vocabulary."""
+    size, offsets = list(local_shape), list(offsets)
+    if entry.shard is None:
+        return tuple(offsets), tuple(size), view
+    dim, full = entry.shard.dim, entry.shard.full_size
+    start = tp_rank * local_shape[dim] + offsets[dim]  # padding is only ever at the end
+    count = min(view.shape[dim], full - start)
+    if count <= 0:
+        return None
+    offsets[dim], size[dim] = start, full
+    return tuple(offsets), tuple(size), view.narrow(dim, 0, count)
+
+
+def _chunks(model: torch.nn.Module, table: ParamTable, mesh: ParallelMesh,
+            optimizers: Sequence[tuple[Sequence[int], ShardedAdamW]], *, weights_from: str = WEIGHTS
+            ) -> list[Chunk]:
+    """Every box this rank holds: its TP slice of each weight (LoRA: trainable ones only; a
+    tied copy under its original's name, read but never written twice) and its ZeRO-1 pieces
+    of each moment and master. `weights_from`: the key prefix the weights use (a run in fp32
+    loads them from a low-precision run's masters)."""
+    params = list(model.parameters())  # the table's order
+    lora = has_lora(model)
+    out = []
+    for entry, param in zip(table, params):
+        if lora and not entry.trainable:
+            continue
+        placed = _to_global(entry, param.shape, [0] * param.dim(), param.detach(), mesh.tp_rank)
+        if placed is not None:
+            offsets, size, view = placed
+            out.append(Chunk(weights_from + entry.hf_name, offsets, size, view))
+    for ids, optimizer in optimizers:
+        states = [(EXP_AVG, optimizer.exp_avg), (EXP_AVG_SQ, optimizer.exp_avg_sq)]
+        if optimizer.master is not None:
+            states.append((MASTER, optimizer.master))
+        for piece in optimizer.pieces:
+            entry, param = table.entries[ids[piece.param]], params[ids[piece.param]]
+            for flat_start, offsets, sizes in flat_boxes(param.shape, piece.start, piece.stop):
+                at = piece.shard_start + flat_start - piece.start
+                for prefix, flat in states:
+                    view = flat[at:at + math.prod(sizes)].view(sizes)
+                    placed = _to_global(entry, param.shape, offsets, view, mesh.tp_rank)
+                    if placed is not None:
+                        out.append(Chunk(prefix + entry.hf_name, *placed))
+    return out
+
+
+# ---- DCP planners over those boxes -------------------------------------------------------------
+
+class _BoxSavePlanner(SavePlanner):
+    """Writes the given boxes; the coordinator dedups replicas and checks that every global
+    tensor is covered exactly once."""
+
+    def __init__(self, chunks: Sequence[Chunk]):
+        self.chunks = {(c.key, c.offsets): c for c in chunks}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        self.plan = SavePlan([WriteItem(
+            index=MetadataIndex(c.key, torch.Size(c.offsets)), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(
+                chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets),
+                                           sizes=c.tensor.shape),
+                properties=TensorProperties.create_from_tensor(c.tensor),
+                size=torch.Size(c.size))) for c in self.chunks.values()])
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        plans, metadata = create_default_global_save_plan(dedup_save_plans(all_plans))
+        for key, md in metadata.state_dict_metadata.items():
+            assert isinstance(md, TensorStorageMetadata)
+            held = sum(math.prod(c.sizes) for c in md.chunks)
+            if held != math.prod(md.size):  # a gap or an overlap: a bug in `_chunks`
+                raise RuntimeError(f"the ranks hold {held} entries of {key} of shape "
+                                   f"{tuple(md.size)}; the checkpoint would not be whole")
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem) -> Tensor:
+        return self.chunks[(write_item.index.fqn, tuple(write_item.index.offset or ()))].tensor
+
+
+class _BoxLoadPlanner(LoadPlanner):
+    """Reads into the given boxes whatever overlaps them in the checkpoint; refuses a key the
+    checkpoint lacks, another global shape, or a box it does not cover entirely."""
+
+    def __init__(self, chunks: Sequence[Chunk], *, where: str):
+        self.by_key: dict[str, list[Chunk]] = {}
+        for c in chunks:
+            self.by_key.setdefault(c.key, []).append(c)
+        self.where = where
+
+    def set_up_planner(self, state_dict, metadata: Metadata | None = None,
+                       is_coordinator: bool = False) -> None:
+        assert metadata is not None
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        saved, items = self.metadata.state_dict_metadata, []
+        for key, chunks in self.by_key.items():
+            md = saved.get(key)
+            if not isinstance(md, TensorStorageMetadata):
+                raise RLHFError(f"{self.where} has no tensor {key}: it was saved from another "
+                                "model, head or LoRA setting; resume with the run's own model "
+                                "and lora settings")
+            if tuple(md.size) != chunks[0].size:
+                raise RLHFError(f"{self.where} holds {key} of shape {tuple(md.size)} but this "
+                                f"model's is {chunks[0].size}; resume with the same model")
+            local = [ChunkStorageMetadata(torch.Size(c.offsets), c.tensor.shape) for c in chunks]
+            reads = create_read_items_for_chunk_list(key, md, local)
+            for i, c in enumerate(chunks):
+                got = sum(math.prod(r.lengths) for r in reads if r.dest_index.index == i)
+                if got != c.tensor.numel():
+                    raise RLHFError(f"{self.where} holds {got} of the {c.tensor.numel()} "
+                                    f"entries of {key} this rank needs; the checkpoint is not "
+                                    "whole (copy the whole folder)")
+            items += reads
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        raise RLHFError(f"{self.where} holds a non-tensor entry {read_item.dest_index.fqn}; "
+                        "it was not written by this engine")
+
+    def resolve_tensor(self, read_item: ReadItem) -> Tensor:
+        index = read_item.dest_index
+        assert index.index is not None
+        tensor = self.by_key[index.fqn][index.index].tensor
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            tensor = tensor.narrow(dim, start, length)
+        return tensor
+
+    def commit_tensor(self, read_item: ReadItem, tensor: Tensor) -> None:
+        pass  # resolve_tensor handed out a view of the destination itself
+
+
+# ---- save and load ------------------------------------------------------------------------------
+
+def save_engine(folder: str | Path, *, model: torch.nn.Module, table: ParamTable,
+                mesh: ParallelMesh, optimizers: Sequence[tuple[Sequence[int], ShardedAdamW]],
+                step: int) -> Path:
+    """Write this rank's boxes of the engine state into `folder` (collective over the mesh);
+    return `folder`/engine.json once every rank's files and the metadata are on disk."""
+    folder = Path(folder)
+    chunks = _chunks(model, table, mesh, optimizers)
+    lora = has_lora(model)
+    if lora:
+        chunks += _base_fingerprints(model, table, mesh)
+    index = _mesh_index(mesh)
+    if index == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        info = {"format_version": FORMAT_VERSION, "step": step, "lora": lora,
+                "masters": any(o.master is not None for _, o in optimizers),
+                "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
+                           "ep": mesh.ep_size,
+                           "zero1": [o.part.shards for _, o in optimizers]}}
+        with atomic_write(folder / ENGINE_FILE, "w", encoding="utf-8") as f:
+            json.dump(info, f, indent=1)
+    _dcp_save(_BoxSavePlanner(chunks), dcp.FileSystemWriter(folder, thread_count=1), mesh,
+              index=index)
+    return folder / ENGINE_FILE
+
+
+def _dcp_save(planner: SavePlanner, writer: dcp.FileSystemWriter, mesh: ParallelMesh, *,
+              index: int) -> None:
+    """DCP's save protocol (local plans, one global plan, writes, metadata by the first rank)
+    with the plans and write results exchanged over the mesh's own groups: `dcp.save` wants
+    one group spanning the mesh, which a mesh over part of the job's ranks does not have."""
+    coordinator = index == 0
+    planner.set_up_planner({}, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
+    writer.set_up_storage_writer(coordinator, rank=index)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    # Every rank makes the (deterministic) global plan from every local one and takes its own.
+    plans, metadata = planner.create_global_plan(_all_gather(local, mesh))
+    plans = writer.prepare_global_plan(plans)
+    written = writer.write_data(planner.finish_plan(plans[index]), planner)
+    written.wait()
+    results = _all_gather(written.value(), mesh)
+    if coordinator:
+        writer.finish(metadata=metadata, results=results)
+    _all_gather(None, mesh)  # no rank returns before the metadata is on disk
+
+
+def _all_gather(obj: Any, mesh: ParallelMesh) -> list[Any]:
+    """Every mesh rank's `obj`, in `_mesh_index` order (object all-gathers over mp, then dp)."""
+    line: list[Any] = [None] * len(mesh.group_ranks("mp"))
+    dist.all_gather_object(line, obj, group=mesh.mp_group)
+    lines: list[Any] = [None] * len(mesh.group_ranks("dp"))
+    dist.all_gather_object(lines, line, group=mesh.dp_group)
+    return [item for part in lines for item in part]
+
+
+def _mesh_index(mesh: ParallelMesh) -> int:
+    """This rank's place in `_all_gather`'s order: its dp group rank, then its mp group rank."""
+    mp = mesh.group_ranks("mp")
+    return mesh.group_ranks("dp").index(mesh.rank) * len(mp) + mp.index(mesh.rank)
+
+
+def read_engine_info(folder: str | Path) -> dict[str, Any]:
+    """engine.json of a format-3 checkpoint, its version checked."""
+    path = Path(folder) / ENGINE_FILE
+    info = json.loads(path.read_text(encoding="utf-8"))
+    if info.get("format_version") != FORMAT_VERSION:
+        raise RLHFError(f"{path} has format version {info.get('format_version')}; this engine "
+                        f"reads versions 2 and {FORMAT_VERSION}")
+    return info
+
+
+@torch.no_grad()
+def load_engine(folder: str | Path, *, model: torch.nn.Module, table: ParamTable,
+                mesh: ParallelMesh, optimizers: Sequence[tuple[Sequence[int], ShardedAdamW]]
+                ) -> int:
+    """Read into this rank's tensors the boxes it holds in its own layout from a format-3
+    checkpoint in `folder` (any layout saved it; no collective); return the saved step."""
+    folder = Path(folder)
+    info = read_engine_info(folder)
+    where = str(folder)
+    lora = has_lora(model)
+    if info["lora"] != lora:
+        raise RLHFError(f"{where} holds {'LoRA adapters only' if info['lora'] else 'full weights'}"
+                        f" but this model {'trains LoRA adapters' if lora else 'has none'}; "
+                        "resume with the run's own lora settings")
+    # An fp32 engine is its own master: it takes a low-precision run's fp32 masters as weights.
+    from_masters = info["masters"] and all(o.master is None for _, o in optimizers)
+    chunks = _chunks(model, table, mesh, optimizers)
+    if from_masters:  # the trainable weights from the masters, frozen ones (if any) as saved
+        trainable = {WEIGHTS + e.hf_name for e in table if e.trainable}
+        chunks = [Chunk(MASTER + c.key[len(WEIGHTS):], c.offsets, c.size,
+                        c.tensor) if c.key in trainable else c for c in chunks]
+    # Without saved masters a low-precision engine takes them from the weights (below).
+    chunks = [c for c in chunks if info["masters"] or not c.key.startswith(MASTER)]
+    fingerprints = _base_fingerprints(model, table, mesh) if lora else []
+    saved_prints = [Chunk(c.key, c.offsets, c.size, torch.empty_like(c.tensor))
+                    for c in fingerprints]
+    reader = dcp.FileSystemReader(folder)
+    _check_data_files(reader.read_metadata(), folder)
+    with warnings.catch_warnings():  # no_dist: each rank reads its own boxes, no collective
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load({}, storage_reader=reader,
+                 planner=_BoxLoadPlanner(chunks + saved_prints, where=where), no_dist=True)
+    for mine, saved in zip(fingerprints, saved_prints):
+        if not torch.allclose(saved.tensor, mine.tensor, rtol=1e-6, atol=1e-8):
+            raise RLHFError(f"{where} trained its adapters on another base than model.path "
+                            f"holds now ({mine.key[len(LORA_BASE):]} differs); resume with the "
+                            "model.path of the run that wrote it")
+    for _, optimizer in optimizers:
+        if not info["masters"]:
+            optimizer.copy_from_model()
+    return int(info["step"])
+
+
+def _check_data_files(metadata: Metadata, folder: Path) -> None:
+    """RLHFError naming a data file the metadata lists that is missing or shorter than the
+    boxes it holds (a copy of part of the folder, a truncated file)."""
+    need: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        path = folder / name
+        if not path.is_file():
+            raise RLHFError(f"{path} is missing: the checkpoint's metadata lists boxes in it; "
+                            "copy the whole checkpoint folder")
+        if path.stat().st_size < size:
+            raise RLHFError(f"{path} has {path.stat().st_size} bytes but holds boxes up to byte "
+                            f"{size} (truncated?); resume from another checkpoint")
+
+
+def _base_fingerprints(model: torch.nn.Module, table: ParamTable, mesh: ParallelMesh
+                       ) -> list[Chunk]:
+    """(sum, sum of squares) in float64 of each frozen global tensor this rank holds part of,
+    as boxes of `lora_base/` keys (collective over TP: a split tensor's parts are summed)."""
+    params = list(model.parameters())
+    sums, keys, split = [], [], []
+    for entry, param in zip(table, params):
+        if entry.trainable or entry.tied_copy:
+            continue
+        placed = _to_global(entry, param.shape, [0] * param.dim(), param.detach(), mesh.tp_rank)
+        real = placed[2] if placed is not None else param.detach()[:0]
+        sums.append(torch.stack([real.double().sum(), real.double().square().sum()]))
+        keys.append(LORA_BASE + entry.hf_name)
+        split.append(entry.shard is not None)
+    if not sums:
+        return []
+    stacked = torch.stack(sums)  # (n, 2)
+    if mesh.tp_size > 1 and any(split):
+        mask = torch.tensor(split, device=stacked.device)[:, None]
+        parts = torch.where(mask, stacked, torch.zeros_like(stacked))
+        dist.all_reduce(parts, group=mesh.tp_group)
+        stacked = torch.where(mask, parts, stacked)
+    stacked = stacked.cpu()
+    return [Chunk(key, (0,), (2,), stacked[i].clone()) for i, key in enumerate(keys)]
+
+
+# ---- format 2 (read only): files per (pp, tp) coordinate and per ZeRO-1 shard ------------------
+# One file per model-parallel rank, written by dp rank 0, plus one per ZeRO-1 optimizer shard;
+# at ep > 1 the routed experts in files per ep rank. They reshard over dp (and edp) only.
+
+
+FORMAT_VERSION_2 = 2  # files per (pp, tp) and per dp rank; flat (ZeRO-1 capable) optimizer
 
 
 def shard_file(folder: str | Path, mesh: ParallelMesh) -> Path:
@@ -71,7 +480,7 @@ def layout(mesh: ParallelMesh) -> dict[str, int]:
 
 def header(mesh: ParallelMesh) -> dict[str, Any]:
     """The keys `check_layout` reads, for a state (or its experts' part) written on `mesh`."""
-    return {"format_version": FORMAT_VERSION, "layout": layout(mesh), "ep": mesh.ep_size}
+    return {"format_version": FORMAT_VERSION_2, "layout": layout(mesh), "ep": mesh.ep_size}
 
 
 def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) -> Path:
@@ -168,9 +577,9 @@ def _optimizer_parts(optim: dict[str, Any] | None, shards: int, *, rank: int, dp
 
 def check_layout(state: dict[str, Any], mesh: ParallelMesh, where: str) -> None:
     """Refuse a state written for another format or model-parallel layout."""
-    if state.get("format_version") != FORMAT_VERSION:
+    if state.get("format_version") != FORMAT_VERSION_2:
         raise RLHFError(f"{where} has format version {state.get('format_version')}; this engine "
-                        f"reads version {FORMAT_VERSION}")
+                        f"reads version {FORMAT_VERSION_2}")
     saved_ep = state.get("ep", 1)
     if saved_ep != mesh.ep_size:
         raise RLHFError(f"{where} was written at expert parallelism ep={saved_ep} but this "

@@ -389,16 +389,30 @@ class TrainEngine:
             self.zero_grad()
 
     def save_checkpoint(self, folder: str | Path) -> Path:
-        """Write this rank's state under `folder` (collective over the mesh); return the file."""
-        return ckpt.save_shard(self.state_dict(), folder, self.mesh)
+        """Write this rank's part of the engine state under `folder` as global tensors
+        (`rlhf.engine.checkpoint`: DCP, loadable into any layout; collective over the mesh);
+        return the checkpoint's engine.json."""
+        return ckpt.save_engine(folder, model=self.model, table=self.table, mesh=self.mesh,
+                                optimizers=self._optimizers(), step=self.step_count)
 
     def load_checkpoint(self, folder: str | Path) -> None:
-        """Restore the state `save_checkpoint(folder)` wrote for this rank's coordinate; the
-        optimizer state is resharded when it was saved at another dp size or ZeRO-1 setting
-        (the experts' over edp at ep > 1, whose ep must match)."""
+        """Restore the state a `save_checkpoint(folder)` wrote, in whatever layout (tp, pp,
+        vpp, dp, ep, ZeRO-1) it was saved. A format-2 checkpoint (files per (pp, tp)
+        coordinate, from before DCP) loads at its own tp, pp and ep only, its optimizer state
+        resharded over dp."""
+        if ckpt.checkpoint_format(folder) == ckpt.FORMAT_VERSION:
+            self.step_count = ckpt.load_engine(folder, model=self.model, table=self.table,
+                                               mesh=self.mesh, optimizers=self._optimizers())
+            if self._sets:
+                self.zero_grad()
+            return
         shards = {s.expert: s.grads.part.shards for s in self._sets}
         self.load_state_dict(ckpt.load_shard(folder, self.mesh, shards=shards.get(False, 1),
                                              expert_shards=shards.get(True, 1)))
+
+    def _optimizers(self) -> list[tuple[list[int], ShardedAdamW]]:
+        """(table indices, optimizer) of each parameter set, for the checkpoint."""
+        return [(s.ids, s.optimizer) for s in self._sets]
 
     def take_all_to_all_s(self) -> float:
         """Seconds this rank spent in expert-parallel all-to-alls since the last call (forwards,

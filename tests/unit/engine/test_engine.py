@@ -135,7 +135,9 @@ def test_resumed_engine_continues_bit_identically(folder, world, tmp_path):
     engine = _engine(folder)
     _train_step(engine, first)
     path = engine.save_checkpoint(tmp_path / "ckpt")
-    assert path.is_file() and [p.name for p in path.parent.iterdir()] == [path.name]
+    # One rank: engine.json, DCP's metadata and the rank's one data file.
+    assert path.is_file() and sorted(p.name for p in path.parent.iterdir()) == [
+        ".metadata", "__0_0.distcp", path.name]
     _, want_stats = _train_step(engine, second)
     want = engine.state_dict()
 
