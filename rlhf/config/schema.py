@@ -853,7 +853,7 @@ class TrainerConfig:
     exports are first moved aside to output_dir/old_runs/<time>."""
     allow_config_change: bool = False
     """Resume even though keys that define the run (model, algorithm, rewards, data) differ
-    from the checkpoint's config (another dp size needs no flag; another tp/pp is refused)."""
+    from the checkpoint's config (another layout needs no flag; pre-DCP checkpoints refuse tp/pp)."""
     seed: int = 0
     """Seed of training-side randomness (new value heads, mini-batch order)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

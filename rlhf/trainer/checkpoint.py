@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from rlhf.config.roles import TRAINED_ROLES
+from rlhf.engine.checkpoint import ENGINE_FILE
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder, atomic_write
 
@@ -34,13 +35,12 @@ _CHUNK = 1 << 20
 
 # ---- what makes two training runs the same run ----
 # A manifest stores the config a checkpoint was written with and a fingerprint of RUN_KEYS;
-# resuming compares them with the new config (rlhf.trainer.run_folder). The data-parallel size
-# (trainer.nnodes, trainer.ranks_per_node, a role's world_size) is not among them: the step
-# plan makes the same optimizer steps from the same samples at any dp size, and engine
-# checkpoints reshard the ZeRO-1 optimizer state over dp (rlhf.engine.checkpoint). The
-# model-parallel layout (MODEL_PARALLEL_KEYS of each trained role, ep included: it decides which
-# experts a rank holds) decides which files each rank reads, so a change there is refused on its
-# own (`layout_differences`), not overridable.
+# resuming compares them with the new config (rlhf.trainer.run_folder). The layout is not among
+# them: the step plan makes the same optimizer steps from the same samples at any dp size, and
+# engine checkpoints (rlhf.engine.checkpoint, DCP) hold global tensors that load into any tp,
+# pp, vpp, ep and dp. Only a role saved in format 2 (files per (pp, tp) coordinate, before
+# DCP) reads its files by coordinate, so a change of its MODEL_PARALLEL_KEYS is refused on its
+# own (`layout_differences` over `fixed_layout_roles`), not overridable.
 
 RUN_KEYS = (
     "model.path", "model.tokenizer_path",
@@ -77,6 +77,13 @@ def config_differences(saved: dict, current: dict) -> list[str]:
         if old != new:
             lines.append(f"{key}: {_short(old)} -> {_short(new)}")
     return lines
+
+
+def fixed_layout_roles(folder: Path) -> list[str]:
+    """The roles of checkpoint `folder` that must resume at their saved model-parallel layout:
+    those not saved through DCP (no engine.json: format 2, which reshards over dp only)."""
+    return sorted(p.name for p in Path(folder).iterdir()
+                  if p.is_dir() and not (p / ENGINE_FILE).is_file())
 
 
 def layout_differences(saved: dict, current: dict, *,

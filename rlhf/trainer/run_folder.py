@@ -27,6 +27,7 @@ from rlhf.trace import TRACE_DIR
 from rlhf.trainer.checkpoint import (
     CheckpointManager,
     config_differences,
+    fixed_layout_roles,
     layout_differences,
     model_config_digest,
     read_manifest,
@@ -89,14 +90,13 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
         return
     manifest, current = read_manifest(folder), config_to_dict(cfg)
     saved = _absolute_paths(manifest.get("config", {}))
-    layouts = layout_differences(saved, current,
-                                 roles=[p.name for p in folder.iterdir() if p.is_dir()])
+    layouts = layout_differences(saved, current, roles=fixed_layout_roles(folder))
     if layouts:
         yield (f"trainer.resume={t.resume} resumes {folder}, which was written at another "
-               f"model-parallel layout: {'; '.join(layouts)}; checkpoints reshard over the "
-               f"data-parallel size only (ranks, nodes), not over tp, pp or ep: resume with "
-               f"the checkpoint's layout, or export its policy (rlhf export-hf) and start a new "
-               f"run from that folder")
+               f"model-parallel layout: {'; '.join(layouts)}; it holds checkpoints of the "
+               f"format before DCP, which reshard over the data-parallel size only (ranks, "
+               f"nodes), not over tp, pp or ep: resume with the checkpoint's layout, or export "
+               f"its policy (rlhf export-hf) and start a new run from that folder")
         return
     diffs = config_differences(saved, current)
     saved_model, model_now = manifest.get("model_config_sha256"), model_config_digest(current)

@@ -11,6 +11,7 @@ from transformers import LlamaForSequenceClassification
 
 from rlhf.cli import main
 from rlhf.config import config_from_dict, config_to_dict
+from rlhf.engine.checkpoint import ENGINE_FILE
 from rlhf.errors import ConfigError
 from rlhf.preflight import pool_problems, preflight
 from rlhf.trainer.checkpoint import CheckpointManager, layout_differences
@@ -382,6 +383,18 @@ def test_another_tensor_or_pipeline_layout_stops_naming_both(assets, tmp_path):
     assert "another model-parallel layout: actor: tp=1 pp=1 -> tp=2 pp=1;" in message
     assert "critic" not in message.split("layout:")[1].split(";")[0]
     assert "rlhf export-hf" in message
+
+
+def test_a_dcp_checkpoint_resumes_at_another_model_parallel_layout(assets, tmp_path):
+    out = tmp_path / "run"
+    t = saved_run(assets, out)
+    (out / "checkpoints" / "step_1" / "actor" / ENGINE_FILE).write_text("{}")  # a DCP role
+    CheckpointManager(out).save(1, write_roles=lambda f: shutil.copytree(
+        out / "checkpoints" / "step_1" / "actor", f / "actor"), state={
+        "step": 1, "config": config_to_dict(config_from_dict(t))})
+    t["actor"]["parallel"] = {"tp": 2}  # the pool has 2 ranks
+    checked = preflight(config_from_dict(t), command="train", ray_address=None)
+    assert checked.notes == [f"resuming from {out / 'checkpoints' / 'step_1'}"]
 
 
 def test_another_expert_parallel_size_is_a_layout_change_naming_both():
