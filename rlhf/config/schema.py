@@ -885,6 +885,8 @@ class TrainerConfig:
     """Export every logged metric as a Ray gauge (Ray dashboard, Prometheus)."""
     max_keep: int = 0
     """Keep only this many newest checkpoints; 0 = keep all."""
+    full_checkpoint_hash: bool = False
+    """On resume, check every byte's sha256 (minutes for a large run), not sizes and quick digests."""
     critic_warmup: int = 0
     """Train only the critic for this many first steps (the actor waits for useful values)."""
     device_memory_gb: float | None = None

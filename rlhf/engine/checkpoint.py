@@ -483,37 +483,6 @@ def header(mesh: ParallelMesh) -> dict[str, Any]:
     return {"format_version": FORMAT_VERSION_2, "layout": layout(mesh), "ep": mesh.ep_size}
 
 
-def save_shard(state: dict[str, Any], folder: str | Path, mesh: ParallelMesh) -> Path:
-    """Write this rank's engine `state` (the model by dp rank 0 only, a ZeRO-1 optimizer
-    shard by every dp rank; its "experts" part per ep rank); return once every file is on
-    disk."""
-    path = shard_file(folder, mesh)
-    experts = state.get(EXPERTS_KEY)
-    main = {**state, EXPERTS_KEY: experts is not None}  # whether expert files go with it
-    _save_part(main, path, optimizer_file(folder, mesh), writes=mesh.dp_rank == 0)
-    if experts is not None:
-        _save_part(experts, expert_file(folder, mesh), expert_optimizer_file(folder, mesh),
-                   writes=mesh.edp_rank == 0)
-    # After the dp barrier my (pp, tp) files exist (ep and edp lie inside dp); after the mp
-    # barrier, every rank's do.
-    dist.barrier(group=mesh.dp_group)
-    dist.barrier(group=mesh.mp_group)
-    return path
-
-
-def _save_part(part: dict[str, Any], path: Path, optim_path: Path, *, writes: bool) -> None:
-    """Write a ZeRO-1 optimizer shard of `part` to `optim_path` (every rank of its group), the
-    rest to `path` when this rank `writes` it (rank 0 of the group)."""
-    optim = part.get("optimizer")
-    if optim is not None and optim["shards"] > 1:
-        with atomic_write(optim_path, "wb") as f:
-            torch.save(optim, f)
-        part = {**part, "optimizer": {"shards": optim["shards"], "sharded": True}}
-    if writes:
-        with atomic_write(path, "wb") as f:
-            torch.save(part, f)
-
-
 def load_shard(folder: str | Path, mesh: ParallelMesh, *, shards: int = 1,
                expert_shards: int = 1) -> dict[str, Any]:
     """Read this rank's shard file into host memory and check that it was written for the same

@@ -1,12 +1,14 @@
 """Checkpoints under OUTPUT_DIR/checkpoints/step_N, each complete or absent, each verifiable.
 
-A checkpoint is assembled in a hidden temporary folder (engine shards of each role, then the
-driver's trainer_state.pt, then manifest.json listing every file with its size and sha256)
-and renamed to step_N as a whole, so a crash while saving never leaves a partial step_N and
-never touches the previous ones. Loading checks the manifest first: a truncated or corrupted
-file is reported by path, and `resume=auto` falls back to the newest checkpoint that verifies.
+A checkpoint is assembled in a hidden temporary folder (engine files of each role, then the
+driver's trainer_state.pt, then manifest.json listing every file with its size, its sha256
+and a quick digest) and renamed to step_N as a whole, so a crash while saving never leaves a
+partial step_N and never touches the previous ones. Loading checks the manifest first, before
+any rank reads a file: every file's size and quick digest (`quick_digest`: the file's size
+and sampled blocks, a few MiB read whatever the file's size), or with `full_hash` every byte's
+sha256. A truncated or corrupted file is reported by path, and `resume=auto` falls back to the
+newest checkpoint that verifies.
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -16,6 +18,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +33,10 @@ STATE_FILE = "trainer_state.pt"
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _CHUNK = 1 << 20
+# quick_digest reads QUICK_BLOCKS blocks of QUICK_BLOCK bytes spread over a file (all of a
+# smaller one): the headers and ends of every file, and a sample of its middle.
+QUICK_BLOCK, QUICK_BLOCKS = 1 << 16, 64
+_HASH_THREADS = 8  # hashlib releases the GIL on big updates: files hash in parallel
 
 
 
@@ -144,11 +151,35 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def quick_digest(path: Path) -> str:
+    """Hex sha256 of a file's size and of QUICK_BLOCKS blocks spread evenly over it, the first
+    and the last included (the whole file when it is that small): a few MiB read per file."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with open(path, "rb") as f:
+        if size <= QUICK_BLOCK * QUICK_BLOCKS:
+            while chunk := f.read(_CHUNK):
+                digest.update(chunk)
+            return digest.hexdigest()
+        last = size - QUICK_BLOCK
+        for i in range(QUICK_BLOCKS):
+            f.seek(last * i // (QUICK_BLOCKS - 1))
+            digest.update(f.read(QUICK_BLOCK))
+    return digest.hexdigest()
+
+
+def _digests(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": file_sha256(path),
+            "quick": quick_digest(path)}
+
+
 def write_manifest(folder: Path, *, step: int, config: dict) -> None:
-    """manifest.json: every file under `folder` (size, sha256), the step, the run's config."""
-    files = {p.relative_to(folder).as_posix(): {"size": p.stat().st_size,
-                                                "sha256": file_sha256(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file()}
+    """manifest.json: every file under `folder` (size, sha256, quick digest), the step, the
+    run's config. Files are hashed in parallel threads."""
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file()]
+    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
+        digests = list(pool.map(_digests, paths))
+    files = {p.relative_to(folder).as_posix(): d for p, d in zip(paths, digests)}
     manifest = {"step": step, "config_fingerprint": run_fingerprint(config),
                 "model_config_sha256": model_config_digest(config), "config": config,
                 "files": files}
@@ -161,9 +192,10 @@ def read_manifest(folder: Path) -> dict:
     return json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
 
 
-def verify_checkpoint(folder: Path) -> str | None:
-    """None when every file of the manifest is there with its size and hash, else the first
-    problem, naming the file (e.g. 'actor/model_rank0.pt hash mismatch')."""
+def verify_checkpoint(folder: Path, *, full_hash: bool = False) -> str | None:
+    """None when every file of the manifest is there with its size and quick digest (with
+    `full_hash`, or for a manifest from before quick digests: its sha256), else the first
+    problem, naming the file (e.g. 'actor/__0_0.distcp hash mismatch')."""
     try:
         files = read_manifest(folder)["files"]
     except FileNotFoundError:
@@ -171,16 +203,24 @@ def verify_checkpoint(folder: Path) -> str | None:
                 "older version)")
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{MANIFEST} is unreadable ({e})"
-    for name, want in files.items():
+    for name, want in files.items():  # sizes first: a missing or cut file costs no reading
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
         size = path.stat().st_size
         if size != want["size"]:
             return f"{name} has {size} bytes, the manifest says {want['size']} (truncated?)"
-        if file_sha256(path) != want["sha256"]:
-            return f"{name} hash mismatch (its bytes changed after the save)"
-    return None
+
+    def problem(item: tuple[str, dict]) -> str | None:
+        name, want = item
+        if full_hash or "quick" not in want:
+            same = file_sha256(folder / name) == want["sha256"]
+        else:
+            same = quick_digest(folder / name) == want["quick"]
+        return None if same else f"{name} hash mismatch (its bytes changed after the save)"
+
+    with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
+        return next((p for p in pool.map(problem, files.items()) if p is not None), None)
 
 
 def _to_stderr(line: str) -> None:
@@ -190,9 +230,10 @@ def _to_stderr(line: str) -> None:
 class CheckpointManager:
     """Writes, finds, verifies and prunes the step_N checkpoints of one output folder."""
 
-    def __init__(self, output_dir: str | Path, *, max_keep: int = 0):
+    def __init__(self, output_dir: str | Path, *, max_keep: int = 0, full_hash: bool = False):
         self.root = Path(output_dir) / "checkpoints"
         self.max_keep = max_keep
+        self.full_hash = full_hash  # verify every byte's sha256, not sizes and quick digests
 
     def step_folders(self) -> list[tuple[int, Path]]:
         """(step, folder) of every step_N folder, sound or not, oldest first."""
@@ -215,7 +256,7 @@ class CheckpointManager:
         """The newest checkpoint that verifies (None if none) and a line per newer one skipped."""
         skipped = []
         for _, folder in reversed(self.step_folders()):
-            problem = verify_checkpoint(folder)
+            problem = verify_checkpoint(folder, full_hash=self.full_hash)
             if problem is None:
                 return folder, skipped
             skipped.append(f"checkpoint {folder.name} is damaged: {problem}; skipped")
@@ -240,9 +281,10 @@ class CheckpointManager:
         if not folder.is_dir() or not _STEP_DIR.fullmatch(folder.name):
             raise RLHFError(f"trainer.resume={resume!r} is not a checkpoint folder; give an "
                             "OUTPUT_DIR/checkpoints/step_N folder, auto or never")
-        problem = verify_checkpoint(folder)
+        problem = verify_checkpoint(folder, full_hash=self.full_hash)
         if problem is not None:
-            good, _ = CheckpointManager(folder.parent.parent).newest_sound()
+            good, _ = CheckpointManager(folder.parent.parent,
+                                        full_hash=self.full_hash).newest_sound()
             fix = (f"resume from {good.name} with trainer.resume={good}" if good is not None
                    else "start afresh with trainer.resume=never")
             raise RLHFError(f"checkpoint {folder.name} is damaged: {problem}; {fix}")

@@ -64,7 +64,7 @@ def _problems(cfg: JobConfig, result: RunFolderCheck):
     if out.exists() and not out.is_dir():
         yield f"trainer.output_dir={t.output_dir!r} is a file; give a folder"
         return
-    ckpt = CheckpointManager(out)
+    ckpt = CheckpointManager(out, full_hash=t.full_checkpoint_hash)
     has_run = bool(ckpt.step_folders()) or (out / "metrics.jsonl").is_file()
     try:
         folder = ckpt.resolve(t.resume, report=result.notes.append)

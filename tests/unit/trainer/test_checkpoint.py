@@ -1,6 +1,7 @@
 """CheckpointManager: complete-or-absent step folders, resume resolution, pruning."""
 
 import hashlib
+import json
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+import rlhf.trainer.checkpoint as checkpoint_module
 from rlhf.errors import RLHFError
 from rlhf.trainer.checkpoint import (
     MANIFEST,
@@ -161,12 +163,47 @@ def test_the_manifest_lists_every_file_the_step_and_the_run_fingerprint(tmp_path
     assert manifest["step"] == 7 and manifest["config"] == config
     assert sorted(manifest["files"]) == ["actor/model_rank0.pt", STATE_FILE]
     shard = folder / "actor" / "model_rank0.pt"
+    data = shard.read_bytes()
     assert manifest["files"]["actor/model_rank0.pt"] == {
-        "size": shard.stat().st_size, "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+        "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+        # a file this small is read whole by the quick digest, after its size
+        "quick": hashlib.sha256(len(data).to_bytes(8, "little") + data).hexdigest()}
     assert manifest["config_fingerprint"] == run_fingerprint(config)
     other = {**config, "algorithm": {"adv_estimator": "grpo"}}
     assert run_fingerprint(other) != run_fingerprint(config)
     assert run_fingerprint({**config, "trainer": {"total_steps": 5}}) == run_fingerprint(config)
+
+
+def test_the_quick_check_reads_sampled_blocks_and_the_full_hash_every_byte(tmp_path, monkeypatch):
+    # 4 blocks of 16 bytes over a 16 KiB shard: its first and last 16 bytes and two between.
+    monkeypatch.setattr(checkpoint_module, "QUICK_BLOCK", 16)
+    monkeypatch.setattr(checkpoint_module, "QUICK_BLOCKS", 4)
+    ckpt = CheckpointManager(tmp_path)
+    folder = ckpt.save(1, write_roles=write_big_shard, state={"step": 1})
+    shard = folder / "actor" / "model_rank0.pt"
+    last = shard.stat().st_size - 16
+    zero_bytes_inside(shard, start=last // 3 + 4, length=4)  # inside a sampled block
+    assert verify_checkpoint(folder) == "actor/model_rank0.pt hash mismatch (its bytes changed " \
+                                        "after the save)"
+    folder = ckpt.save(1, write_roles=write_big_shard, state={"step": 1})
+    zero_bytes_inside(shard, start=last // 6, length=64)  # between two sampled blocks
+    assert verify_checkpoint(folder) is None  # what the quick check gives up for its speed
+    assert verify_checkpoint(folder, full_hash=True).startswith("actor/model_rank0.pt hash")
+    with pytest.raises(RLHFError, match="actor/model_rank0.pt hash mismatch"):
+        CheckpointManager(tmp_path, full_hash=True).resolve(str(folder))
+
+
+def test_a_manifest_without_quick_digests_is_checked_by_sha256(tmp_path):
+    ckpt = CheckpointManager(tmp_path)
+    folder = ckpt.save(1, write_roles=write_big_shard, state={"step": 1})
+    manifest = read_manifest(folder)
+    for entry in manifest["files"].values():
+        del entry["quick"]  # as written before quick digests
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    assert verify_checkpoint(folder) is None
+    zero_bytes_inside(folder / "actor" / "model_rank0.pt")
+    assert verify_checkpoint(folder) == "actor/model_rank0.pt hash mismatch (its bytes changed " \
+                                        "after the save)"
 
 
 def test_an_unreadable_state_file_names_the_checkpoint(tmp_path):
