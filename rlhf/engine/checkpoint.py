@@ -313,7 +313,9 @@ def _dcp_save(planner: SavePlanner, writer: dcp.FileSystemWriter, mesh: Parallel
     coordinator = index == 0
     planner.set_up_planner({}, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
     writer.set_up_storage_writer(coordinator, rank=index)
-    local = writer.prepare_local_plan(planner.create_local_plan())
+    with warnings.catch_warnings():  # a re-save into the same folder replaces it: expected
+        warnings.filterwarnings("ignore", "Detected an existing checkpoint")
+        local = writer.prepare_local_plan(planner.create_local_plan())
     # Every rank makes the (deterministic) global plan from every local one and takes its own.
     plans, metadata = planner.create_global_plan(_all_gather(local, mesh))
     plans = writer.prepare_global_plan(plans)
