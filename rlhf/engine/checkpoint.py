@@ -108,7 +108,7 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int
         return [(start, (), ())]
     inner = math.prod(shape[1:])
     first, last = start // inner, (stop - 1) // inner
-    if start % inner == 0 and stop % inner == 0 or first == last and inner == 1:
+    if start % inner == 0 and stop % inner == 0:
         return [(start, (first, *[0] * (len(shape) - 1)), (last - first + 1, *shape[1:]))]
     out = []
     lo = start
