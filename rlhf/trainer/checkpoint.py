@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from rlhf.config.roles import TRAINED_ROLES
-from rlhf.engine.checkpoint import ENGINE_FILE
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder, atomic_write
 
@@ -89,6 +88,9 @@ def config_differences(saved: dict, current: dict) -> list[str]:
 def fixed_layout_roles(folder: Path) -> list[str]:
     """The roles of checkpoint `folder` that must resume at their saved model-parallel layout:
     those not saved through DCP (no engine.json: format 2, which reshards over dp only)."""
+    # Here, not at the top: the driver's checks would otherwise import the model stack.
+    from rlhf.engine.checkpoint import ENGINE_FILE
+
     return sorted(p.name for p in Path(folder).iterdir()
                   if p.is_dir() and not (p / ENGINE_FILE).is_file())
 
