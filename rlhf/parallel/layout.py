@@ -1,11 +1,15 @@
-"""Layout: one role's dp × pp × tp arrangement of positions 0..world_size-1, and its arithmetic.
+"""Layout: one role's dp × pp × cp × tp arrangement of positions 0..world_size-1, and its arithmetic.
 
-Rank order (Megatron's): tp varies fastest, then pp, then dp. Position i holds
-    tp_rank = i % tp,   pp_rank = (i // tp) % pp,   dp_rank = i // (tp * pp),
+Rank order (Megatron's): tp varies fastest, then cp, then pp, then dp. Position i holds
+    tp_rank = i % tp,   cp_rank = (i // tp) % cp,   pp_rank = (i // (tp * cp)) % pp,
+    dp_rank = i // (tp * cp * pp),
 so a tp group is a run of tp consecutive positions (the ranks that should share the fastest
-links). Expert parallelism is carved out of dp as in Megatron: ep_rank = dp_rank % ep and
+links) and a cp group (context parallelism: the ranks splitting one pack's tokens, which
+exchange keys and values in every attention layer) the next fastest. At cp=1 every position
+keeps the number it had before cp existed.
+Expert parallelism is carved out of dp as in Megatron: ep_rank = dp_rank % ep and
 edp_rank = dp_rank // ep, so an expert-parallel group is ep consecutive dp ranks with the same
-(pp, tp) and the expert-data-parallel group the dp / ep ranks holding the same experts.
+(pp, cp, tp) and the expert-data-parallel group the dp / ep ranks holding the same experts.
 This class is the one place that order is written down: the mesh, the dispatcher, the memory
 planner and the rollout replica grouping all ask it. It is pure (no torch.distributed).
 """
@@ -14,19 +18,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("dp", "pp", "tp")  # outermost to fastest-varying
-GROUP_AXES = (*AXES, "mp", "embedding")  # "mp": pp × tp, one model replica
+AXES = ("dp", "pp", "cp", "tp")  # outermost to fastest-varying
+# "mp": pp × tp, one model replica; "dp_cp": the dp × cp ranks holding the same shard, whose
+# grads are summed (cp ranks see different tokens of the same packs).
+GROUP_AXES = (*AXES, "mp", "embedding", "dp_cp")
 EXPERT_AXES = ("ep", "edp")  # expert-parallel and expert-data-parallel: both inside dp
 
 
 @dataclass(frozen=True)
 class Layout:
-    """A role's dp × pp × tp layout over the positions 0..world_size-1 of its ranks."""
+    """A role's dp × pp × cp × tp layout over the positions 0..world_size-1 of its ranks."""
 
     dp: int
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self):
         for name in (*AXES, "ep"):
@@ -39,41 +46,53 @@ class Layout:
 
     @classmethod
     def over(cls, world_size: int, *, tp: int = 1, pp: int = 1,
-             dp: int | None = None, ep: int = 1) -> Layout:
-        """The layout of `world_size` ranks with `tp` and `pp`; dp is what remains unless given;
-        `ep` experts groups are carved out of dp."""
-        for name, size in (("tp", tp), ("pp", pp), ("dp", dp)):
+             dp: int | None = None, ep: int = 1, cp: int = 1) -> Layout:
+        """The layout of `world_size` ranks with `tp`, `cp` and `pp`; dp is what remains unless
+        given; `ep` experts groups are carved out of dp."""
+        for name, size in (("tp", tp), ("cp", cp), ("pp", pp), ("dp", dp)):
             if size is not None and (isinstance(size, bool) or not isinstance(size, int)
                                      or size < 1):
                 raise ValueError(f"{name} must be a positive integer, got {size!r}")
+        model = tp * cp * pp
+        axes = f"pp={pp} × cp={cp} × tp={tp}" if cp > 1 else f"pp={pp} × tp={tp}"
         if dp is None:
-            if world_size % (tp * pp):
-                raise ValueError(f"{world_size} ranks do not split into pp={pp} × tp={tp} groups; "
-                                 f"use a number of ranks divisible by {tp * pp}")
-            dp = world_size // (tp * pp)
-        if dp * pp * tp != world_size:
-            raise ValueError(f"dp={dp} × pp={pp} × tp={tp} = {dp * pp * tp} but {world_size} "
-                             "ranks were given; the product must equal the number of ranks")
-        return cls(dp=dp, pp=pp, tp=tp, ep=ep)
+            if world_size % model:
+                raise ValueError(f"{world_size} ranks do not split into {axes} groups; use a "
+                                 f"number of ranks divisible by {model}")
+            dp = world_size // model
+        if dp * model != world_size:
+            raise ValueError(f"dp={dp} × {axes} = {dp * model} but {world_size} ranks were "
+                             "given; the product must equal the number of ranks")
+        return cls(dp=dp, pp=pp, tp=tp, ep=ep, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     # ---- rank <-> coordinate -----------------------------------------------------------------
 
     def coordinate(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of position `rank`."""
+        """(dp_rank, pp_rank, tp_rank) of position `rank` (its cp rank: `cp_rank`)."""
+        self._check(rank)
+        return (rank // (self.tp * self.cp * self.pp), (rank // (self.tp * self.cp)) % self.pp,
+                rank % self.tp)
+
+    def cp_rank(self, rank: int) -> int:
+        """Context-parallel rank of position `rank`: which share of each pack's tokens it holds."""
+        self._check(rank)
+        return (rank // self.tp) % self.cp
+
+    def _check(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside this layout's ranks 0..{self.world_size - 1}")
-        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
 
-    def rank_at(self, *, dp: int, pp: int, tp: int) -> int:
-        """Position of the coordinate (dp, pp, tp)."""
-        for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("tp", tp, self.tp)):
+    def rank_at(self, *, dp: int, pp: int, tp: int, cp: int = 0) -> int:
+        """Position of the coordinate (dp, pp, cp, tp)."""
+        for name, value, size in (("dp", dp, self.dp), ("pp", pp, self.pp), ("cp", cp, self.cp),
+                                  ("tp", tp, self.tp)):
             if not 0 <= value < size:
                 raise ValueError(f"{name}={value} is outside 0..{size - 1} of {self}")
-        return (dp * self.pp + pp) * self.tp + tp
+        return ((dp * self.pp + pp) * self.cp + cp) * self.tp + tp
 
     def stage_of(self, rank: int) -> int:
         """Pipeline stage (pp_rank) of position `rank`."""
@@ -93,42 +112,49 @@ class Layout:
     # ---- groups ------------------------------------------------------------------------------
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along `axis` ("dp", "pp", "tp", "mp", "embedding", "ep" or "edp"), each
-        in group-rank order; groups listed with the other coordinates in (dp, pp, tp) order,
-        outer first.
+        """Every group along `axis` ("dp", "pp", "cp", "tp", "mp", "embedding", "dp_cp", "ep" or
+        "edp"), each in group-rank order; groups listed with the other coordinates in
+        (dp, pp, cp, tp) order, outer first.
 
         "mp" is the pp × tp ranks holding one model replica (a rollout replica is the mp group
-        of a dp × tp layout); "embedding" the first and last stage of each (dp, tp) line (the
-        two copies of tied embeddings; none at pp=1); "ep" the ep consecutive dp ranks of a
-        (pp, tp) line that split the experts; "edp" the dp / ep ranks holding the same experts.
+        of a dp × tp layout; at cp > 1 each cp rank's line is its own replica); "embedding" the
+        first and last stage of each (dp, cp, tp) line (the two copies of tied embeddings; none
+        at pp=1); "dp_cp" the dp × cp ranks holding the same shard (grads are summed over it);
+        "ep" the ep consecutive dp ranks of a (pp, cp, tp) line that split the experts; "edp"
+        the dp / ep ranks holding the same experts.
         """
         at = self.rank_at
+        D, P, C, T = range(self.dp), range(self.pp), range(self.cp), range(self.tp)
         if axis == "dp":
-            return [tuple(at(dp=d, pp=p, tp=t) for d in range(self.dp))
-                    for p in range(self.pp) for t in range(self.tp)]
+            return [tuple(at(dp=d, pp=p, cp=c, tp=t) for d in D) for p in P for c in C for t in T]
         if axis == "pp":
-            return [tuple(at(dp=d, pp=p, tp=t) for p in range(self.pp))
-                    for d in range(self.dp) for t in range(self.tp)]
+            return [tuple(at(dp=d, pp=p, cp=c, tp=t) for p in P) for d in D for c in C for t in T]
+        if axis == "cp":
+            return [tuple(at(dp=d, pp=p, cp=c, tp=t) for c in C) for d in D for p in P for t in T]
         if axis == "tp":
-            return [tuple(at(dp=d, pp=p, tp=t) for t in range(self.tp))
-                    for d in range(self.dp) for p in range(self.pp)]
+            return [tuple(at(dp=d, pp=p, cp=c, tp=t) for t in T) for d in D for p in P for c in C]
         if axis == "mp":
-            size = self.pp * self.tp
-            return [tuple(range(d * size, (d + 1) * size)) for d in range(self.dp)]
+            return [tuple(at(dp=d, pp=p, cp=c, tp=t) for p in P for t in T)
+                    for d in D for c in C]
+        if axis == "dp_cp":
+            return [tuple(at(dp=d, pp=p, cp=c, tp=t) for d in D for c in C)
+                    for p in P for t in T]
         if axis == "embedding":
             if self.pp == 1:
                 return []
-            return [(at(dp=d, pp=0, tp=t), at(dp=d, pp=self.pp - 1, tp=t))
-                    for d in range(self.dp) for t in range(self.tp)]
+            return [(at(dp=d, pp=0, cp=c, tp=t), at(dp=d, pp=self.pp - 1, cp=c, tp=t))
+                    for d in D for c in C for t in T]
+        E, G = range(self.ep), range(self.edp)
         if axis == "ep":
-            return [tuple(at(dp=g * self.ep + e, pp=p, tp=t) for e in range(self.ep))
-                    for g in range(self.edp) for p in range(self.pp) for t in range(self.tp)]
+            return [tuple(at(dp=g * self.ep + e, pp=p, cp=c, tp=t) for e in E)
+                    for g in G for p in P for c in C for t in T]
         if axis == "edp":
-            return [tuple(at(dp=g * self.ep + e, pp=p, tp=t) for g in range(self.edp))
-                    for e in range(self.ep) for p in range(self.pp) for t in range(self.tp)]
+            return [tuple(at(dp=g * self.ep + e, pp=p, cp=c, tp=t) for g in G)
+                    for e in E for p in P for c in C for t in T]
         raise ValueError(f"unknown axis {axis!r}; use one of {GROUP_AXES + EXPERT_AXES}")
 
     def output_ranks(self) -> list[int]:
-        """Per DP group, in DP order, the rank whose result is collected: tp 0 of the last stage."""
+        """Per DP group, in DP order, the rank whose result is collected: tp 0 and cp 0 of the
+        last stage."""
         return [self.rank_at(dp=d, pp=self.pp - 1, tp=0) for d in range(self.dp)]
 

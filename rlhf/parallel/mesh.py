@@ -1,4 +1,4 @@
-"""ParallelMesh: one role's dp × pp × tp layout (ep inside dp) over an explicit list of ranks.
+"""ParallelMesh: one role's dp × pp × cp × tp layout (ep inside dp) over an explicit list of ranks.
 
 Position i of `ranks` sits where `Layout` (rlhf.parallel.layout, the one owner of the rank
 order) puts position i; the mesh maps the layout's positions and groups onto global ranks.
@@ -24,6 +24,7 @@ from rlhf.parallel.layout import AXES, EXPERT_AXES, GROUP_AXES, Layout
 from rlhf.parallel.memory_probes import GB, device_bytes_taken
 
 WORLD = "world"  # the default group's name in `ProcessGroupCache.communicators`
+_NO_CP_AXES = tuple(axis for axis in GROUP_AXES if axis not in ("cp", "dp_cp"))
 
 
 def init_world(backend: str, *, rank: int, world_size: int, timeout: datetime.timedelta,
@@ -133,10 +134,11 @@ class ProcessGroupCache:
 
 
 class ParallelMesh:
-    """A dp × pp × tp layout over `ranks`, with this process's coordinates and groups.
+    """A dp × pp × cp × tp layout over `ranks`, with this process's coordinates and groups.
 
-    `dp` is inferred from `len(ranks) // (pp * tp)` when not given; `ep` (dividing dp) splits
-    the experts of MoE layers. On a process that is not in `ranks`, `is_member` is False and
+    `dp` is inferred from `len(ranks) // (pp * cp * tp)` when not given; `ep` (dividing dp)
+    splits the experts of MoE layers; `cp` splits each pack's tokens (context parallelism).
+    On a process that is not in `ranks`, `is_member` is False and
     coordinates and groups raise ValueError.
     """
 
@@ -148,24 +150,27 @@ class ParallelMesh:
         pp: int = 1,
         dp: int | None = None,
         ep: int = 1,
+        cp: int = 1,
         cache: ProcessGroupCache,
     ):
         ranks = _check_ranks(ranks)
-        self.layout = Layout.over(len(ranks), tp=tp, pp=pp, dp=dp, ep=ep)
+        self.layout = Layout.over(len(ranks), tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
         self.tp_size, self.pp_size, self.dp_size = self.layout.tp, self.layout.pp, self.layout.dp
-        self.ep_size = self.layout.ep
+        self.ep_size, self.cp_size = self.layout.ep, self.layout.cp
         self.ranks = ranks
         self.grid = torch.tensor(
             [[[ranks[self.layout.rank_at(dp=d, pp=p, tp=t)] for t in range(self.tp_size)]
               for p in range(self.pp_size)] for d in range(self.dp_size)], dtype=torch.int64
-        )  # (dp, pp, tp) global ranks
+        )  # (dp, pp, tp) global ranks of cp rank 0
         self.rank = dist.get_rank()
         self.is_member = self.rank in ranks
         self._groups: dict[str, ProcessGroup | None] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
         # Same order on every process: every group of every axis, then the model-parallel
         # groups, then the first + last stage pairs (the two copies of tied embeddings).
-        for axis in GROUP_AXES:
+        # cp=1 creates no cp group (each would be one rank) and dp_cp is the dp group, so a
+        # layout without context parallelism makes exactly the groups it made before cp.
+        for axis in GROUP_AXES if self.cp_size > 1 else _NO_CP_AXES:
             for positions in self.layout.groups(axis):
                 self._add(axis, tuple(ranks[i] for i in positions), cache)
         # ep=1 creates nothing: no expert group to talk to, and the edp group is the dp group.
@@ -175,6 +180,9 @@ class ParallelMesh:
         if self.ep_size == 1 and "dp" in self._groups:
             self._groups["edp"] = self._groups["dp"]
             self._group_ranks["edp"] = self._group_ranks["dp"]
+        if self.cp_size == 1 and "dp" in self._groups:
+            self._groups["dp_cp"] = self._groups["dp"]
+            self._group_ranks["dp_cp"] = self._group_ranks["dp"]
 
     def _add(self, axis: str, group_ranks: tuple[int, ...], cache: ProcessGroupCache) -> None:
         group = cache.get(group_ranks)
@@ -190,9 +198,12 @@ class ParallelMesh:
             raise ValueError(f"rank {global_rank} is not in this mesh (ranks {list(self.ranks)})")
         return self.layout.coordinate(self.ranks.index(global_rank))
 
-    def rank_at(self, *, dp: int, pp: int, tp: int) -> int:
-        """Global rank at a mesh coordinate."""
-        return self.ranks[self.layout.rank_at(dp=dp, pp=pp, tp=tp)]
+    def rank_at(self, *, dp: int, pp: int, tp: int, cp: int | None = None) -> int:
+        """Global rank at a mesh coordinate; `cp` None: this process's cp rank (a pipeline
+        neighbour or a last stage sits on the same cp rank)."""
+        if cp is None:
+            cp = self.cp_rank if self.is_member else 0
+        return self.ranks[self.layout.rank_at(dp=dp, pp=pp, tp=tp, cp=cp)]
 
     @property
     def coordinate(self) -> tuple[int, int, int]:
@@ -212,6 +223,12 @@ class ParallelMesh:
     def tp_rank(self) -> int:
         return self.coordinate[2]
 
+    @property
+    def cp_rank(self) -> int:
+        """This process's context-parallel rank (0 at cp=1)."""
+        self._require_member()
+        return self.layout.cp_rank(self.ranks.index(self.rank))
+
     # ---- groups ------------------------------------------------------------------------------
 
     @property
@@ -225,6 +242,19 @@ class ParallelMesh:
     @property
     def dp_group(self) -> ProcessGroup:
         return self._group("dp")
+
+    @property
+    def cp_group(self) -> ProcessGroup | None:
+        """Context-parallel group: the cp ranks splitting each pack's tokens, which gather keys
+        and values in every attention layer; None at cp=1 (every cp collective is a no-op)."""
+        self._require_member()
+        return self._groups.get("cp")
+
+    @property
+    def dp_cp_group(self) -> ProcessGroup:
+        """The dp × cp ranks holding the same shard: grads are summed over it (the dp group at
+        cp=1)."""
+        return self._group("dp_cp")
 
     @property
     def ep_group(self) -> ProcessGroup | None:
@@ -262,7 +292,8 @@ class ParallelMesh:
 
     def group_ranks(self, axis: str) -> tuple[int, ...]:
         """Global ranks of this process's group along `axis` ("dp", "pp", "tp", "mp", "edp",
-        "embedding" only on the first and last stage of a pipeline, "ep" only at ep > 1)."""
+        "dp_cp", "embedding" only on the first and last stage of a pipeline, "ep" only at
+        ep > 1, "cp" only at cp > 1)."""
         self._require_member()
         if axis not in self._group_ranks:
             raise ValueError(f"unknown axis {axis!r} for rank {self.rank}; use one of "
@@ -278,13 +309,16 @@ class ParallelMesh:
     def describe(self) -> str:
         """One line: the layout, and this process's coordinates and groups."""
         ep = f", ep={self.ep_size}" if self.ep_size > 1 else ""
-        head = (f"ParallelMesh(dp={self.dp_size}, pp={self.pp_size}, tp={self.tp_size}{ep}) "
+        cp = f", cp={self.cp_size}" if self.cp_size > 1 else ""
+        head = (f"ParallelMesh(dp={self.dp_size}, pp={self.pp_size}{cp}, tp={self.tp_size}{ep}) "
                 f"over ranks {list(self.ranks)}")
         if not self.is_member:
             return f"{head}; rank {self.rank} is not a member"
         dp, pp, tp = self.coordinate
-        groups = ", ".join(f"{axis} group {list(self._group_ranks[axis])}" for axis in AXES)
-        return f"{head}; rank {self.rank} at dp={dp} pp={pp} tp={tp}; {groups}"
+        at_cp = f" cp={self.cp_rank}" if self.cp_size > 1 else ""
+        groups = ", ".join(f"{axis} group {list(self._group_ranks[axis])}" for axis in AXES
+                           if axis in self._group_ranks)
+        return f"{head}; rank {self.rank} at dp={dp} pp={pp}{at_cp} tp={tp}; {groups}"
 
     def __repr__(self) -> str:
         return self.describe()

@@ -182,3 +182,57 @@ def test_rollout_replicas_are_the_mp_groups_of_a_dp_by_tp_layout():
         assert spec.replica_group == hand[rank]
         assert cache.asked[:4] == Layout.over(8, tp=2).groups("mp") == [(0, 1), (2, 3), (4, 5),
                                                                          (6, 7)]
+
+
+def test_cp_sits_between_tp_and_pp_by_hand():
+    # dp=2 pp=2 cp=2 tp=2 over 16 ranks: tp fastest, then cp, then pp, then dp.
+    lay = Layout(dp=2, pp=2, cp=2, tp=2)
+    assert lay.world_size == 16
+    assert lay.groups("tp")[:2] == [(0, 1), (2, 3)]
+    assert lay.groups("cp")[:3] == [(0, 2), (1, 3), (4, 6)]  # a cp group: adjacent tp runs
+    assert lay.groups("pp")[:2] == [(0, 4), (1, 5)]
+    assert lay.groups("dp")[:2] == [(0, 8), (1, 9)]
+    assert lay.groups("mp")[:2] == [(0, 1, 4, 5), (2, 3, 6, 7)]  # one replica per cp rank
+    assert lay.groups("dp_cp")[0] == (0, 2, 8, 10)  # grads summed over dp and cp
+    assert lay.groups("embedding")[:2] == [(0, 4), (1, 5)]
+    assert [lay.cp_rank(r) for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert lay.coordinate(6) == (0, 1, 0) and lay.rank_at(dp=0, pp=1, cp=1, tp=0) == 6
+    assert lay.output_ranks() == [4, 12]  # tp 0, cp 0 of the last stage
+    assert Layout.over(8, tp=2, cp=2) == Layout(dp=2, cp=2, tp=2)
+    with pytest.raises(ValueError, match="cp=3"):
+        Layout.over(8, tp=2, cp=3)
+    with pytest.raises(ValueError, match="cp"):
+        Layout.over(8, cp=0)
+
+
+@pytest.mark.parametrize("dp,pp,cp,tp,ep", [(1, 1, 2, 1, 1), (2, 1, 4, 1, 2), (1, 2, 2, 2, 1),
+                                            (2, 3, 2, 1, 1), (3, 1, 3, 2, 3)])
+def test_cp_layouts_follow_the_loop_nest_and_groups_partition(dp, pp, cp, tp, ep):
+    lay = Layout.over(dp * pp * cp * tp, tp=tp, pp=pp, cp=cp, ep=ep)
+    order = list(itertools.product(range(dp), range(pp), range(cp), range(tp)))
+    for rank, (d, p, c, t) in enumerate(order):
+        assert lay.coordinate(rank) == (d, p, t) and lay.cp_rank(rank) == c
+        assert lay.rank_at(dp=d, pp=p, cp=c, tp=t) == rank
+    for axis, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("mp", pp * tp),
+                       ("dp_cp", dp * cp), ("ep", ep), ("edp", dp // ep)):
+        groups = lay.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(lay.world_size)), axis
+        assert all(len(g) == size for g in groups), axis
+    for group in lay.groups("cp"):  # a cp group differs only in its cp rank
+        assert len({lay.coordinate(r) for r in group}) == 1
+        assert [lay.cp_rank(r) for r in group] == list(range(cp))
+
+
+@pytest.mark.parametrize("dp,pp,tp,ep", [(2, 2, 2, 1), (4, 1, 1, 2), (1, 4, 2, 1)])
+def test_cp_1_leaves_every_rank_and_group_unchanged(dp, pp, tp, ep):
+    plain, with_cp = Layout(dp=dp, pp=pp, tp=tp, ep=ep), Layout(dp=dp, pp=pp, tp=tp, ep=ep, cp=1)
+    n = dp * pp * tp
+    # the pre-cp formulas, written out
+    assert [with_cp.coordinate(r) for r in range(n)] == [
+        (r // (tp * pp), (r // tp) % pp, r % tp) for r in range(n)]
+    for axis in ("dp", "pp", "tp", "mp", "embedding", "ep", "edp"):
+        assert with_cp.groups(axis) == plain.groups(axis)
+    assert with_cp.groups("mp") == [tuple(range(d * pp * tp, (d + 1) * pp * tp))
+                                    for d in range(dp)]
+    assert with_cp.groups("dp_cp") == with_cp.groups("dp")
+    assert with_cp.groups("cp") == [(r,) for r in range(n)]
