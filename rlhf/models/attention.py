@@ -15,6 +15,10 @@ values are then that run followed by its own, gathered once per call, and the ca
 aligned to the bottom right (query i sees every prefix key and its own keys up to i), which is
 flash-attn's convention for unequal query and key lengths.
 
+Context parallelism: when `layout` is a cp rank's shard (`varlen_layout.context_layout`), the
+keys and values are first all-gathered over its cp group (rlhf.parallel.context_parallel) and
+each local query run attends to its rows of them, bottom-right causal, through the same kernels.
+
 What the kernels need on the host (sequence bounds, prefix runs, flash-attn's key bounds and
 longest key run) is a `VarlenLayout` (rlhf.models.varlen_layout), built once per micro-batch
 while its stream is still on the CPU and passed to every layer: no layer reads a device
@@ -46,6 +50,7 @@ from rlhf.models.varlen_layout import (
     flash_style_keys,
     varlen_layout,
 )
+from rlhf.parallel.context_parallel import gather_keys_values
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
@@ -65,6 +70,12 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
     """
     if prefix is not None and not causal:
         raise ValueError("a shared prefix needs causal attention")
+    if layout is not None and layout.context is not None:
+        if prefix is not None or not causal:
+            raise ValueError("context parallelism runs causal attention without shared "
+                             "prompts; pack without share_prompts when cp > 1")
+        k_THD = gather_keys_values(k_THD, group=layout.context.group)
+        v_THD = gather_keys_values(v_THD, group=layout.context.group)
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"
     device_type, flash_available = q_THD.device.type, _flash_fn() is not None
     # Only a CUDA run asks for torch's kernel: its module imports torch._dynamo.

@@ -8,6 +8,10 @@ index rows and masks), built on first use and freed with the micro-batch that ow
 
 Shared prompts (`prefix`, rlhf.data.packing.SharedPrefix): a sequence's keys are its prefix's
 tokens, then its own (`prefix_kv_rows`, the one rule of what a sequence attends to).
+
+Context parallelism (`context_layout`, rlhf.parallel.context_parallel): the stream is one cp
+rank's query runs, and each run's keys are rows of the keys all-gathered over the cp group
+(`ContextKeys`), causal aligned to the bottom right as with a prefix.
 """
 
 from __future__ import annotations
@@ -17,9 +21,20 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
 
 from rlhf.data.packing import SharedPrefix
+from rlhf.parallel.context_parallel import ContextShard
 from rlhf.parallel.host import to_device
+
+
+@dataclass(frozen=True)
+class ContextKeys:
+    """A context-parallel stream's keys: gathered over `group` (the cp group; None: one rank),
+    run j's keys at rows key_bounds[j]..key_bounds[j + 1] of `VarlenLayout.source_K`."""
+
+    group: ProcessGroup | None
+    key_bounds: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -31,12 +46,15 @@ class VarlenLayout:
     bounds: tuple[int, ...]  # cu_seqlens
     prefix_starts: tuple[int, ...] | None  # None: nothing shared
     prefix_lens: tuple[int, ...] | None
-    source_K: Tensor | None  # (K,) int64 stream row of every key (prefix, then own), or None
+    # (K,) int64 stream row of every key (prefix, then own; under context parallelism the
+    # gathered stream's row), or None
+    source_K: Tensor | None
     cu_k: Tensor | None  # (n+1,) int32 bounds of each sequence's keys, or None
     max_k: int  # longest key run (prefix + own), max sequence length without a prefix
     # sdpa_split's grouping per device (`sdpa_groups`): kept with the layout, so every layer
     # and the recomputed forward share it and it is freed with the micro-batch.
     _sdpa_groups: dict = field(default_factory=dict, compare=False, repr=False)
+    context: ContextKeys | None = None  # None: keys are the stream's own (no cp)
 
     def to(self, device: torch.device | str) -> VarlenLayout:
         if self.source_K is None:
@@ -50,6 +68,9 @@ class VarlenLayout:
         extra = num_tokens - self.bounds[-1]
         if extra == 0:
             return self
+        if self.context is not None:
+            raise ValueError(f"a context-parallel shard holds {self.bounds[-1]} tokens, not a "
+                             f"multiple of the tp size; plan it with multiple=tp")
         device = self.source_K.device if self.source_K is not None else "cpu"
         return _layout((*self.bounds, num_tokens),
                        None if self.prefix_starts is None else (*self.prefix_starts, 0),
@@ -61,9 +82,47 @@ class VarlenLayout:
         and nothing is shared (one call each); else the `SdpaGroups`."""
         key = str(device)
         if key not in self._sdpa_groups:
-            self._sdpa_groups[key] = _sdpa_groups(self.bounds, self.prefix_starts,
-                                                  self.prefix_lens, key)
+            self._sdpa_groups[key] = (
+                _sdpa_groups(self.bounds, self.prefix_starts, self.prefix_lens, key)
+                if self.context is None else _context_sdpa_groups(self, key))
         return self._sdpa_groups[key]
+
+
+def context_layout(shard: ContextShard, *, group: ProcessGroup | None,
+                   device: torch.device | str) -> VarlenLayout:
+    """The `VarlenLayout` of one cp rank's shard: its query runs, and the gathered-stream rows
+    of their keys on `device`; attention gathers the keys over `group`."""
+    kv_cu = torch.tensor(shard.key_bounds, dtype=torch.int32)
+    return VarlenLayout(shard.query_bounds, None, None, to_device(shard.key_rows, device),
+                        to_device(kv_cu, device), shard.max_key,
+                        context=ContextKeys(group, shard.key_bounds))
+
+
+def _context_sdpa_groups(layout: VarlenLayout, device: str) -> SdpaGroups | None:
+    """sdpa_split's grouping of a context-parallel shard: query runs of one (length, key
+    length) batched together, their key rows taken from the gathered stream."""
+    assert layout.context is not None and layout.source_K is not None
+    bounds, key_bounds = layout.bounds, layout.context.key_bounds
+    runs: dict[tuple[int, int], list[int]] = {}
+    for j in range(len(bounds) - 1):
+        length = bounds[j + 1] - bounds[j]
+        if length:
+            runs.setdefault((length, key_bounds[j + 1] - key_bounds[j]), []).append(j)
+    if not runs:
+        return None
+    key_rows = layout.source_K.to(device)
+    q_rows, kv_rows, shapes, masks = [], [], [], []
+    for (length, keys), seqs in runs.items():
+        q_rows.append(torch.cat([torch.arange(bounds[j], bounds[j + 1]) for j in seqs]))
+        kv_rows.append(torch.cat([torch.arange(key_bounds[j], key_bounds[j + 1]) for j in seqs]))
+        shapes.append((len(seqs), length, keys - length))
+        masks.append(bottom_right_causal(length, keys - length, torch.device(device))
+                     if keys > length else None)
+    q_index = torch.cat(q_rows).to(device)
+    inverse = torch.empty_like(q_index)
+    inverse[q_index] = torch.arange(q_index.numel(), device=device)
+    return SdpaGroups(q_index, key_rows[torch.cat(kv_rows).to(device)], tuple(shapes),
+                      tuple(masks), inverse)
 
 
 def varlen_layout(cu_seqlens: Tensor, prefix: SharedPrefix | None, *,
@@ -149,6 +208,9 @@ def flash_style_keys(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
     q's device, and with a prefix each sequence's keys gathered (prefix, then own) with their
     own bounds and longest run from `layout` (built here when missing, a host read)."""
     cu = cu_seqlens.to(device=q_THD.device, dtype=torch.int32)
+    if layout is not None and layout.context is not None:  # k_THD: the gathered stream
+        return (k_THD.index_select(0, layout.source_K), v_THD.index_select(0, layout.source_K),
+                cu, layout.cu_k, layout.max_k)
     if prefix is None:
         return k_THD, v_THD, cu, cu, max_seqlen
     if layout is None or layout.source_K is None:

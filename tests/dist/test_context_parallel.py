@@ -1,0 +1,147 @@
+"""Context parallelism against the unsharded model, on 4 gloo ranks in one launch.
+
+Each rank holds its cp shard of one pack (a long sequence and several short ones, lengths
+never a multiple of 2 * cp) and runs the model with keys and values gathered over its cp
+group. Logits, next-token log-probs and entropy of every real token, and the grads of a loss
+summed over the shards, must equal our unsharded CausalLM's on the whole pack (computed here,
+in the pytest process), for cp=2 and cp=4 alone (dp takes the other ranks) and cp=2 with tp=2
+and sequence parallelism; tiny Llama and Qwen2 (qkv biases), both with 2 KV heads (< cp=4).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rlhf.config.schema import ParallelConfig, TinyModelConfig
+from rlhf.data.packing import pack, shifted_targets
+from rlhf.demo.tiny_model import make_tiny_model
+from rlhf.models.build import build_model
+from rlhf.models.config import ModelArgs
+from rlhf.models.export import gather_full_grads
+from rlhf.models.hf_io import load_hf_weights
+from rlhf.models.outputs import vocab_shard
+from rlhf.models.transformer import CausalLM
+from rlhf.models.varlen_layout import context_layout
+from rlhf.parallel import collectives as C
+from rlhf.parallel.context_parallel import (
+    gather_tokens,
+    plan_context_shard,
+    shard_tokens,
+)
+from rlhf.parallel.launch import run_distributed
+from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
+from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
+
+TOL = 1e-5
+SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
+             max_position_embeddings=64, vocab_size=384)
+MODELS = {"llama": dict(arch="llama", tie_embeddings=False),
+          "qwen2": dict(arch="qwen2", tie_embeddings=True)}
+LENGTHS = [45, 3, 1, 7, 2, 10]  # one long sequence, several short; 68 tokens
+LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (cp, tp); tp=2 with sequence parallelism
+
+
+def _loss_terms(log_probs_T, entropy_T, valid_T, real_T, w1_T, w2_T, num_valid, num_tokens):
+    """A weighted mix of log-probs and entropies; summed over shards it is the whole loss."""
+    return ((w1_T * log_probs_T * valid_T).sum() / num_valid
+            + (w2_T * entropy_T * real_T).sum() / num_tokens)
+
+
+def _reference(folder, seqs):
+    model = CausalLM(ModelArgs.from_pretrained(folder))
+    load_hf_weights(model, folder)
+    packed = pack(seqs)
+    logits_TV = model(packed.tokens, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
+    targets_T, valid_T = shifted_targets(packed)
+    logp_TV = torch.log_softmax(logits_TV, -1)
+    log_probs_T = logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T
+    entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
+    gen = torch.Generator().manual_seed(3)
+    w1_T, w2_T = (torch.randn(valid_T.numel(), generator=gen) for _ in range(2))
+    _loss_terms(log_probs_T, entropy_T, valid_T, torch.ones_like(valid_T), w1_T, w2_T,
+                valid_T.sum(), valid_T.numel()).backward()
+    return dict(logits=logits_TV.detach(), log_probs=log_probs_T.detach(),
+                entropy=entropy_T.detach(), w1=w1_T, w2=w2_T,
+                grads={n: p.grad.clone() for n, p in model.named_parameters()})
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp_models")
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, SMALL["vocab_size"] - 1, (n,), generator=gen) for n in LENGTHS]
+    out = {}
+    for index, (name, kw) in enumerate(MODELS.items()):
+        folder = str(make_tiny_model(TinyModelConfig(seed=index, **kw, **SMALL), root / name))
+        out[name] = dict(folder=folder, seqs=seqs, ref=_reference(folder, seqs))
+    return out
+
+
+def _check(case, mesh):
+    """Max abs error of every check of one model on one cp layout, on this rank."""
+    tp = mesh.tp_size
+    built = build_model(case["folder"], mesh=mesh,
+                        parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1), head="lm")
+    model, ref, group = built.model, case["ref"], mesh.cp_group
+    packed = pack(case["seqs"])
+    shard = plan_context_shard(packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank,
+                               multiple=tp)
+    layout = context_layout(shard, group=group, device="cpu")
+    logits_local = model(shard_tokens(packed.tokens, shard), shard.positions,
+                         torch.tensor(shard.query_bounds, dtype=torch.int32), shard.max_query,
+                         layout=layout)
+    vocab = vocab_shard(model, mesh)
+    real = shard.source >= 0
+    errors = {}
+    full_vocab = C.all_gather(logits_local.detach(), dim=-1,
+                              group=vocab["group"])[:, :vocab["real_vocab_size"]]
+    errors["logits"] = (full_vocab[real] - ref["logits"][shard.source[real]]).abs().max().item()
+    # labels shifted on the whole stream, then sharded: a chunk's last position predicts a
+    # token another rank holds
+    targets_T, valid_T = shifted_targets(packed)
+    valid_local = shard_tokens(valid_T, shard, fill=False)
+    log_probs, entropy = vocab_parallel_log_probs_entropy(
+        logits_local, shard_tokens(targets_T, shard), **vocab, temperature=1.0)
+    log_probs = log_probs.masked_fill(~valid_local, 0.0)
+    for key, local in (("log_probs", log_probs), ("entropy", entropy)):
+        gathered = gather_tokens(local.detach(), shard, group=group)
+        errors[key] = (gathered - ref[key]).abs().max().item()
+    loss = _loss_terms(log_probs, entropy, valid_local, real, shard_tokens(ref["w1"], shard),
+                       shard_tokens(ref["w2"], shard), valid_T.sum(), valid_T.numel())
+    loss.backward()
+    # the cp ranks saw different tokens: their grads add up (dp_cp's sum, here over cp only)
+    for entry, param in zip(built.table, model.parameters()):
+        dist.all_reduce(param.grad, group=group)
+        if entry.tp_partial_grad:
+            dist.all_reduce(param.grad, group=mesh.tp_group)
+    grads = gather_full_grads(model, built.table, mesh)
+    if grads.keys() != ref["grads"].keys():
+        raise AssertionError(f"grad names differ: {sorted(grads.keys() ^ ref['grads'].keys())}")
+    errors["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
+    errors["local_tokens"] = shard.num_local
+    return errors
+
+
+def _matrix(rank, world, cases):
+    cache = ProcessGroupCache()
+    meshes = {(cp, tp): ParallelMesh(list(range(world)), cp=cp, tp=tp, cache=cache)
+              for cp, tp in LAYOUTS}
+    return {(name, cp, tp): _check(case, meshes[cp, tp])
+            for name, case in cases.items() for cp, tp in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def matrix(cases):
+    return run_distributed(_matrix, 4, cases, timeout_s=120)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("cp,tp", LAYOUTS, ids=[f"cp{cp}-tp{tp}" for cp, tp in LAYOUTS])
+def test_cp_matches_the_unsharded_model(matrix, name, cp, tp):
+    for rank, results in enumerate(matrix):
+        errors = results[name, cp, tp]
+        for check in ("logits", "log_probs", "entropy", "grads"):
+            assert errors[check] < TOL, (rank, check, errors)
+        # every cp rank holds an equal share: the pack padded per sequence to 2 * cp chunks
+        padded = sum(-(-n // (2 * cp)) * 2 * cp for n in LENGTHS)
+        assert errors["local_tokens"] == padded // cp + (-(padded // cp) % tp)
