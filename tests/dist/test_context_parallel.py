@@ -5,7 +5,9 @@ never a multiple of 2 * cp) and runs the model with keys and values gathered ove
 group. Logits, next-token log-probs and entropy of every real token, and the grads of a loss
 summed over the shards, must equal our unsharded CausalLM's on the whole pack (computed here,
 in the pytest process), for cp=2 and cp=4 alone (dp takes the other ranks) and cp=2 with tp=2
-and sequence parallelism; tiny Llama and Qwen2 (qkv biases), both with 2 KV heads (< cp=4).
+and sequence parallelism; tiny Llama and Qwen2 (qkv biases), both with 2 KV heads (< cp=4);
+and a tiny Qwen3-MoE at cp=2 with ep=2 (its tokens reach their experts by all-to-all over the
+ep group of their cp rank; every dp replica runs the whole pack with 1/dp of the loss).
 """
 
 import pytest
@@ -35,10 +37,14 @@ from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
 TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
              max_position_embeddings=64, vocab_size=384)
+MOE = dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32)
 MODELS = {"llama": dict(arch="llama", tie_embeddings=False),
-          "qwen2": dict(arch="qwen2", tie_embeddings=True)}
+          "qwen2": dict(arch="qwen2", tie_embeddings=True),
+          "qwen3_moe": dict(arch="qwen3_moe", tie_embeddings=False, **MOE)}
 LENGTHS = [45, 3, 1, 7, 2, 10]  # one long sequence, several short; 68 tokens
-LAYOUTS = [(2, 1), (4, 1), (2, 2)]  # (cp, tp); tp=2 with sequence parallelism
+DENSE = [(2, 1, 1), (4, 1, 1), (2, 2, 1)]  # (cp, tp, ep); tp=2 with sequence parallelism
+LAYOUTS = {"llama": DENSE, "qwen2": DENSE, "qwen3_moe": [(2, 1, 2)]}
+CASES = [(name, *layout) for name, layouts in LAYOUTS.items() for layout in layouts]
 
 
 def _loss_terms(log_probs_T, entropy_T, valid_T, real_T, w1_T, w2_T, num_valid, num_tokens):
@@ -79,9 +85,9 @@ def cases(tmp_path_factory):
 
 def _check(case, mesh):
     """Max abs error of every check of one model on one cp layout, on this rank."""
-    tp = mesh.tp_size
-    built = build_model(case["folder"], mesh=mesh,
-                        parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1), head="lm")
+    tp, dp = mesh.tp_size, mesh.dp_size
+    built = build_model(case["folder"], mesh=mesh, head="lm", parallel=ParallelConfig(
+        tp=tp, sequence_parallel=tp > 1, ep=mesh.ep_size))
     model, ref, group = built.model, case["ref"], mesh.cp_group
     packed = pack(case["seqs"])
     shard = plan_context_shard(packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank,
@@ -108,10 +114,13 @@ def _check(case, mesh):
         errors[key] = (gathered - ref[key]).abs().max().item()
     loss = _loss_terms(log_probs, entropy, valid_local, real, shard_tokens(ref["w1"], shard),
                        shard_tokens(ref["w2"], shard), valid_T.sum(), valid_T.numel())
-    loss.backward()
-    # the cp ranks saw different tokens: their grads add up (dp_cp's sum, here over cp only)
+    (loss / dp).backward()
+    # the cp ranks saw different tokens: their grads add up, over dp x cp (an expert's over
+    # the ranks holding it: cp x edp; each of its ep group's dp replicas sent it 1/dp)
     for entry, param in zip(built.table, model.parameters()):
-        dist.all_reduce(param.grad, group=group)
+        dist.all_reduce(param.grad, group=mesh.dp_cp_group if entry.expert is None else group)
+        if entry.expert is not None:
+            dist.all_reduce(param.grad, group=mesh.edp_group)
         if entry.tp_partial_grad:
             dist.all_reduce(param.grad, group=mesh.tp_group)
     grads = gather_full_grads(model, built.table, mesh)
@@ -124,10 +133,10 @@ def _check(case, mesh):
 
 def _matrix(rank, world, cases):
     cache = ProcessGroupCache()
-    meshes = {(cp, tp): ParallelMesh(list(range(world)), cp=cp, tp=tp, cache=cache)
-              for cp, tp in LAYOUTS}
-    return {(name, cp, tp): _check(case, meshes[cp, tp])
-            for name, case in cases.items() for cp, tp in LAYOUTS}
+    meshes = {(cp, tp, ep): ParallelMesh(list(range(world)), cp=cp, tp=tp, ep=ep, cache=cache)
+              for _, cp, tp, ep in CASES}
+    return {(name, cp, tp, ep): _check(cases[name], meshes[cp, tp, ep])
+            for name, cp, tp, ep in CASES}
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +144,11 @@ def matrix(cases):
     return run_distributed(_matrix, 4, cases, timeout_s=120)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("cp,tp", LAYOUTS, ids=[f"cp{cp}-tp{tp}" for cp, tp in LAYOUTS])
-def test_cp_matches_the_unsharded_model(matrix, name, cp, tp):
+@pytest.mark.parametrize("name,cp,tp,ep", CASES,
+                         ids=[f"{n}-cp{cp}-tp{tp}-ep{ep}" for n, cp, tp, ep in CASES])
+def test_cp_matches_the_unsharded_model(matrix, name, cp, tp, ep):
     for rank, results in enumerate(matrix):
-        errors = results[name, cp, tp]
+        errors = results[name, cp, tp, ep]
         for check in ("logits", "log_probs", "entropy", "grads"):
             assert errors[check] < TOL, (rank, check, errors)
         # every cp rank holds an equal share: the pack padded per sequence to 2 * cp chunks
