@@ -3,8 +3,8 @@
 Each rank holds its cp shard of one pack (a long sequence and several short ones, lengths
 never a multiple of 2 * cp) and runs the model with keys and values gathered over its cp
 group. Logits, next-token log-probs and entropy of every real token, and the grads of a loss
-summed over the shards, must equal our unsharded CausalLM's on the whole pack (computed here,
-in the pytest process), for cp=2 and cp=4 alone (dp takes the other ranks) and cp=2 with tp=2
+summed over the shards (and the critic's values and their grads), must equal our unsharded
+CausalLM's and ValueModel's on the whole pack (computed here, in the pytest process), for cp=2 and cp=4 alone (dp takes the other ranks) and cp=2 with tp=2
 and sequence parallelism; tiny Llama and Qwen2 (qkv biases), both with 2 KV heads (< cp=4);
 and a tiny Qwen3-MoE at cp=2 with ep=2 (its tokens reach their experts by all-to-all over the
 ep group of their cp rank; every dp replica runs the whole pack with 1/dp of the loss).
@@ -22,7 +22,7 @@ from rlhf.models.config import ModelArgs
 from rlhf.models.export import gather_full_grads
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import vocab_shard
-from rlhf.models.transformer import CausalLM
+from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.models.varlen_layout import context_layout
 from rlhf.parallel import collectives as C
 from rlhf.parallel.context_parallel import (
@@ -66,9 +66,15 @@ def _reference(folder, seqs):
     w1_T, w2_T = (torch.randn(valid_T.numel(), generator=gen) for _ in range(2))
     _loss_terms(log_probs_T, entropy_T, valid_T, torch.ones_like(valid_T), w1_T, w2_T,
                 valid_T.sum(), valid_T.numel()).backward()
+    critic = ValueModel(ModelArgs.from_pretrained(folder))
+    load_hf_weights(critic, folder, value_head_seed=7)
+    values_T = critic(packed.tokens, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
+    (w1_T * values_T).sum().backward()
     return dict(logits=logits_TV.detach(), log_probs=log_probs_T.detach(),
                 entropy=entropy_T.detach(), w1=w1_T, w2=w2_T,
-                grads={n: p.grad.clone() for n, p in model.named_parameters()})
+                grads={n: p.grad.clone() for n, p in model.named_parameters()},
+                values=values_T.detach(),
+                value_grads={n: p.grad.clone() for n, p in critic.named_parameters()})
 
 
 @pytest.fixture(scope="module")
@@ -114,21 +120,39 @@ def _check(case, mesh):
         errors[key] = (gathered - ref[key]).abs().max().item()
     loss = _loss_terms(log_probs, entropy, valid_local, real, shard_tokens(ref["w1"], shard),
                        shard_tokens(ref["w2"], shard), valid_T.sum(), valid_T.numel())
-    (loss / dp).backward()
-    # the cp ranks saw different tokens: their grads add up, over dp x cp (an expert's over
-    # the ranks holding it: cp x edp; each of its ep group's dp replicas sent it 1/dp)
-    for entry, param in zip(built.table, model.parameters()):
-        dist.all_reduce(param.grad, group=mesh.dp_cp_group if entry.expert is None else group)
+    (loss / dp).backward()  # each dp replica runs the whole pack (an expert gets 1/dp of it
+    # from each replica of its ep group)
+    errors["grads"] = _grad_error(built, mesh, ref["grads"])
+    errors["local_tokens"] = shard.num_local
+    if mesh.ep_size == 1:  # the critic: values on sharded tokens, gathered back in order
+        critic = build_model(case["folder"], mesh=mesh, head="value", value_head_seed=7,
+                             parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1))
+        values_local = critic.model(shard_tokens(packed.tokens, shard), shard.positions,
+                                    torch.tensor(shard.query_bounds, dtype=torch.int32),
+                                    shard.max_query, layout=layout)
+        errors["values"] = (gather_tokens(values_local.detach(), shard, group=group)
+                            - ref["values"]).abs().max().item()
+        w_local = shard_tokens(ref["w1"], shard) * real
+        ((w_local * values_local).sum() / dp).backward()
+        errors["value_grads"] = _grad_error(critic, mesh, ref["value_grads"])
+    return errors
+
+
+def _grad_error(built, mesh, want):
+    """Max error of the full grads after the sum a training engine does: over dp x cp (the cp
+    ranks saw different tokens; an expert's over cp x edp, the ranks holding it), TP-partial
+    ones over tp."""
+    for entry, param in zip(built.table, built.model.parameters()):
+        dist.all_reduce(param.grad, group=mesh.dp_cp_group if entry.expert is None
+                        else mesh.cp_group)
         if entry.expert is not None:
             dist.all_reduce(param.grad, group=mesh.edp_group)
         if entry.tp_partial_grad:
             dist.all_reduce(param.grad, group=mesh.tp_group)
-    grads = gather_full_grads(model, built.table, mesh)
-    if grads.keys() != ref["grads"].keys():
-        raise AssertionError(f"grad names differ: {sorted(grads.keys() ^ ref['grads'].keys())}")
-    errors["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
-    errors["local_tokens"] = shard.num_local
-    return errors
+    grads = gather_full_grads(built.model, built.table, mesh)
+    if grads.keys() != want.keys():
+        raise AssertionError(f"grad names differ: {sorted(grads.keys() ^ want.keys())}")
+    return max((grads[n] - want[n]).abs().max().item() for n in grads)
 
 
 def _matrix(rank, world, cases):
@@ -149,7 +173,9 @@ def matrix(cases):
 def test_cp_matches_the_unsharded_model(matrix, name, cp, tp, ep):
     for rank, results in enumerate(matrix):
         errors = results[name, cp, tp, ep]
-        for check in ("logits", "log_probs", "entropy", "grads"):
+        checks = ("logits", "log_probs", "entropy", "grads") + (
+            ("values", "value_grads") if ep == 1 else ())
+        for check in checks:
             assert errors[check] < TOL, (rank, check, errors)
         # every cp rank holds an equal share: the pack padded per sequence to 2 * cp chunks
         padded = sum(-(-n // (2 * cp)) * 2 * cp for n in LENGTHS)
