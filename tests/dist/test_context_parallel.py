@@ -2,12 +2,15 @@
 
 Each rank holds its cp shard of one pack (a long sequence and several short ones, lengths
 never a multiple of 2 * cp) and runs the model with keys and values gathered over its cp
-group. Logits, next-token log-probs and entropy of every real token, and the grads of a loss
-summed over the shards (and the critic's values and their grads), must equal our unsharded
-CausalLM's and ValueModel's on the whole pack (computed here, in the pytest process), for cp=2 and cp=4 alone (dp takes the other ranks) and cp=2 with tp=2
-and sequence parallelism; tiny Llama and Qwen2 (qkv biases), both with 2 KV heads (< cp=4);
-and a tiny Qwen3-MoE at cp=2 with ep=2 (its tokens reach their experts by all-to-all over the
-ep group of their cp rank; every dp replica runs the whole pack with 1/dp of the loss).
+group. Logits, next-token log-probs and entropy of every real token, the grads of a loss
+summed over the shards, and the critic's values and their grads must equal our unsharded
+CausalLM's and ValueModel's on the whole pack (computed here, in the pytest process):
+- cp=2 and cp=4 alone (dp takes the other ranks) and cp=2 with tp=2 and sequence
+  parallelism, on tiny Llama and Qwen2 (qkv biases), both with 2 KV heads (< cp=4);
+- a tiny Qwen3-MoE at cp=2 with ep=2 (its tokens reach their experts by all-to-all over the
+  ep group of their cp rank; every dp replica runs the whole pack with 1/dp of the loss);
+- Llama at cp=2 with a two-stage pipeline (the stages of one cp rank pass its shard's
+  hidden states and their grads).
 """
 
 import pytest
@@ -155,12 +158,58 @@ def _grad_error(built, mesh, want):
     return max((grads[n] - want[n]).abs().max().item() for n in grads)
 
 
+def _check_pipeline(case, mesh):
+    """cp=2 x pp=2: each stage runs its layers on its cp shard; the hidden states and their
+    grads go between the two stages of one cp rank. Max error of each stage's grads."""
+    built = build_model(case["folder"], mesh=mesh, head="lm", parallel=ParallelConfig(pp=2))
+    model, ref, group = built.model, case["ref"], mesh.cp_group
+    packed = pack(case["seqs"])
+    shard = plan_context_shard(packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank)
+    layout = context_layout(shard, group=group, device="cpu")
+    bounds = torch.tensor(shard.query_bounds, dtype=torch.int32)
+    other = mesh.rank_at(dp=mesh.dp_rank, pp=1 - mesh.pp_rank, tp=0)  # same cp rank
+    hidden_size = model.args.hidden_size
+    if mesh.pp_rank == 0:
+        hidden = model(shard_tokens(packed.tokens, shard), shard.positions, bounds,
+                       shard.max_query, layout=layout)
+        dist.send(hidden.detach().contiguous(), other)
+        grad = torch.empty_like(hidden)
+        dist.recv(grad, other)
+        hidden.backward(grad)
+        errors = {}
+    else:
+        hidden = torch.empty(shard.num_local, hidden_size)
+        dist.recv(hidden, other)
+        hidden.requires_grad_()
+        logits = model(hidden, shard.positions, bounds, shard.max_query, layout=layout)
+        targets_T, valid_T = shifted_targets(packed)
+        valid_local = shard_tokens(valid_T, shard, fill=False)
+        log_probs, entropy = vocab_parallel_log_probs_entropy(
+            logits, shard_tokens(targets_T, shard), group=None, vocab_start=0,
+            vocab_end=logits.shape[-1], real_vocab_size=logits.shape[-1], temperature=1.0)
+        gathered = gather_tokens(log_probs.masked_fill(~valid_local, 0.0).detach(), shard,
+                                 group=group)
+        errors = {"pp_log_probs": (gathered - ref["log_probs"]).abs().max().item()}
+        _loss_terms(log_probs.masked_fill(~valid_local, 0.0), entropy, valid_local,
+                    shard.source >= 0, shard_tokens(ref["w1"], shard),
+                    shard_tokens(ref["w2"], shard), valid_T.sum(), valid_T.numel()).backward()
+        dist.send(hidden.grad.contiguous(), other)
+    for name, param in model.named_parameters():  # tp=1: every local parameter is whole
+        dist.all_reduce(param.grad, group=mesh.dp_cp_group)
+        err = (param.grad - ref["grads"][name]).abs().max().item()
+        errors["pp_grads"] = max(errors.get("pp_grads", 0.0), err)
+    return errors
+
+
 def _matrix(rank, world, cases):
     cache = ProcessGroupCache()
     meshes = {(cp, tp, ep): ParallelMesh(list(range(world)), cp=cp, tp=tp, ep=ep, cache=cache)
               for _, cp, tp, ep in CASES}
-    return {(name, cp, tp, ep): _check(cases[name], meshes[cp, tp, ep])
-            for name, cp, tp, ep in CASES}
+    results = {(name, cp, tp, ep): _check(cases[name], meshes[cp, tp, ep])
+               for name, cp, tp, ep in CASES}
+    pipeline = ParallelMesh(list(range(world)), cp=2, pp=2, cache=cache)
+    results["pipeline"] = _check_pipeline(cases["llama"], pipeline)
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +229,13 @@ def test_cp_matches_the_unsharded_model(matrix, name, cp, tp, ep):
         # every cp rank holds an equal share: the pack padded per sequence to 2 * cp chunks
         padded = sum(-(-n // (2 * cp)) * 2 * cp for n in LENGTHS)
         assert errors["local_tokens"] == padded // cp + (-(padded // cp) % tp)
+
+
+def test_cp_with_a_two_stage_pipeline_matches_the_unsharded_model(matrix):
+    """cp=2 x pp=2 on Llama: log-probs (last stages) and every stage's grads."""
+    for rank, results in enumerate(matrix):
+        errors = results["pipeline"]
+        assert errors["pp_grads"] < TOL, (rank, errors)
+        if "pp_log_probs" in errors:
+            assert errors["pp_log_probs"] < TOL, (rank, errors)
+    assert sum("pp_log_probs" in results["pipeline"] for results in matrix) == 2
