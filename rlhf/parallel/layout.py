@@ -111,6 +111,14 @@ class Layout:
 
     # ---- groups ------------------------------------------------------------------------------
 
+    def mesh_axes(self) -> tuple[str, ...]:
+        """The axes whose groups a mesh of this layout creates, in creation order: cp and dp_cp
+        only at cp > 1 (else the cp groups are single ranks and dp_cp is dp), ep and edp only
+        at ep > 1 (else edp is dp). The memory planner counts communicators from the same."""
+        axes = GROUP_AXES if self.cp > 1 else tuple(a for a in GROUP_AXES
+                                                    if a not in ("cp", "dp_cp"))
+        return axes + (EXPERT_AXES if self.ep > 1 else ())
+
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along `axis` ("dp", "pp", "cp", "tp", "mp", "embedding", "dp_cp", "ep" or
         "edp"), each in group-rank order; groups listed with the other coordinates in

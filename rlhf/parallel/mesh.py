@@ -24,7 +24,6 @@ from rlhf.parallel.layout import AXES, EXPERT_AXES, GROUP_AXES, Layout
 from rlhf.parallel.memory_probes import GB, device_bytes_taken
 
 WORLD = "world"  # the default group's name in `ProcessGroupCache.communicators`
-_NO_CP_AXES = tuple(axis for axis in GROUP_AXES if axis not in ("cp", "dp_cp"))
 
 
 def init_world(backend: str, *, rank: int, world_size: int, timeout: datetime.timedelta,
@@ -166,15 +165,11 @@ class ParallelMesh:
         self.is_member = self.rank in ranks
         self._groups: dict[str, ProcessGroup | None] = {}
         self._group_ranks: dict[str, tuple[int, ...]] = {}
-        # Same order on every process: every group of every axis, then the model-parallel
-        # groups, then the first + last stage pairs (the two copies of tied embeddings).
-        # cp=1 creates no cp group (each would be one rank) and dp_cp is the dp group, so a
-        # layout without context parallelism makes exactly the groups it made before cp.
-        for axis in GROUP_AXES if self.cp_size > 1 else _NO_CP_AXES:
-            for positions in self.layout.groups(axis):
-                self._add(axis, tuple(ranks[i] for i in positions), cache)
-        # ep=1 creates nothing: no expert group to talk to, and the edp group is the dp group.
-        for axis in EXPERT_AXES if self.ep_size > 1 else ():
+        # Same order on every process: every group of every axis the layout names. cp=1
+        # creates no cp group (each would be one rank) and dp_cp is the dp group, so a layout
+        # without context parallelism makes exactly the groups it made before cp; ep=1 creates
+        # nothing either: no expert group to talk to, and the edp group is the dp group.
+        for axis in self.layout.mesh_axes():
             for positions in self.layout.groups(axis):
                 self._add(axis, tuple(ranks[i] for i in positions), cache)
         if self.ep_size == 1 and "dp" in self._groups:

@@ -51,7 +51,7 @@ from rlhf.config import JobConfig, ref_from_actor
 from rlhf.config.schema import RECOMPUTE_MODES
 from rlhf.engine.offload import RELEASE_BEFORE, host_layout, offloaded_kinds, placement
 from rlhf.engine.zero import STATE_KINDS, state_tensor_bytes
-from rlhf.parallel.layout import EXPERT_AXES, GROUP_AXES, Layout
+from rlhf.parallel.layout import Layout
 from rlhf.parallel.stages import rank_chunks
 from rlhf.parallel.vocab_parallel import head_workspace
 from rlhf.plan.inputs import (
@@ -519,15 +519,14 @@ def communicators(members: list[RoleSpec], *, pool_size: int,
     creates its communicator at init and one for every later group at its creation, split
     from the world's, whether the group ever communicates or not. Every process builds every
     role's mesh over one `ProcessGroupCache`, which keys groups by their ranks: each distinct
-    group of every axis of every mesh (`ParallelMesh`: dp, pp, tp, mp, embedding, and ep, edp
-    at ep > 1) is one communicator, a group over one rank included ("one-rank"). The
+    group of every axis of every mesh (`Layout.mesh_axes`: dp, pp, tp, mp, embedding, and ep,
+    edp at ep > 1) is one communicator, a group over one rank included ("one-rank"). The
     pipeline's send/recv are batched on the pp group, so they add no communicator. vLLM
     initialises its own communicator for its tp group.
     """
     groups: dict[tuple[int, ...], str] = {}
     for spec in members:
-        axes = GROUP_AXES + (EXPERT_AXES if spec.parallel.ep > 1 else ())
-        for axis in axes:
+        for axis in spec.layout.mesh_axes():
             for ranks in spec.layout.groups(axis):
                 ranks = tuple(int(r) for r in ranks)
                 groups.setdefault(ranks, "one-rank" if len(ranks) == 1

@@ -236,3 +236,10 @@ def test_cp_1_leaves_every_rank_and_group_unchanged(dp, pp, tp, ep):
                                     for d in range(dp)]
     assert with_cp.groups("dp_cp") == with_cp.groups("dp")
     assert with_cp.groups("cp") == [(r,) for r in range(n)]
+
+
+def test_mesh_axes_create_cp_and_expert_groups_only_where_they_exist():
+    assert Layout(dp=2, tp=2).mesh_axes() == ("dp", "pp", "tp", "mp", "embedding")
+    assert Layout(dp=2, tp=2, ep=2).mesh_axes()[-2:] == ("ep", "edp")
+    assert Layout(dp=1, cp=2, tp=2).mesh_axes() == ("dp", "pp", "cp", "tp", "mp", "embedding",
+                                                     "dp_cp")
