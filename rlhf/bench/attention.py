@@ -18,12 +18,12 @@ JSON lines:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
+from rlhf.bench import print_checked
 from rlhf.data.packing import SharedPrefix
 from rlhf.engine import resolve_device
 from rlhf.models.attention import _flash_fn, flash_varlen, pick_kernel, sdpa_split, sdpa_varlen
@@ -50,10 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    lines = bench(args)
-    for line in lines:
-        print(json.dumps(line), flush=True)
-    return 0 if all(line.get("passed", True) for line in lines) else 1
+    return print_checked(bench(args))
 
 
 def kernels(device: torch.device) -> dict[str, tuple]:

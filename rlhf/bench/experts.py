@@ -20,7 +20,6 @@ the baseline's); `chosen` marks the path `rlhf.models.moe.runs_grouped` takes he
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlhf.bench import print_checked
 from rlhf.engine import resolve_device
 from rlhf.models.moe import runs_grouped
 
@@ -47,10 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    lines = bench(args)
-    for line in lines:
-        print(json.dumps(line), flush=True)
-    return 0 if all(line.get("passed", True) for line in lines) else 1
+    return print_checked(bench(args))
 
 
 def bench(args: argparse.Namespace) -> list[dict]:
