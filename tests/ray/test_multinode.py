@@ -249,9 +249,10 @@ def test_every_node_reads_the_shared_folder_and_imports_the_reward_file(scenario
 
 
 def test_checkpoints_hold_shards_written_on_both_nodes(scenario):
+    # one DCP data file per rank (each holds its ZeRO-1 optimizer partition), the two ranks
+    # on different nodes writing into the one shared folder
     actor = scenario["a"]["run"] / "checkpoints" / "step_1" / "actor"
-    assert {p.name for p in actor.glob("optim_*")} == {"optim_pp00_tp00_dp000.pt",
-                                                         "optim_pp00_tp00_dp001.pt"}
+    assert {p.name for p in actor.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
 
 
 def test_losing_a_node_stops_the_job_in_bounded_time_naming_it(scenario):

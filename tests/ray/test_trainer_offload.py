@@ -4,6 +4,7 @@ none: the same metrics at every step, the same checkpointed and exported policy.
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rlhf.trainer.jobs import RoleGroups, job_workers, load_tokenizer
 from rlhf.trainer.ppo import PPOTrainer
@@ -53,18 +54,19 @@ def test_offloaded_ppo_steps_equal_the_resident_ones(runs):
     assert all(torch.equal(weights_off[k], weights_on[k]) for k in weights_off)
 
 
-def test_offloaded_checkpoints_hold_the_whole_state(runs):
+def test_offloaded_checkpoints_hold_the_whole_state(runs, tmp_path):
     (_, _, folder_off), (_, _, folder_on) = runs["off"], runs["on"]
     for role in ("actor", "critic"):
-        shard_off = torch.load(folder_off / role / "engine_pp00_tp00.pt", weights_only=False)
-        shard_on = torch.load(folder_on / role / "engine_pp00_tp00.pt", weights_only=False)
-        for key, value in shard_off["model"].items():
-            assert value.numel() > 0 and torch.equal(value, shard_on["model"][key]), (role, key)
-        optim_files = sorted(p.name for p in (folder_off / role).glob("optim_*.pt"))
-        assert optim_files, role  # ZeRO-1 over dp=2: one optimizer shard per dp rank
-        for name in optim_files:
-            optim_off = torch.load(folder_off / role / name, weights_only=False)
-            optim_on = torch.load(folder_on / role / name, weights_only=False)
-            for key in ("exp_avg", "exp_avg_sq"):
-                assert optim_off[key].any() and torch.equal(optim_off[key], optim_on[key]), \
-                    (role, name, key)
+        states = []
+        for name, folder in (("off", folder_off), ("on", folder_on)):
+            # ZeRO-1 over dp=2: both ranks write a data file (their optimizer partitions)
+            assert len(list((folder / role).glob("*.distcp"))) == 2, (role, name)
+            dcp_to_torch_save(folder / role, tmp_path / f"{role}-{name}.pt")
+            states.append(torch.load(tmp_path / f"{role}-{name}.pt", weights_only=False))
+        state_off, state_on = states
+        assert state_off.keys() == state_on.keys(), role
+        moments = [k for k in state_off if k.startswith(("optim/exp_avg/", "optim/exp_avg_sq/"))]
+        assert moments and any(k.startswith("model/") for k in state_off), role
+        for key, value in state_off.items():
+            assert value.numel() > 0 and torch.equal(value, state_on[key]), (role, key)
+        assert all(state_off[k].any() for k in moments), role
