@@ -110,7 +110,7 @@ def _context_sdpa_groups(layout: VarlenLayout, device: str) -> SdpaGroups | None
             runs.setdefault((length, key_bounds[j + 1] - key_bounds[j]), []).append(j)
     if not runs:
         return None
-    key_rows = layout.source_K.to(device)
+    key_rows = to_device(layout.source_K, device)
     q_rows, kv_rows, shapes, masks = [], [], [], []
     for (length, keys), seqs in runs.items():
         q_rows.append(torch.cat([torch.arange(bounds[j], bounds[j + 1]) for j in seqs]))
@@ -118,11 +118,11 @@ def _context_sdpa_groups(layout: VarlenLayout, device: str) -> SdpaGroups | None
         shapes.append((len(seqs), length, keys - length))
         masks.append(bottom_right_causal(length, keys - length, torch.device(device))
                      if keys > length else None)
-    q_index = torch.cat(q_rows).to(device)
+    q_index = torch.cat(q_rows)
     inverse = torch.empty_like(q_index)
-    inverse[q_index] = torch.arange(q_index.numel(), device=device)
-    return SdpaGroups(q_index, key_rows[torch.cat(kv_rows).to(device)], tuple(shapes),
-                      tuple(masks), inverse)
+    inverse[q_index] = torch.arange(q_index.numel())
+    return SdpaGroups(to_device(q_index, device), key_rows[to_device(torch.cat(kv_rows), device)],
+                      tuple(shapes), tuple(masks), to_device(inverse, device))
 
 
 def varlen_layout(cu_seqlens: Tensor, prefix: SharedPrefix | None, *,
@@ -177,28 +177,31 @@ def _sdpa_groups(bounds: tuple[int, ...], prefix_starts: tuple[int, ...] | None,
         return None
     if prefix_lens is None and all(len(seqs) == 1 for seqs in runs.values()):
         return lengths
-    cu = torch.tensor(bounds, dtype=torch.int64, device=device)
+    # The index rows are built on the host, then moved with one pinned, non-blocking copy
+    # each: a host tensor copied to CUDA from pageable memory would wait for the stream.
+    cu = torch.tensor(bounds, dtype=torch.int64)
     starts = cu[:-1]
     source_K = kv_cu = None
     if prefix_lens is not None:
         prefix = SharedPrefix(torch.tensor(prefix_starts, dtype=torch.int64),
                               torch.tensor(prefix_lens, dtype=torch.int64))
-        source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device(device),
+        source_K, kv_cu = prefix_kv_rows(cu, prefix, torch.device("cpu"),
                                          total=bounds[-1] - bounds[0] + sum(prefix_lens))
     q_rows, kv_rows, shapes, masks = [], [], [], []
     for (length, prefix_len), seqs in runs.items():
-        ids = torch.tensor(seqs, device=device)
-        own = (starts[ids][:, None] + torch.arange(length, device=device)).reshape(-1)
+        ids = torch.tensor(seqs)
+        own = (starts[ids][:, None] + torch.arange(length)).reshape(-1)
         q_rows.append(own)
         kv_rows.append(own if source_K is None else source_K[
-            (kv_cu[ids][:, None] + torch.arange(prefix_len + length, device=device)).reshape(-1)])
+            (kv_cu[ids][:, None] + torch.arange(prefix_len + length)).reshape(-1)])
         shapes.append((len(seqs), length, prefix_len))
         masks.append(bottom_right_causal(length, prefix_len, torch.device(device))
                      if prefix_len else None)
     q_index = torch.cat(q_rows)
     inverse = torch.empty_like(q_index)
-    inverse[q_index] = torch.arange(q_index.numel(), device=device)
-    return SdpaGroups(q_index, torch.cat(kv_rows), tuple(shapes), tuple(masks), inverse)
+    inverse[q_index] = torch.arange(q_index.numel())
+    return SdpaGroups(to_device(q_index, device), to_device(torch.cat(kv_rows), device),
+                      tuple(shapes), tuple(masks), to_device(inverse, device))
 
 
 def flash_style_keys(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens: Tensor,
