@@ -9,6 +9,7 @@ from rlhf import report as run_report
 from rlhf.bench import cli as bench_cli
 from rlhf.bench import first_run
 from rlhf.config.loader import add_job_arguments
+from rlhf.config.schema import COMPILE_CHOICES
 from rlhf.errors import RLHFError
 from rlhf.families import FAMILIES, FAMILY_NAMES
 from rlhf.plan import report as plan_report
@@ -342,7 +343,8 @@ def _verify_model(args) -> int:
             sequence_parallel=args.sequence_parallel, ep=args.ep,
             nproc=args.nproc, factor=args.factor, floor=args.floor,
             reference=args.reference, seed=args.seed, num_seqs=args.num_seqs,
-            max_len=args.max_len, timeout_s=args.timeout, device=args.device)
+            max_len=args.max_len, timeout_s=args.timeout, device=args.device,
+            compile=args.compile)
     except DistributedRunError as exc:
         raise RLHFError(str(exc)) from None
     print(json.dumps(report))
@@ -498,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--max-len", type=int, default=48, help="longest random sequence")
     verify.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the processes may take before they are killed")
+    verify.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="the engine's torch.compile of the elementwise work (the role "
+                             "configs' `compile`); auto: on CUDA, off on the CPU")
     verify.set_defaults(run=_verify_model)
 
     gguf = commands.add_parser(

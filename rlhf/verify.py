@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.schema import OptimizerConfig, ParallelConfig
+from rlhf.config.schema import COMPILE_CHOICES, Compile, OptimizerConfig, ParallelConfig
 from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch
@@ -50,6 +50,7 @@ from rlhf.models.moe import split_fused_experts
 from rlhf.models.outputs import LM_OUTPUTS, forward_packed, model_outputs, vocab_shard
 from rlhf.models.tp_sharding import check_tp_compatible
 from rlhf.parallel.collectives import all_gather
+from rlhf.parallel.fusion import compile_enabled
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.stages import split_layers
@@ -70,10 +71,12 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
                  sequence_parallel: bool = False, ep: int = 1, nproc: int | None = None,
                  factor: float = DEFAULT_FACTOR, floor: float | None = None,
                  reference: str | Path | None = None, seed: int = 0, num_seqs: int = 6,
-                 max_len: int = 48, timeout_s: float = 600.0, device: str = "cpu") -> dict:
+                 max_len: int = 48, timeout_s: float = 600.0, device: str = "cpu",
+                 compile: Compile = "auto") -> dict:
     """Run the comparison on `device` ("cpu": gloo; "cuda": NCCL, a GPU per process); return
     the report (`passed`: every error within `factor` x transformers' fp32 error + `floor`).
-    `reference` is the folder transformers loads (default `folder`)."""
+    `reference` is the folder transformers loads (default `folder`). `compile`: the engine's
+    fused elementwise bodies (`rlhf.models.fused`; auto: on CUDA only, as in training)."""
     folder = Path(folder)
     reference = folder if reference is None else Path(reference)
     if device not in DEFAULT_FLOOR:
@@ -83,6 +86,8 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
     floor = DEFAULT_FLOOR[device] if floor is None else floor
     if factor < 0 or floor < 0:
         raise RLHFError(f"--factor ({factor}) and --floor ({floor}) must be >= 0")
+    if compile not in COMPILE_CHOICES:
+        raise RLHFError(f"--compile must be one of {', '.join(COMPILE_CHOICES)}, got {compile!r}")
     parallel, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
                                           sequence_parallel=sequence_parallel, nproc=nproc,
                                           num_seqs=num_seqs, max_len=max_len, device=device,
@@ -101,7 +106,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         scales = _scales(ref)
         del ref
         per_rank = run_distributed(_rank_check, nproc, str(folder), parallel, str(ref_path), seqs,
-                                   device, aux_weight, timeout_s=timeout_s,
+                                   device, aux_weight, compile, timeout_s=timeout_s,
                                    backend="nccl" if device == "cuda" else "gloo")
     ours = {check: max(r[check] for r in per_rank) for check in OUTPUTS if check in per_rank[0]}
     ours["grads"] = {n: max(r["grads"][n] for r in per_rank) for n in per_rank[0]["grads"]}
@@ -114,6 +119,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
                    **({"ep": ep} if ep > 1 else {})},
         "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
         "device": per_rank[0]["device"], "tf32": per_rank[0]["tf32"],
+        "compiled": per_rank[0]["compiled"],
         "max_abs_diff": {check: e.get("max_ours", e["ours"]) for check, e in errors.items()},
         "worst_grad": errors["grads"]["worst"], "factor": factor, "floor": floor,
         "errors": errors, "passed": all(e["passed"] for e in errors.values()),
@@ -274,15 +280,16 @@ def _hf_aux_loss(hf, outs) -> torch.Tensor:
 
 def _rank_check(rank: int, world: int, folder: str, parallel: ParallelConfig, ref_path: str,
                 seqs: list[torch.Tensor], device_type: str = "cpu",
-                aux_weight: float = 0.0) -> dict:
+                aux_weight: float = 0.0, compile: Compile = "auto") -> dict:
     # run_distributed made this rank's GPU the current device (NCCL).
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" \
         else torch.device("cpu")
     with ieee_fp32():
         report = _compare(folder, parallel, torch.load(ref_path, mmap=True), seqs, world=world,
-                          device=device, aux_weight=aux_weight)
+                          device=device, aux_weight=aux_weight, compile=compile)
         tf32 = device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32
-    return {**report, "device": _device_name(device), "tf32": tf32}
+    return {**report, "device": _device_name(device), "tf32": tf32,
+            "compiled": compile_enabled(compile, device)}
 
 
 def _device_name(device: torch.device) -> str:
@@ -290,14 +297,16 @@ def _device_name(device: torch.device) -> str:
 
 
 def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.Tensor], *,
-             world: int, device: torch.device, aux_weight: float = 0.0) -> dict:
+             world: int, device: torch.device, aux_weight: float = 0.0,
+             compile: Compile = "auto") -> dict:
     ref["valid"] = ref["valid"].to(device)
     mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
                         cache=ProcessGroupCache())
     built = build_model(folder, mesh=mesh, parallel=parallel, head="lm", device=device)
     model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.
-    engine = TrainEngine(built, mesh, optim=OptimizerConfig(), router_aux_loss_coef=aux_weight)
+    engine = TrainEngine(built, mesh, optim=OptimizerConfig(), router_aux_loss_coef=aux_weight,
+                         compile=compile)
     if parallel.pp > 1:
         return _pipeline_check(engine, seqs, ref)
     packed = _to_device(pack(seqs), device)

@@ -52,7 +52,7 @@ def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head
         dtype=role.dtype, device=worker.ctx.device,
         recompute=getattr(role, "recompute", "none"), seed=config.trainer.seed,
         lora=getattr(role, "lora", None),  # forward-only too: an export loads its adapters
-        router_aux_loss_coef=getattr(role, "router_aux_loss_coef", None))
+        router_aux_loss_coef=getattr(role, "router_aux_loss_coef", None), compile=role.compile)
 
 
 def check_layout(world_size: int, config: JobConfig, key: str) -> None:

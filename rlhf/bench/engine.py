@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 
 from rlhf.bench.flops import PASSES, RATE_SHAPE, cpu_peak_flops, forward_flops_per_token
-from rlhf.config.schema import OffloadConfig, OptimizerConfig, ParallelConfig
+from rlhf.config.schema import COMPILE_CHOICES, OffloadConfig, OptimizerConfig, ParallelConfig
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches, resolve_device, resolve_dtype
 from rlhf.engine.offload import Offloader
 from rlhf.models.build import BuiltModel
 from rlhf.models.config import ModelArgs
+from rlhf.models.fused import is_fused
 from rlhf.models.transformer import CausalLM
 from rlhf.parallel.launch import free_port
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--recompute", choices=["none", "attention_block", "full"],
                         default="none")
+    parser.add_argument("--compile", choices=COMPILE_CHOICES, default="auto",
+                        help="torch.compile of the elementwise work (rlhf.models.fused); auto: "
+                             "on CUDA, off on the CPU, as the role configs' `compile`")
     parser.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     parser.add_argument("--no-logprobs", action="store_true",
                         help="skip the comparison with transformers")
@@ -113,14 +117,14 @@ def bench(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(args.seed)
     mesh = ParallelMesh([dist.get_rank()], cache=ProcessGroupCache())
     engine = TrainEngine(BuiltModel.unsharded(_random_model(model_args, device, dtype)), mesh,
-                         optim=OptimizerConfig(), recompute=args.recompute)
+                         optim=OptimizerConfig(), recompute=args.recompute, compile=args.compile)
     mbs = _micro_batches(args, model_args.vocab_size, device)
     spec = _plan_spec(model_args, dtype, args)
     lines = [{"bench": "engine", "kind": "config", "device": _device_name(device),
               "dtype": str(dtype).removeprefix("torch."), "params": _numel(engine.model),
               "layers": model_args.num_layers, "hidden": model_args.hidden_size,
               "tokens_per_step": sum(mb.num_tokens for mb in mbs), "seq_len": args.seq_len,
-              "recompute": args.recompute}]
+              "recompute": args.recompute, "compiled": is_fused(engine.model)}]
     lines.append(_time_steps(engine, mbs, args, model_args, device))
     if args.profile:
         lines.append(profile_step(engine, mbs, device, top=args.profile))

@@ -278,6 +278,9 @@ AUTO_DTYPE = "auto"
 # Activation recomputation modes (rlhf.engine.recompute applies them, rlhf.plan.memory sizes them).
 Recompute = Literal["none", "attention_block", "full"]
 RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
+# torch.compile of the elementwise bodies (rlhf.parallel.fusion says what each means per device).
+Compile = Literal["auto", "on", "off"]
+COMPILE_CHOICES: tuple[str, ...] = get_args(Compile)
 
 # "pkg.module:function" or "path/to/file.py:function"
 _MODULE_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
@@ -440,6 +443,10 @@ class ForwardRoleConfig:
     """Tensor/pipeline layout of this role."""
     dtype: Dtype = "auto"
     """Parameter and compute dtype; auto = bfloat16 on CUDA, float32 on CPU."""
+    compile: Compile = "auto"
+    """torch.compile of the elementwise work (norms, RoPE, gated activation, residual adds, the
+    LM head's per-chunk passes; GEMMs and attention stay eager): auto = on CUDA, off on CPU
+    (a process's first compile costs tens of seconds there); off = eager everywhere."""
     max_tokens_per_micro_batch: int = 4096
     """Token budget of one packed micro-batch; one whole sequence must fit."""
     share_prompts: bool = True

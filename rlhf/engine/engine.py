@@ -38,7 +38,14 @@ from torch import Tensor
 
 import rlhf.engine.checkpoint as ckpt
 from rlhf.algorithms.losses import normalizer_counts
-from rlhf.config.schema import AUTO_DTYPE, Dtype, LoraConfig, OptimizerConfig, ParallelConfig
+from rlhf.config.schema import (
+    AUTO_DTYPE,
+    Compile,
+    Dtype,
+    LoraConfig,
+    OptimizerConfig,
+    ParallelConfig,
+)
 from rlhf.engine.grads import GradBuffer, GradSync, clip_, gather_grads, grad_norm, scatters_grads
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
@@ -49,10 +56,12 @@ from rlhf.engine.schedule import LossFn, Outputs, make_schedule
 from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
 from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_full_grads
+from rlhf.models.fused import apply_compile
 from rlhf.models.param_table import ParamTable
 from rlhf.models.transformer import ValueModel
 from rlhf.parallel.collectives import group_rank, group_size
 from rlhf.parallel.expert_parallel import timed_all_to_all
+from rlhf.parallel.fusion import compile_enabled
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.timing import Stopwatch
 
@@ -83,12 +92,14 @@ class TrainEngine:
     `grads.scatters_grads` decides from the backend).
     `router_aux_loss_coef`: an MoE model's load-balancing loss weight in `forward_backward`
     (None: the checkpoint's; `rlhf.engine.router_aux`).
+    `compile`: the elementwise bodies compiled (`rlhf.models.fused`; auto = on CUDA only).
     """
 
     def __init__(self, built: BuiltModel, mesh: ParallelMesh, *,
                  optim: OptimizerConfig | None, total_steps: int = 1, head: Head | None = None,
                  recompute: Recompute = "none", bucket_numel: int = BUCKET_NUMEL,
-                 scatter_grads: bool | None = None, router_aux_loss_coef: float | None = None):
+                 scatter_grads: bool | None = None, router_aux_loss_coef: float | None = None,
+                 compile: Compile = "auto"):
         model = built.model
         if [e.name for e in built.table] != [name for name, _ in model.named_parameters()]:
             raise ValueError("the parameter table does not describe this model; pass the "
@@ -103,6 +114,7 @@ class TrainEngine:
         self.router_aux_loss_coef = router_aux_coef(model.args, router_aux_loss_coef,
                                                     pp=mesh.pp_size)
         apply_recompute(model, recompute)
+        apply_compile(model, compile_enabled(compile, self.device))
         # The one list of what trains: [dense] or, at ep > 1, [dense, experts]; [] forward only.
         self._sets: list[_ParamSet] = []
         self._grads_synced = False
@@ -179,7 +191,8 @@ class TrainEngine:
                         dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                         recompute: Recompute = "none", seed: int = 0,
                         lora: LoraConfig | None = None,
-                        router_aux_loss_coef: float | None = None) -> TrainEngine:
+                        router_aux_loss_coef: float | None = None,
+                        compile: Compile = "auto") -> TrainEngine:
         """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head and
         the adapters of `lora` (when enabled: the base is frozen, only adapters train)."""
         parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size)
@@ -191,7 +204,8 @@ class TrainEngine:
                             dtype=resolve_dtype(dtype, device), device=device,
                             value_head_seed=seed, lora=lora)
         return cls(built, mesh, optim=optim, total_steps=total_steps, head=head,
-                   recompute=recompute, router_aux_loss_coef=router_aux_loss_coef)
+                   recompute=recompute, router_aux_loss_coef=router_aux_loss_coef,
+                   compile=compile)
 
     # ---- compute -----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from rlhf.data.packing import Packed, shifted_targets
 from rlhf.data.routes import ROUTES
+from rlhf.models.fused import is_fused
 from rlhf.models.tp_sharding import TPState
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.models.varlen_layout import varlen_layout
@@ -78,14 +79,14 @@ def check_tp_matches(tp: TPState, mesh: ParallelMesh) -> None:
 
 
 def vocab_shard(model: CausalLM, mesh: ParallelMesh) -> dict:
-    """Keyword arguments of the vocab_parallel log-prob / entropy functions for this model's
-    LM head."""
+    """Keyword arguments of `vocab_parallel_log_probs_entropy` for this model's LM head
+    (`fused`: its chunks compiled, `rlhf.models.fused.apply_compile`)."""
     head = model.lm_head
     if isinstance(head, ParallelLMHead):
         return dict(group=mesh.tp_group, vocab_start=head.vocab_start, vocab_end=head.vocab_end,
-                    real_vocab_size=head.vocab_size)
+                    real_vocab_size=head.vocab_size, fused=is_fused(model))
     return dict(group=None, vocab_start=0, vocab_end=head.out_features,
-                real_vocab_size=head.out_features)
+                real_vocab_size=head.out_features, fused=is_fused(model))
 
 
 def model_outputs(model: nn.Module, packed: Packed, *, mesh: ParallelMesh,

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
 from rlhf.models.config import ACTIVATIONS, ModelArgs
+from rlhf.models.fused import add_rms_norm, gated, qk_rope, rms_norm
 from rlhf.models.moe import Routing, SparseMoeBlock
 from rlhf.models.varlen_layout import VarlenLayout
 
@@ -62,15 +63,6 @@ class RotaryEmbedding(nn.Module):
         return emb_TD.cos().to(dtype), emb_TD.sin().to(dtype)
 
 
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x_THD: Tensor, cos_TD: Tensor, sin_TD: Tensor) -> Tensor:
-    return x_THD * cos_TD[:, None, :] + rotate_half(x_THD) * sin_TD[:, None, :]
-
-
 class RMSNorm(nn.Module):
     """RMSNorm as transformers computes it for the family: "llama" normalises in fp32, casts
     back, then scales; "gemma" scales by (1 + weight) in fp32, then casts."""
@@ -80,13 +72,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim) if style == "llama" else torch.zeros(dim))
         self.eps = eps
         self.offset = style == "gemma"
+        self.fused = False  # rlhf.models.fused.apply_compile
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(self.fused, x, self.weight, self.eps, self.offset)
+
+    def add_forward(self, x: Tensor, delta: Tensor) -> tuple[Tensor, Tensor]:
+        """(x + delta, self(x + delta)): a residual add and this norm in one pass."""
+        return add_rms_norm(self.fused, x, delta, self.weight, self.eps, self.offset)
 
 
 class Attention(nn.Module):
@@ -106,6 +99,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_out, args.hidden_size, bias=args.o_bias)
         self.q_norm = _norm(args, args.head_dim) if args.qk_norm else None
         self.k_norm = _norm(args, args.head_dim) if args.qk_norm else None
+        self.fused = False  # rlhf.models.fused.apply_compile
 
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, prefix: SharedPrefix | None = None,
@@ -115,9 +109,13 @@ class Attention(nn.Module):
         q_THD = self.q_proj(hidden_TH).view(-1, self.num_heads, self.head_dim)
         k_THD = self.k_proj(hidden_TH).view(-1, self.num_kv_heads, self.head_dim)
         v_THD = self.v_proj(hidden_TH).view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q_THD, k_THD = self.q_norm(q_THD), self.k_norm(k_THD)
-        q_THD, k_THD = apply_rope(q_THD, cos_TD, sin_TD), apply_rope(k_THD, cos_TD, sin_TD)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if q_norm is not None and k_norm is not None:
+            q_THD, k_THD = qk_rope(self.fused, q_THD, k_THD, cos_TD, sin_TD, q_norm.weight,
+                                   k_norm.weight, q_norm.eps, q_norm.offset)
+        else:
+            q_THD, k_THD = qk_rope(self.fused, q_THD, k_THD, cos_TD, sin_TD, None, None, 0.0,
+                                   False)
         out_THD = varlen_attention(q_THD, k_THD, v_THD, cu_seqlens=cu_seqlens,
                                    max_seqlen=max_seqlen, causal=True, scale=self.scale,
                                    prefix=prefix, layout=layout)
@@ -137,9 +135,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.fused = False  # rlhf.models.fused.apply_compile
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        return self.down_proj(self.act(self.gate_proj(x_TH)) * self.up_proj(x_TH))
+        return self.down_proj(gated(self.fused, self.act, self.gate_proj(x_TH),
+                                    self.up_proj(x_TH)))
 
 
 class DecoderLayer(nn.Module):
@@ -155,9 +155,9 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden_TH: Tensor, cos_TD: Tensor, sin_TD: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int, prefix: SharedPrefix | None = None,
                 layout: VarlenLayout | None = None, routing: Routing | None = None) -> Tensor:
-        hidden_TH = hidden_TH + self.self_attn(self.input_layernorm(hidden_TH), cos_TD, sin_TD,
-                                               cu_seqlens, max_seqlen, prefix, layout)
-        normed_TH = self.post_attention_layernorm(hidden_TH)
+        attn_TH = self.self_attn(self.input_layernorm(hidden_TH), cos_TD, sin_TD, cu_seqlens,
+                                 max_seqlen, prefix, layout)
+        hidden_TH, normed_TH = self.post_attention_layernorm.add_forward(hidden_TH, attn_TH)
         if isinstance(self.mlp, SparseMoeBlock):
             return hidden_TH + self.mlp(normed_TH, routing)
         return hidden_TH + self.mlp(normed_TH)
@@ -243,6 +243,7 @@ class _WithBody(nn.Module):
         self.has_head = has_head
         self.model = Transformer(args, layer_range=layer_range, layer_ranges=layer_ranges,
                                  has_embedding=has_embedding, has_norm=has_head)
+        self.fused = False  # the vocab head's chunks (rlhf.models.fused.apply_compile)
 
     @property
     def is_complete(self) -> bool:

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from rlhf.parallel.collectives import all_reduce
+from rlhf.parallel.fusion import Fused
 
 # float32 elements of one (tokens, local vocab) chunk of the head's work: two such buffers
 # are live at once, so this bounds the workspace beyond the logits and their grad.
@@ -80,12 +81,14 @@ def vocab_parallel_log_probs_entropy(
     real_vocab_size: int,
     temperature: float = 1.0,
     chunk_elements: int = HEAD_CHUNK_ELEMENTS,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(log softmax(logits / temperature)[target], entropy of that softmax), each (T,)
     float32 and differentiable, over the full vocabulary; one fused pass.
 
     `logits_TV_local` may have extra leading dims (..., V_local); `targets_T` then has (...).
-    Without targets the log-probs are meaningless (use the entropy only).
+    Without targets the log-probs are meaningless (use the entropy only). `fused`: each
+    chunk's float32 passes as one compiled kernel (`rlhf.models.fused`), not op by op.
     """
     n_real = _real_columns(logits_TV_local, vocab_start, vocab_end, real_vocab_size)
     lead = logits_TV_local.shape[:-1]
@@ -99,7 +102,7 @@ def vocab_parallel_log_probs_entropy(
     logits_TV = logits_TV_local.reshape(-1, logits_TV_local.shape[-1])
     log_probs_T, entropy_T = _VocabHead.apply(
         logits_TV, targets_T.reshape(-1) - vocab_start, group, n_real, float(temperature),
-        token_chunk(n_real, chunk_elements=chunk_elements))
+        token_chunk(n_real, chunk_elements=chunk_elements), fused)
     return log_probs_T.reshape(lead), entropy_T.reshape(lead)
 
 
@@ -136,9 +139,46 @@ def _scaled_chunk(logits_TV: Tensor, rows: slice, n_real: int, temperature: floa
     return x_CV.div_(temperature) if temperature != 1.0 else x_CV
 
 
+def _head_chunk_stats(logits_CV: Tensor, index_C: Tensor,
+                      temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One chunk of the vocab head's forward over this rank's real columns, in float32:
+    (row max, target logit, sum of exp(x - max), sum of exp(x - max) * (x - max)), with
+    x = logits / temperature. -inf (x - max) is clamped to the lowest float so that
+    exp * x is 0 there, not nan."""
+    x_CV = logits_CV.float() / temperature
+    max_C = x_CV.amax(-1)
+    target_C = x_CV.gather(-1, index_C[:, None])[:, 0]
+    shifted_CV = (x_CV - max_C[:, None]).clamp(min=torch.finfo(torch.float32).min)
+    exp_CV = shifted_CV.exp()
+    return max_C, target_C, exp_CV.sum(-1), (exp_CV * shifted_CV).sum(-1)
+
+
+def _head_chunk_grad(logits_CV: Tensor, index_C: Tensor, in_shard_C: Tensor, max_C: Tensor,
+                     log_sum_C: Tensor, mean_shifted_C: Tensor, grad_entropy_C: Tensor | None,
+                     grad_log_probs_C: Tensor | None, temperature: float) -> Tensor:
+    """One chunk of the vocab head's backward: d loss / d logits over the real columns, in
+    the logits' dtype. d log p(y) / d x_v = 1[v == y] - p_v; d H / d x_v = -p_v (x_v - E_p[x])
+    (x shifted by the row max, which cancels); both divided by the temperature."""
+    x_CV = (logits_CV.float() / temperature - max_C[:, None]).clamp(
+        min=torch.finfo(torch.float32).min)
+    p_CV = (x_CV - log_sum_C[:, None]).exp()
+    out_CV = torch.zeros_like(x_CV)
+    if grad_entropy_C is not None:
+        out_CV = -(x_CV - mean_shifted_C[:, None]) * p_CV * grad_entropy_C[:, None].float()
+    if grad_log_probs_C is not None:
+        lp_C = grad_log_probs_C.float()
+        out_CV = out_CV - p_CV * lp_C[:, None]
+        out_CV = out_CV.scatter_add(-1, index_C[:, None], (lp_C * in_shard_C)[:, None])
+    return (out_CV / temperature).to(logits_CV.dtype)
+
+
+head_chunk_stats = Fused(_head_chunk_stats)
+head_chunk_grad = Fused(_head_chunk_grad)
+
+
 class _VocabHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits_TV, local_T, group, n_real, temperature, chunk):
+    def forward(ctx, logits_TV, local_T, group, n_real, temperature, chunk, fused):
         num_tokens = logits_TV.shape[0]
         stats = logits_TV.new_zeros((4, num_tokens), dtype=torch.float32)
         local_max_T, sum_T, weighted_T, target_T = stats  # local max; relative to it
@@ -147,6 +187,11 @@ class _VocabHead(torch.autograd.Function):
         local_max_T.fill_(float("-inf"))  # stays so on a rank holding only padding
         for start in range(0, num_tokens if n_real else 0, chunk):
             rows = slice(start, start + chunk)
+            if fused:
+                (local_max_T[rows], target_T[rows], sum_T[rows],
+                 weighted_T[rows]) = head_chunk_stats.compiled(
+                    logits_TV[rows, :n_real], index_T[rows], temperature)
+                continue
             x_CV = _scaled_chunk(logits_TV, rows, n_real, temperature)
             local_max_T[rows] = x_CV.amax(-1)
             target_T[rows] = x_CV.gather(-1, index_T[rows, None])[:, 0]
@@ -169,7 +214,7 @@ class _VocabHead(torch.autograd.Function):
         log_sum_T = sum_T.log()
         mean_shifted_T = weighted_T / sum_T  # E_p[x - M]
         ctx.save_for_backward(logits_TV, index_T, in_shard_T, max_T, log_sum_T, mean_shifted_T)
-        ctx.n_real, ctx.temperature, ctx.chunk = n_real, temperature, chunk
+        ctx.n_real, ctx.temperature, ctx.chunk, ctx.fused = n_real, temperature, chunk, fused
         ctx.set_materialize_grads(False)
         return target_T - log_sum_T, log_sum_T - mean_shifted_T
 
@@ -179,10 +224,17 @@ class _VocabHead(torch.autograd.Function):
         n_real, temperature = ctx.n_real, ctx.temperature
         grad_TV = torch.zeros_like(logits_TV)  # padding columns get 0
         if grad_log_probs_T is None and grad_entropy_T is None:
-            return grad_TV, None, None, None, None, None
+            return grad_TV, None, None, None, None, None, None
         lp_T = None if grad_log_probs_T is None else grad_log_probs_T.float()
         for start in range(0, logits_TV.shape[0] if n_real else 0, ctx.chunk):
             rows = slice(start, start + ctx.chunk)
+            if ctx.fused:
+                grad_TV[rows, :n_real] = head_chunk_grad.compiled(
+                    logits_TV[rows, :n_real], index_T[rows], in_shard_T[rows], max_T[rows],
+                    log_sum_T[rows], mean_shifted_T[rows],
+                    None if grad_entropy_T is None else grad_entropy_T[rows],
+                    None if lp_T is None else lp_T[rows], temperature)
+                continue
             x_CV = _scaled_chunk(logits_TV, rows, n_real, temperature)
             x_CV.sub_(max_T[rows, None]).clamp_(min=torch.finfo(torch.float32).min)
             p_CV = x_CV.sub(log_sum_T[rows, None]).exp_()
@@ -201,4 +253,4 @@ class _VocabHead(torch.autograd.Function):
                 out_CV.div_(temperature)
             grad_TV[rows, :n_real] = out_CV
             del x_CV, p_CV, out_CV
-        return grad_TV, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None
