@@ -29,9 +29,11 @@ def _report(capsys):
 
 
 def test_tp2_matches_transformers(folder, capsys):
-    assert main(["verify-model", folder, "--tp", "2", "--num-seqs", "4"]) == 0
+    """Compiled (`--compile on`; the other layouts here run eager): the fused bodies on the
+    tp shards, the padded vocab head's chunks included."""
+    assert main(["verify-model", folder, "--tp", "2", "--num-seqs", "4", "--compile", "on"]) == 0
     report = _report(capsys)
-    assert FIELDS <= report.keys()
+    assert FIELDS <= report.keys() and report["compiled"] is True
     assert report["layout"] == {"tp": 2, "pp": 1, "dp": 1, "nproc": 2, "sequence_parallel": False}
     assert report["passed"] is True and report["num_seqs"] == 4
     assert set(report["max_abs_diff"]) == {"logits", "log_probs", "entropy", "grads"}
