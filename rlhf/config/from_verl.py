@@ -85,6 +85,11 @@ def _recompute(value: Any, source: Source) -> str:
     return "full" if value else "none"
 
 
+def _compile(value: Any, source: Source) -> str:
+    """verl compiles on the GPU when true; auto does so here (and not on the CPU)."""
+    return "auto" if value else "off"
+
+
 _KL_NAMES = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2",
              "low_var_kl": "k3", "k3": "k3"}
 
@@ -233,6 +238,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
             note="a local Hugging Face folder (hub names are not downloaded)"),
     VerlKey("actor_rollout_ref.model.enable_gradient_checkpointing", ("actor.recompute",),
             note="true = full (attention_block recomputes less)", convert=_recompute),
+    VerlKey("actor_rollout_ref.actor.use_torch_compile", ("actor.compile",),
+            note="true = auto (compiled on CUDA: norms, RoPE, activation, the head's chunks)",
+            convert=_compile),
     VerlKey("actor_rollout_ref.model.use_remove_padding",
             note="always on: sequences are packed without padding",
             convert=_only(True, "sequences are always packed without padding")),

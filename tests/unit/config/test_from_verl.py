@@ -34,6 +34,7 @@ actor_rollout_ref:
     use_kl_loss: true
     kl_loss_type: low_var_kl
     clip_ratio: 0.28
+    use_torch_compile: false
     some_new_knob: 3
   rollout:
     name: vllm
@@ -86,6 +87,7 @@ def test_a_verl_grpo_config_translates_and_loads(verl_job, tmp_path, capsys):
     assert cfg.rollout.max_new_tokens == 300 and (cfg.rollout.tp, cfg.rollout.n) == (2, 8)
     assert cfg.actor.optim.lr == 3e-6 and cfg.actor.optim.warmup_steps == 0
     assert cfg.actor.recompute == "full" and cfg.actor.ppo_mini_batch_size == 2
+    assert cfg.actor.compile == "off"
     assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.28, 0.28)
     assert cfg.algorithm.kl_loss_type == "k3" and cfg.algorithm.use_kl_loss
     assert cfg.algorithm.adv_estimator == "grpo" and cfg.algorithm.kl_coef == 0.002
