@@ -53,6 +53,7 @@ from torch.distributed import ProcessGroup
 
 from rlhf.data.routes import ROUTES
 from rlhf.models.config import ModelArgs
+from rlhf.models.fused import gated
 from rlhf.parallel.collectives import (
     copy_to_tp,
     gather_from_sequence,
@@ -177,10 +178,12 @@ class Expert(nn.Module):
         return F.linear(F.silu(gate) * F.linear(x_TH, self.up_proj.weight), self.down_proj.weight)
 
 
-def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -> Tensor:
+def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor, *,
+                    fused: bool = False) -> Tensor:
     """Rows of `x_NH`, grouped by expert (`counts_E[e]` rows for `experts[e]`, in order),
     through their experts: grouped GEMMs over the stacked weights with no host read where
-    `runs_grouped` says so, else one expert at a time."""
+    `runs_grouped` says so, else one expert at a time. `fused`: SwiGLU between the grouped
+    GEMMs as one compiled kernel (`rlhf.models.fused`)."""
     gate = experts[0].gate_proj.weight if experts else None
     if gate is None or x_NH.shape[0] == 0 or not runs_grouped(x_NH, gate):
         return _expert_loop(experts, x_NH, counts_E)
@@ -188,7 +191,7 @@ def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -
     gate_up_N2I = _GroupedLinear.apply(x_NH, offs_E, 2, *[e.gate_proj.weight for e in experts],
                                        *[e.up_proj.weight for e in experts])
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
-    hidden_NI = F.silu(gate_NI) * up_NI
+    hidden_NI = gated(fused, F.silu, gate_NI, up_NI)
     return _GroupedLinear.apply(hidden_NI, offs_E, 1, *[e.down_proj.weight for e in experts])
 
 
@@ -262,6 +265,7 @@ class SparseMoeBlock(nn.Module):
         self.sequence_parallel = False
         self.ep_group: ProcessGroup | None = None  # set by expert_sharding.apply_ep
         self.expert_placement: ExpertPlacement | None = None
+        self.fused = False  # rlhf.models.fused.apply_compile
 
     def forward(self, x_TH: Tensor, routing: Routing | None = None) -> Tensor:
         group, tp = self.tp_group, group_size(self.tp_group)
@@ -306,4 +310,4 @@ class SparseMoeBlock(nn.Module):
 
     def run_local_experts(self, x_NH: Tensor, counts_E: Tensor) -> Tensor:
         """This rank's experts (global index order) on copies grouped by expert."""
-        return grouped_experts(list(self.experts.values()), x_NH, counts_E)
+        return grouped_experts(list(self.experts.values()), x_NH, counts_E, fused=self.fused)

@@ -277,7 +277,8 @@ def test_experts_run_as_grouped_gemms_without_a_host_read(models, monkeypatch):
     assert 2 * 3 <= sum(idle) < len(idle)  # the unrouted experts' grads are zeros
 
 
-def _experts_against_the_loop(experts, x_NH, counts_E, *, frozen: bool, monkeypatch):
+def _experts_against_the_loop(experts, x_NH, counts_E, *, frozen: bool, monkeypatch,
+                              fused: bool = False):
     """(grouped GEMM calls, output, input grad, weight grads) of grouped_experts and of the
     expert-by-expert loop, the grads of a random projection of the output."""
     from rlhf.models.moe import grouped_experts
@@ -291,7 +292,7 @@ def _experts_against_the_loop(experts, x_NH, counts_E, *, frozen: bool, monkeypa
     monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     probe = torch.randn(x_NH.shape, generator=torch.Generator().manual_seed(1)).to(x_NH)
     results = []
-    for run in (lambda x: grouped_experts(experts, x, counts_E),
+    for run in (lambda x: grouped_experts(experts, x, counts_E, fused=fused),
                 lambda x: torch.cat([e(r) for e, r in zip(experts, x.split(counts_E.tolist()))])):
         x = x_NH.detach().clone().requires_grad_()
         out = run(x)
@@ -303,10 +304,11 @@ def _experts_against_the_loop(experts, x_NH, counts_E, *, frozen: bool, monkeypa
     return len(calls), results[0], results[1]
 
 
-@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
-def test_grouped_experts_backward_equals_the_loop(frozen, monkeypatch):
+@pytest.mark.parametrize("frozen, fused", [(False, False), (True, False), (False, True)],
+                         ids=["trained", "frozen", "trained-compiled"])
+def test_grouped_experts_backward_equals_the_loop(frozen, fused, monkeypatch):
     """Input and weight grads through the grouped GEMMs' own backward equal the loop's; frozen
-    experts (a LoRA run) skip the weight-grad GEMMs."""
+    experts (a LoRA run) skip the weight-grad GEMMs; the SwiGLU between them compiled too."""
     from rlhf.models.moe import Expert
 
     torch.manual_seed(0)
@@ -314,7 +316,7 @@ def test_grouped_experts_backward_equals_the_loop(frozen, monkeypatch):
     counts = torch.tensor([4, 0, 7, 1, 3])  # an unrouted expert among them
     x = torch.randn(int(counts.sum()), 64)
     calls, grouped, looped = _experts_against_the_loop(experts, x, counts, frozen=frozen,
-                                                       monkeypatch=monkeypatch)
+                                                       monkeypatch=monkeypatch, fused=fused)
     # forward: gate+up, down; backward: both input grads, and both weight grads unless frozen
     assert calls == (4 if frozen else 6)
     for got, want in zip(grouped[:2], looped[:2]):
@@ -328,8 +330,10 @@ def test_grouped_experts_backward_equals_the_loop(frozen, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch):
-    """The CUDA grouped GEMM's operand layouts, forward and both backward GEMMs, in bf16."""
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
+def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch, fused):
+    """The CUDA grouped GEMM's operand layouts, forward and both backward GEMMs, in bf16;
+    with SwiGLU between them eager and compiled (`compile: auto` on CUDA)."""
     from rlhf.models.moe import Expert
 
     torch.manual_seed(0)
@@ -337,7 +341,7 @@ def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch):
     counts = torch.tensor([5, 0, 9, 3, 1, 6], device="cuda")
     x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
     calls, grouped, looped = _experts_against_the_loop(experts, x, counts, frozen=False,
-                                                       monkeypatch=monkeypatch)
+                                                       monkeypatch=monkeypatch, fused=fused)
     assert calls == 6
     for got, want in zip([*grouped[:2], *grouped[2]], [*looped[:2], *looped[2]]):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
