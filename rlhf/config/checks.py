@@ -211,13 +211,15 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
     world = cfg.role_world_size(role)
     where = (f"{name}.world_size={world}" if role.placement == "separate" else
              f"the shared pool of {world} ranks (trainer.nnodes * trainer.ranks_per_node)")
-    if world % (parallel.tp * parallel.pp):
-        yield (f"{name}.parallel.tp * {name}.parallel.pp = {parallel.tp * parallel.pp} does not divide "
+    axes = "tp * cp * pp" if parallel.cp > 1 else "tp * pp"
+    if world % parallel.model_ranks:
+        product = " * ".join(f"{name}.parallel.{a}" for a in axes.split(" * "))
+        yield (f"{product} = {parallel.model_ranks} does not divide "
                f"{where}; change the layout or the number of ranks")
-    elif world // (parallel.tp * parallel.pp) % parallel.ep:
-        dp = world // (parallel.tp * parallel.pp)
+    elif world // parallel.model_ranks % parallel.ep:
+        dp = world // parallel.model_ranks
         yield (f"{name}.parallel.ep={parallel.ep} does not divide the {dp} data-parallel ranks of "
-               f"{name} ({where} / (tp * pp)); expert parallelism is carved out of data "
+               f"{name} ({where} / ({axes})); expert parallelism is carved out of data "
                "parallelism, so choose an ep that divides dp")
     if parallel.ep > 1 and cfg.trainer.micro_batching == "cost_model":
         yield (f"{name}.parallel.ep={parallel.ep} needs every rank of an ep group to run as many "
@@ -252,6 +254,10 @@ def _check_parallel_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFac
     elif facts.num_experts % parallel.ep:
         yield (f"{name}.parallel.ep={parallel.ep} does not divide the model's {facts.num_experts} "
                f"experts ({src}); choose a divisor so every rank holds the same number")
+    if parallel.cp > 1 and facts.num_experts:
+        yield (f"{name}.parallel.cp={parallel.cp} with a mixture-of-experts model ({src}): the "
+               "training engine runs context parallelism on dense models only so far; set cp "
+               "to 1")
     stages = parallel.pp * parallel.vpp
     if facts.num_layers < stages:
         yield (f"{name}.parallel.pp * {name}.parallel.vpp = {stages} exceeds the model's "
@@ -264,9 +270,9 @@ def _check_parallel_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFac
 def _check_role_batches(cfg: JobConfig, name: str, role: ForwardRoleConfig) -> Iterator[str]:
     parallel = role.parallel
     world = cfg.role_world_size(role)
-    if world % (parallel.tp * parallel.pp):
+    if world % parallel.model_ranks:
         return  # reported by _check_role; DP size is undefined
-    dp = world // (parallel.tp * parallel.pp)
+    dp = world // parallel.model_ranks
     n, batch = cfg.rollout.n, cfg.data.train_batch_size
     if not isinstance(role, TrainRoleConfig):
         if batch * n % dp:

@@ -311,9 +311,16 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size of MoE layers, carved out of data parallelism: divides dp and the
     model's number of experts; each rank holds num_experts / ep experts."""
+    cp: int = 1
+    """Context-parallel size: the cp ranks of a model replica split every packed micro-batch's
+    tokens (a long sequence spans them all) and gather keys and values in attention; dense
+    models, with share_prompts false (docs/guides/context-parallelism.md)."""
 
     def __post_init__(self):
-        require_min(self, 1, "tp", "pp", "vpp", "ep")
+        require_min(self, 1, "tp", "pp", "vpp", "ep", "cp")
+        if self.cp > 1 and self.ep > 1:
+            raise ConfigError(f"cp={self.cp} with ep={self.ep}: the training engine does not yet "
+                              "sum routed experts' grads over the cp ranks; set cp or ep to 1")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"vpp={self.vpp} needs pp > 1 (interleaving splits pipeline stages); "
                               "set vpp to 1 or raise pp")
@@ -328,6 +335,11 @@ class ParallelConfig:
             if min(self.layers_per_stage) < 1:
                 raise ConfigError(f"layers_per_stage entries must be at least 1, got "
                                   f"{list(self.layers_per_stage)}")
+
+    @property
+    def model_ranks(self) -> int:
+        """Ranks of one data-parallel replica: tp * cp * pp (dp takes the rest)."""
+        return self.tp * self.cp * self.pp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -460,6 +472,10 @@ class ForwardRoleConfig:
     def __post_init__(self):
         require_min(self, 1, "max_tokens_per_micro_batch")
         require_placement(self)
+        if self.parallel.cp > 1 and self.share_prompts:
+            raise ConfigError(f"parallel.cp={self.parallel.cp} splits each sequence into chunks "
+                              "over the cp ranks, which a prompt shared by several samples "
+                              "does not fit; set share_prompts=false")
 
 
 @dataclass(frozen=True, kw_only=True)
