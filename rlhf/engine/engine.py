@@ -18,6 +18,11 @@ train through fp32 master weights; fp32 models are their own masters. Only train
 parameters get grads and optimizer state: with LoRA adapters (`rlhf.models.lora`) the
 frozen base is outside the grad buffers, the grad sync and ZeRO-1.
 
+With cp > 1 every rank of a dp replica receives the same micro-batches and runs its context
+shard of each (`rlhf.engine.rank_stream`); the outputs handed to `loss_fn` are gathered back
+to whole packs, so losses, normalisers (over dp) and metrics are those of cp = 1, and the
+grads are summed and ZeRO-1 sharded over dp × cp (`grads.sync_group`).
+
 With pp > 1 the model is this rank's pipeline chunks and the schedule is 1F1B or interleaved
 1F1B (`rlhf.engine.pipeline`); metrics are broadcast from the last stage, so every rank
 returns the same numbers.
@@ -46,7 +51,15 @@ from rlhf.config.schema import (
     OptimizerConfig,
     ParallelConfig,
 )
-from rlhf.engine.grads import GradBuffer, GradSync, clip_, gather_grads, grad_norm, scatters_grads
+from rlhf.engine.grads import (
+    GradBuffer,
+    GradSync,
+    clip_,
+    gather_grads,
+    grad_norm,
+    scatters_grads,
+    sync_group,
+)
 from rlhf.engine.metrics import reduce_metrics
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.optim import ShardedAdamW, lr_at
@@ -142,7 +155,7 @@ class TrainEngine:
         for ids, expert in ((dense_ids, False), (expert_ids, True)):
             if expert and not ids:
                 continue
-            group = mesh.edp_group if expert else mesh.dp_group
+            group = sync_group(mesh, expert=expert)
             shards = num_shards(group_size(group), optim.distributed)
             part = partition([params[i].numel() for i in ids], shards, bucket_numel=bucket_numel)
             self.table = self.table.with_partition(part, only=ids)  # touches `ids` only
@@ -195,10 +208,12 @@ class TrainEngine:
                         compile: Compile = "auto") -> TrainEngine:
         """Load this rank's shard of the HF folder `path`; `seed` seeds a fresh value head and
         the adapters of `lora` (when enabled: the base is frozen, only adapters train)."""
-        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size)
-        if (parallel.tp, parallel.pp) != (mesh.tp_size, mesh.pp_size):
-            raise ValueError(f"the parallel config has tp={parallel.tp} pp={parallel.pp} but the mesh has "
-                             f"tp={mesh.tp_size} pp={mesh.pp_size}; build them from one config")
+        parallel = parallel or ParallelConfig(tp=mesh.tp_size, pp=mesh.pp_size, ep=mesh.ep_size,
+                                              cp=mesh.cp_size)
+        if (parallel.tp, parallel.cp, parallel.pp) != (mesh.tp_size, mesh.cp_size, mesh.pp_size):
+            raise ValueError(f"the parallel config has tp={parallel.tp} cp={parallel.cp} "
+                             f"pp={parallel.pp} but the mesh has tp={mesh.tp_size} "
+                             f"cp={mesh.cp_size} pp={mesh.pp_size}; build them from one config")
         device = resolve_device(device)
         built = build_model(path, mesh=mesh, parallel=parallel, head=head,
                             dtype=resolve_dtype(dtype, device), device=device,

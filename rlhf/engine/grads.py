@@ -5,7 +5,8 @@ the flat buffer laid out by a `zero.Partition`; a hook moves each backward's `pa
 there, so parameters never keep a `.grad`. `GradSync` is the one grad sync, run by training
 and by `rlhf verify-model`:
 
-1. over DP the grads are SUMMED (loss_fn normalises by global counts), bucket by bucket:
+1. over DP (dp × cp at cp > 1, `sync_group`) the grads are SUMMED (loss_fn normalises by
+   global counts), bucket by bucket:
    reduce-scattered into each rank's shard under ZeRO-1 when `GradBuffer.scatter` (only the
    owned ranges are then valid), else all-reduced whole. `scatters_grads` decides `scatter`
    once, from the backend;
@@ -89,9 +90,16 @@ def scatters_grads(part: Partition, dp_group) -> bool:
     return part.shards > 1 and dist.get_backend(dp_group) != "gloo"
 
 
+def sync_group(mesh: ParallelMesh, *, expert: bool):
+    """The group a parameter set's grads are summed and ZeRO-1 sharded over: edp for routed
+    experts, else dp × cp (the cp ranks of a replica ran different tokens of the same packs;
+    the dp group at cp = 1)."""
+    return mesh.edp_group if expert else mesh.dp_cp_group
+
+
 def data_group(grads: GradBuffer, mesh: ParallelMesh):
-    """The group `grads` are summed and ZeRO-1 sharded over: edp for experts, else dp."""
-    return mesh.edp_group if grads.expert else mesh.dp_group
+    """The group `grads` are summed and ZeRO-1 sharded over (`sync_group`)."""
+    return sync_group(mesh, expert=grads.expert)
 
 
 class GradSync:

@@ -36,8 +36,9 @@ from rlhf.engine.pipeline_order import (
     training_orders,
     units,
 )
+from rlhf.engine.rank_stream import RankStream, check_context_parallel, rank_stream, stream_outputs
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
-from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
+from rlhf.models.outputs import check_outputs, check_tp_matches
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.p2p import (
@@ -63,6 +64,7 @@ class PipelineSchedule:
             raise ValueError("a pipelined schedule needs pp > 1 and a model built for one stage "
                              "(rlhf.models.build.build_model with plan.pp > 1)")
         check_tp_matches(tp, mesh)
+        check_context_parallel(model, mesh)
         self.model, self.mesh, self.device, self.chunks = model, mesh, device, chunks
         self.vpp, self.pp, self.rank = len(chunks), mesh.pp_size, mesh.pp_rank
         self.num_virtual = self.pp * self.vpp
@@ -154,6 +156,7 @@ class _Run:
         self.peak_held, self.wait = 0, Stopwatch(schedule.device)
         self.outputs: dict[int, Outputs] = {}
         self.results: dict[int, MicroBatchResult] = {}
+        self.streams: dict[int, RankStream] = {}
 
     def execute(self, order: Sequence[Step], *, pair: bool) -> None:
         for unit in units(order, pair=pair):
@@ -195,7 +198,7 @@ class _Run:
         if kind == FORWARD:
             if chunk.has_embedding:
                 return None
-            shape = activation_shape(self.mbs[i].num_tokens, s.model.args.hidden_size,
+            shape = activation_shape(self.stream(i).num_tokens, s.model.args.hidden_size,
                                      tp=s._tp, sequence_parallel=s._sp)
             return Recv(shape, s._dtype, src=self._peer(v - 1), tag=self._tag(i, v, ACTIVATION))
         if chunk.has_head:
@@ -203,25 +206,32 @@ class _Run:
         y = self.held[(i, k)][1]
         return Recv(tuple(y.shape), y.dtype, src=self._peer(v + 1), tag=self._tag(i, v, GRADIENT))
 
+    def stream(self, i: int) -> RankStream:
+        """Micro-batch i's stream on this rank (its cp shard at cp > 1), built once per run."""
+        if i not in self.streams:
+            self.streams[i] = rank_stream(self.mbs[i], self.s.mesh, tp=self.s._tp,
+                                          sequence_parallel=self.s._sp)
+        return self.streams[i]
+
     def forward_step(self, i: int, k: int, received: Tensor | None) -> None:
         s, mb, chunk = self.s, self.mbs[i], self.s.chunks[k]
         v = chunk.virtual_stage
-        run = sp_pad(mb.packed, s._tp) if s._sp else mb.packed
+        run = self.stream(i)
         x = run.tokens if chunk.has_embedding else received.requires_grad_(
             torch.is_grad_enabled())
         # A stage sees its own layers only: their routes, never the pooled aux loss.
         routing = micro_batch_routing(s.model, mb, self.output_names)
         hidden = s.model.model.run(x, run.position_ids, run.cu_seqlens, run.max_seqlen,
                                    layers=chunk.layer_names, embed=chunk.has_embedding,
-                                   norm=chunk.has_head, prefix=run.prefix,
-                                   layout=mb.layout.padded(run.tokens.shape[0]), routing=routing)
+                                   norm=chunk.has_head, prefix=run.prefix, layout=run.layout,
+                                   routing=routing)
         if not chunk.has_head:
             self._send(hidden, i, v + 1, ACTIVATION)
             if self.loss_fn is not None:
                 self.held[(i, k)] = (x, hidden)
             return
-        out = head_outputs(s.model, s.model.head(hidden)[:mb.num_tokens], mb.packed,
-                           mesh=s.mesh, outputs=self.output_names, temperature=self.temperature)
+        out = stream_outputs(s.model, s.model.head(hidden), run, mb, mesh=s.mesh,
+                             outputs=self.output_names, temperature=self.temperature)
         out.update(routing_outputs(s.model, routing, self.output_names, with_aux=False))
         if self.loss_fn is None:
             self.outputs[i] = out

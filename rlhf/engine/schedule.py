@@ -35,11 +35,12 @@ from rlhf.engine.loss_fn import (
 )
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
+from rlhf.engine.rank_stream import check_context_parallel, rank_stream, stream_outputs
 from rlhf.engine.recompute import Recomputed
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
 from rlhf.models.expert_sharding import idle_expert_exchange
-from rlhf.models.outputs import check_outputs, check_tp_matches, head_outputs, sp_pad
+from rlhf.models.outputs import check_outputs, check_tp_matches
 from rlhf.models.tp_sharding import TPState
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.trace import span
@@ -66,6 +67,7 @@ class NoPipeline:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, tp: TPState, device):
         check_tp_matches(tp, mesh)
+        check_context_parallel(model, mesh)
         self.model, self.mesh, self.device = model, mesh, device
         self._tp, self._sp = tp.tp, tp.sequence_parallel
 
@@ -74,13 +76,12 @@ class NoPipeline:
         # model_outputs' steps, with the micro-batch's host layout passed to every layer
         if mb.num_tokens == 0:
             return self._padding_outputs(outputs)
-        run = sp_pad(mb.packed, self._tp) if self._sp else mb.packed
+        run = rank_stream(mb, self.mesh, tp=self._tp, sequence_parallel=self._sp)
         routing = micro_batch_routing(self.model, mb, outputs)
         out = self.model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
-                         prefix=run.prefix, layout=mb.layout.padded(run.tokens.shape[0]),
-                         routing=routing)
-        return {**head_outputs(self.model, out[:mb.num_tokens], mb.packed, mesh=self.mesh,
-                               outputs=outputs, temperature=temperature),
+                         prefix=run.prefix, layout=run.layout, routing=routing)
+        return {**stream_outputs(self.model, out, run, mb, mesh=self.mesh, outputs=outputs,
+                                 temperature=temperature),
                 **routing_outputs(self.model, routing, outputs, with_aux=training)}
 
     def _padding_outputs(self, outputs: tuple[str, ...]) -> Outputs:

@@ -1,0 +1,118 @@
+"""The token stream one rank runs for a micro-batch, and its per-token outputs for the caller.
+
+Every rank of a data-parallel replica receives the same micro-batches (the driver plans per dp
+group). Without context parallelism a rank runs the whole pack (padded to a multiple of tp
+under sequence parallelism). With cp > 1 it runs its `ContextShard` of the pack
+(rlhf.parallel.context_parallel: two mirrored chunks of every sequence, so a long sequence
+spans the cp ranks and short ones cost at most 2 * cp - 1 pad tokens), its attention gathering
+keys and values over the cp group.
+
+The head's per-token outputs (log-probs, entropy, values) are computed on the local rows and
+all-gathered back to the whole pack, in stream order, before the loss: every cp rank then
+computes the same loss on the same full outputs, so the loss function, its normalisers
+(counted over dp, since each cp rank holds every sequence's targets) and the metrics are those
+of cp = 1. The gather's backward keeps this rank's rows of that one gradient, so each cp rank's
+parameter grads come from its own tokens only and their sum over dp × cp is the full gradient
+(`rlhf.engine.grads`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from rlhf.data.packing import SharedPrefix, shifted_targets
+from rlhf.engine.micro_batch import MicroBatch
+from rlhf.models.outputs import head_outputs, sp_pad, vocab_shard
+from rlhf.models.transformer import ValueModel
+from rlhf.models.varlen_layout import VarlenLayout, context_layout
+from rlhf.parallel.context_parallel import (
+    ContextShard,
+    gather_tokens,
+    plan_context_shard,
+    shard_tokens,
+)
+from rlhf.parallel.host import to_device
+from rlhf.parallel.mesh import ParallelMesh
+from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
+
+
+@dataclass(frozen=True)
+class RankStream:
+    """What this rank feeds the model for one micro-batch: tokens, positions, sequence bounds
+    and host layout; `shard`: its cp share of the pack (None at cp = 1)."""
+
+    tokens: Tensor
+    position_ids: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    prefix: SharedPrefix | None
+    layout: VarlenLayout
+    shard: ContextShard | None = None
+    cp_group: ProcessGroup | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Rows the model runs (SP or cp padding included): a stage boundary's token count."""
+        return int(self.tokens.shape[0])
+
+
+def rank_stream(mb: MicroBatch, mesh: ParallelMesh, *, tp: int, sequence_parallel: bool
+                ) -> RankStream:
+    """This rank's stream of `mb` (already on the engine's device)."""
+    if mesh.cp_size == 1:
+        run = sp_pad(mb.packed, tp) if sequence_parallel else mb.packed
+        return RankStream(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
+                          run.prefix, mb.layout.padded(run.tokens.shape[0]))
+    if mb.packed.prefix is not None:
+        raise ValueError(f"cp={mesh.cp_size} splits every sequence over the cp ranks, which a "
+                         "shared prompt does not fit; pack micro-batches with share_prompts=False")
+    device = mb.packed.tokens.device
+    shard = plan_context_shard(mb.packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank,
+                               multiple=tp if sequence_parallel else 1)
+    bounds = torch.tensor(shard.query_bounds, dtype=torch.int32)
+    return RankStream(shard_tokens(mb.packed.tokens, shard), to_device(shard.positions, device),
+                      to_device(bounds, device), shard.max_query, None,
+                      context_layout(shard, group=mesh.cp_group, device=device), shard,
+                      mesh.cp_group)
+
+
+def stream_outputs(model: nn.Module, out: Tensor, stream: RankStream, mb: MicroBatch, *,
+                   mesh: ParallelMesh, outputs: Sequence[str], temperature: float
+                   ) -> dict[str, Tensor]:
+    """The per-token outputs (T,) of the whole pack of `mb` from the head's raw output `out`
+    on this rank's stream (`rlhf.models.outputs.head_outputs` at cp = 1)."""
+    shard = stream.shard
+    if shard is None:
+        return head_outputs(model, out[:mb.num_tokens], mb.packed, mesh=mesh, outputs=outputs,
+                            temperature=temperature)
+
+    def whole(x_local: Tensor) -> Tensor:  # every cp rank computes the same loss of it
+        return gather_tokens(x_local, shard, group=stream.cp_group, grad_is_partial=False)
+
+    if isinstance(model, ValueModel):
+        return {"values": whole(out.float())}
+    # Labels are shifted on the whole pack, then sharded: a chunk's last row predicts a token
+    # another cp rank holds.
+    targets_T, valid_T = shifted_targets(mb.packed)
+    log_probs, entropy = vocab_parallel_log_probs_entropy(
+        out, shard_tokens(targets_T, shard) if "log_probs" in outputs else None,
+        **vocab_shard(model, mesh), temperature=temperature)
+    result = {}
+    if "log_probs" in outputs:
+        result["log_probs"] = whole(log_probs).masked_fill(~valid_T, 0.0)
+    if "entropy" in outputs:
+        result["entropy"] = whole(entropy)
+    return result
+
+
+def check_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
+    """ValueError when `mesh` has cp > 1 for a model the engine cannot run that way yet."""
+    if mesh.cp_size > 1 and model.args.is_moe:
+        raise ValueError(f"cp={mesh.cp_size} with a mixture-of-experts model: the engine runs "
+                         "context parallelism on dense models only so far (routes and the "
+                         "router's aux loss are per rank); use cp=1")
