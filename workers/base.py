@@ -25,10 +25,10 @@ class Worker:
         self.ctx = ctx
         self.mesh: ParallelMesh | None = None
 
-    def build_mesh(self, *, tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelMesh:
-        """This role's dp × pp × tp mesh over all ranks of the group (collective: every rank of
-        the group calls it, in the same order relative to other roles' meshes)."""
-        self.mesh = ParallelMesh(range(self.ctx.world_size), tp=tp, pp=pp, ep=ep,
+    def build_mesh(self, *, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1) -> ParallelMesh:
+        """This role's dp × pp × cp × tp mesh over all ranks of the group (collective: every
+        rank of the group calls it, in the same order relative to other roles' meshes)."""
+        self.mesh = ParallelMesh(range(self.ctx.world_size), tp=tp, pp=pp, ep=ep, cp=cp,
                                  cache=self.ctx.group_cache)
         return self.mesh
 
@@ -45,7 +45,8 @@ def build_engine(worker: Worker, config: JobConfig, key: str, *, path: str, head
     """Check `config.<key>`'s plan against the worker group, build the role's mesh and engine."""
     role: ForwardRoleConfig = getattr(config, key)
     check_layout(worker.ctx.world_size, config, key)
-    mesh = worker.build_mesh(tp=role.parallel.tp, pp=role.parallel.pp, ep=role.parallel.ep)
+    mesh = worker.build_mesh(tp=role.parallel.tp, pp=role.parallel.pp, ep=role.parallel.ep,
+                             cp=role.parallel.cp)
     return TrainEngine.from_pretrained(
         path, mesh=mesh, parallel=role.parallel, head=head,
         optim=role.optim if train else None, total_steps=config.trainer.total_steps,
@@ -64,11 +65,12 @@ def check_layout(world_size: int, config: JobConfig, key: str) -> None:
                   else "trainer.nnodes * trainer.ranks_per_node")
         raise ConfigError(f"{key}: the worker group has {world_size} ranks but {source} = {want}; "
                           "build the group from the same config")
-    model_ranks = role.parallel.tp * role.parallel.pp
+    model_ranks = role.parallel.model_ranks
     if world_size % model_ranks:
-        raise ConfigError(f"{key}.parallel.tp * {key}.parallel.pp = {model_ranks} ranks per model "
-                          f"replica do not fit the {world_size} ranks of the worker group; use a "
-                          f"plan whose tp * pp divides {world_size}")
+        raise ConfigError(f"{key}.parallel.tp * {key}.parallel.cp * {key}.parallel.pp = "
+                          f"{model_ranks} ranks per model replica do not fit the {world_size} "
+                          f"ranks of the worker group; use a plan whose tp * cp * pp divides "
+                          f"{world_size}")
 
 
 class MemoryReportMixin:
