@@ -340,7 +340,7 @@ def _verify_model(args) -> int:
     try:
         report = verify_model(
             args.model_dir, tp=args.tp, pp=args.pp, vpp=args.vpp,
-            sequence_parallel=args.sequence_parallel, ep=args.ep,
+            sequence_parallel=args.sequence_parallel, ep=args.ep, cp=args.cp,
             nproc=args.nproc, factor=args.factor, floor=args.floor,
             reference=args.reference, seed=args.seed, num_seqs=args.num_seqs,
             max_len=args.max_len, timeout_s=args.timeout, device=args.device,
@@ -481,11 +481,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--ep", type=int, default=1,
                         help="expert-parallel size of MoE layers, carved out of the dp replicas "
                              "(divides --nproc / (tp * pp) and the number of experts)")
+    verify.add_argument("--cp", type=int, default=1,
+                        help="context-parallel size: the ranks splitting every sequence's tokens "
+                             "(dense models; runs the engine's schedule, logits not compared)")
     verify.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: gloo processes; cuda: NCCL, one process per GPU, the "
                              "reference on the first GPU, fp32 without TF32")
     verify.add_argument("--nproc", type=int, default=None,
-                        help="processes to start (a multiple of tp * pp * ep; default that on "
+                        help="processes to start (a multiple of tp * cp * pp * ep; default that on "
                              "cpu, the number of visible GPUs on cuda)")
     verify.add_argument("--factor", type=float, default=4.0,
                         help="pass when each error against transformers in float64 is at most "

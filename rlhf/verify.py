@@ -4,14 +4,16 @@ The parent process draws a seeded packed batch and runs transformers' AutoModelF
 twice, one sequence at a time: in float64 (the reference) and in float32. Each gives logits,
 next-token log-probs, entropy and the gradients of one loss (mean next-token log-prob plus mean
 entropy). N gloo processes then build the model with `build_model` in the requested layout
-(dp = N / (tp * pp) replicas, each running the whole batch, its loss scaled by 1/dp; with ep > 1
+(dp = N / (tp * cp * pp) replicas, each running the whole batch, its loss scaled by 1/dp; with ep > 1
 the dp replicas of an ep group split every MoE layer's experts), run the
 engine's forward (`model_outputs`), backward and the training grad sync (`TrainEngine.sync_grads`:
 TP, pipeline ties, DP, ZeRO-1 when dp > 1), and measure their distance to the reference: logits
 gathered over the vocabulary for this check only, grads gathered to full.
 With pp > 1 the batch runs as micro-batches of two sequences through the engine's pipeline
 schedule (1F1B, or interleaved with vpp > 1); logits stay on the last stage, so log-probs,
-entropy and grads are compared and "logits" is left out of the report.
+entropy and grads are compared and "logits" is left out of the report. With cp > 1 (dense
+models) the same micro-batches run through the engine's schedule on each cp rank's shard of
+their tokens (rlhf.engine.rank_stream), log-probs and entropy gathered back; no logits either.
 
 The rule: fp32 rounding on a real checkpoint moves logits and grads far more than on a tiny
 random model, so no fixed tolerance fits both. Ours passes when, for each quantity (and for each
@@ -68,7 +70,8 @@ DEFAULT_FLOOR = {"cpu": 1e-6, "cuda": 1e-5}
 
 
 def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
-                 sequence_parallel: bool = False, ep: int = 1, nproc: int | None = None,
+                 sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
+                 nproc: int | None = None,
                  factor: float = DEFAULT_FACTOR, floor: float | None = None,
                  reference: str | Path | None = None, seed: int = 0, num_seqs: int = 6,
                  max_len: int = 48, timeout_s: float = 600.0, device: str = "cpu",
@@ -91,7 +94,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
     parallel, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
                                           sequence_parallel=sequence_parallel, nproc=nproc,
                                           num_seqs=num_seqs, max_len=max_len, device=device,
-                                          ep=ep)
+                                          ep=ep, cp=cp)
     if reference != folder:
         _check_inputs(reference, tp=1, pp=1, vpp=1, sequence_parallel=False, nproc=1,
                       num_seqs=num_seqs, max_len=max_len, device="cpu")
@@ -114,9 +117,9 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
     return {
         "model": str(folder), "model_type": args.model_type,
         **({"reference": str(reference)} if reference != folder else {}),
-        "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * pp), "nproc": nproc,
+        "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * cp * pp), "nproc": nproc,
                    "sequence_parallel": sequence_parallel, **({"vpp": vpp} if vpp > 1 else {}),
-                   **({"ep": ep} if ep > 1 else {})},
+                   **({"ep": ep} if ep > 1 else {}), **({"cp": cp} if cp > 1 else {})},
         "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
         "device": per_rank[0]["device"], "tf32": per_rank[0]["tf32"],
         "compiled": per_rank[0]["compiled"],
@@ -171,21 +174,26 @@ def _row(ours: float, theirs: float, scale: float, *, factor: float, floor: floa
 
 
 def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len,
-                  device="cpu", ep=1):
-    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, ep=ep)
+                  device="cpu", ep=1, cp=1):
+    parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, ep=ep,
+                              cp=cp)
     if not folder.is_dir():
         raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
     args = ModelArgs.from_pretrained(folder)
     check_tp_compatible(args, tp)
     split_layers(args.num_layers, stages=pp * vpp)  # ConfigError when there are too few layers
     gpus = torch.cuda.device_count() if device == "cuda" else None
+    if cp > 1 and args.is_moe:
+        raise RLHFError(f"--cp {cp}: the engine runs context parallelism on dense models only; "
+                        f"{folder} is a mixture-of-experts model, use --cp 1")
+    ranks = parallel.model_ranks * ep
     if nproc is None:
-        nproc = gpus if gpus is not None else tp * pp * ep
-    if nproc < 1 or nproc % (tp * pp * ep):
+        nproc = gpus if gpus is not None else ranks
+    if nproc < 1 or nproc % ranks:
         where = f" (the {gpus} visible GPUs)" if gpus is not None else ""
-        product = "tp * pp" + (" * ep" if ep > 1 else "")
+        product = "tp * " + ("cp * " if cp > 1 else "") + "pp" + (" * ep" if ep > 1 else "")
         raise RLHFError(f"--nproc {nproc}{where} is not a positive multiple of {product} = "
-                        f"{tp * pp * ep}; pass --nproc")
+                        f"{ranks}; pass --nproc")
     if ep > 1 and (not args.num_experts or args.num_experts % ep):
         raise RLHFError(f"--ep {ep} needs a mixture-of-experts model whose expert count it "
                         f"divides; {folder} has {args.num_experts} experts")
@@ -301,14 +309,14 @@ def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.
              compile: Compile = "auto") -> dict:
     ref["valid"] = ref["valid"].to(device)
     mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, ep=parallel.ep,
-                        cache=ProcessGroupCache())
+                        cp=parallel.cp, cache=ProcessGroupCache())
     built = build_model(folder, mesh=mesh, parallel=parallel, head="lm", device=device)
     model = built.model
     # A training engine, for its grad buffer and sync; its optimizer never steps.
     engine = TrainEngine(built, mesh, optim=OptimizerConfig(), router_aux_loss_coef=aux_weight,
                          compile=compile)
-    if parallel.pp > 1:
-        return _pipeline_check(engine, seqs, ref)
+    if parallel.pp > 1 or parallel.cp > 1:
+        return _schedule_check(engine, seqs, ref)
     packed = _to_device(pack(seqs), device)
     with torch.no_grad():
         shard = vocab_shard(model, mesh)
@@ -327,8 +335,9 @@ def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.
     return distances(got, ref)
 
 
-def _pipeline_check(engine: TrainEngine, seqs: list[torch.Tensor], ref: dict) -> dict:
-    """The pipeline schedule's backward and forward-only pass over micro-batches of two."""
+def _schedule_check(engine: TrainEngine, seqs: list[torch.Tensor], ref: dict) -> dict:
+    """The engine schedule's backward and forward-only pass over micro-batches of two (the
+    pipeline's, each cp rank on its shard of the tokens)."""
     mbs = [MicroBatch(pack_prompt_response([s[:1] for s in part], [s[1:] for s in part]))
            .to(engine.device) for part in (seqs[i:i + 2] for i in range(0, len(seqs), 2))]
     num_valid, num_tokens = ref["valid"].sum().clamp(min=1), ref["valid"].numel()
