@@ -48,7 +48,7 @@ class RoleSpec:
     dtype: torch.dtype
     trains: bool
     recompute: str
-    tokens: int  # max_tokens_per_micro_batch
+    tokens: int  # max_tokens_per_micro_batch: one pack, split over the cp ranks
     shards: int  # ZeRO-1: ways the masters and moments are split (rlhf.engine.zero.num_shards)
     offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
     lora: LoraConfig | None = None  # `<role>.lora` when on: a frozen base, adapters train
@@ -57,7 +57,13 @@ class RoleSpec:
     @property
     def layout(self) -> Layout:
         return Layout.over(self.world_size, tp=self.parallel.tp, pp=self.parallel.pp,
-                           ep=self.parallel.ep)
+                           ep=self.parallel.ep, cp=self.parallel.cp)
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens one rank runs of a full micro-batch: its cp share (the per-sequence padding
+        of the split, under 2 tokens per sequence and rank, left out)."""
+        return -(-self.tokens // self.parallel.cp)
 
     @property
     def dp(self) -> int:
@@ -128,15 +134,17 @@ def role_specs(cfg: JobConfig, hw: Hardware, *,
 
 def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
     world = cfg.role_world_size(role)
-    layout = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp, ep=role.parallel.ep)
-    dp, optim = layout.dp, getattr(role, "optim", None)
+    layout = Layout.over(world, tp=role.parallel.tp, pp=role.parallel.pp, ep=role.parallel.ep,
+                         cp=role.parallel.cp)
+    # ZeRO-1 splits the dense state over dp x cp (rlhf.engine.grads.sync_group)
+    data_ranks, optim = layout.dp * layout.cp, getattr(role, "optim", None)
     lora = getattr(role, "lora", None)
     return RoleSpec(
         name=name, head=head, args=args, parallel=role.parallel, world_size=world,
         colocated=role.placement == "colocated",
         dtype=resolve_dtype(role.dtype, torch.device(hw.device_type)), trains=trains,
         recompute=getattr(role, "recompute", "none"), tokens=role.max_tokens_per_micro_batch,
-        shards=num_shards(dp, getattr(optim, "distributed", None)) if trains else 1,
+        shards=num_shards(data_ranks, getattr(optim, "distributed", None)) if trains else 1,
         offload=getattr(role, "offload", None) or OffloadConfig(),
         lora=lora if trains and lora is not None and lora.enabled else None,
         expert_shards=(num_shards(layout.edp, getattr(optim, "distributed", None))

@@ -9,7 +9,10 @@ The LM head's log-prob/entropy workspace is counted op by op from the code that 
 (`rlhf.parallel.vocab_parallel.head_workspace`: the logits, their grad, two float32 token
 chunks, per-token statistics). Activations are an estimate for flash attention (the CUDA
 kernel), per token of one decoder layer, `d` bytes per element of the compute dtype (see
-`layer_activation_bytes`), plus the final norm and RoPE tables of a stage. The pipeline
+`layer_activation_bytes`), plus the final norm and RoPE tables of a stage. Under context
+parallelism a rank runs 1/cp of a micro-batch's tokens (`RoleSpec.rank_tokens`) and its
+attention also holds the keys and values its query chunks read from the gathered stream
+(`context_key_ratio`). The pipeline
 keeps several micro-batches in flight: pipeline rank r holds pp - r of them under 1F1B and
 2 (pp - r - 1) + (vpp - 1) pp + 1 model chunks under interleaved 1F1B (Megatron's warm-up),
 an upper bound that is reached when a mini-batch has that many micro-batches.
@@ -216,12 +219,21 @@ def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
     chunk = tp if sp else 1  # the residual stream is a token chunk under SP
     norms = 2 * (4 + d) * h / chunk
     attention = (3 if sp else 1) * d * h + d * (2 * q + 2 * kv) / tp
+    if spec.parallel.cp > 1:  # the keys and values each local query run reads, gathered
+        attention += d * 2 * kv / tp * context_key_ratio(spec.parallel.cp)
     mlp = (2 if sp else 1) * d * h + 4 * d * inter / tp
     moe_layers = sum(args.is_moe_layer(i) for i in range(args.num_layers))
     if moe_layers:  # per layer on average over the dense and the MoE layers
         mlp = (moe_layers * _moe_block_bytes(spec)
                + (args.num_layers - moe_layers) * mlp) / args.num_layers
     return norms, attention, mlp, d * h / chunk
+
+
+def context_key_ratio(cp: int) -> float:
+    """Keys (and values) attention holds per local token at cp > 1: a rank's two chunks of a
+    sequence, c tokens each, read the first (r + 1) c and (2 cp - r) c keys of the gathered
+    sequence (rlhf.parallel.context_parallel), (2 cp + 1) c keys for 2 c queries."""
+    return (2 * cp + 1) / 2
 
 
 def _moe_block_bytes(spec: RoleSpec) -> float:
@@ -246,7 +258,7 @@ def in_flight_chunks(pp: int, vpp: int, pp_rank: int) -> int:
 
 def stage_memory(spec: RoleSpec) -> list[StageMemory]:
     """Per pipeline rank of `spec`: exact state bytes and estimated activation bytes."""
-    parallel, tokens = spec.parallel, spec.tokens
+    parallel, tokens = spec.parallel, spec.rank_tokens
     out = []
     for pp_rank, shapes in enumerate(stage_shapes(spec.args, parallel, head=spec.head,
                                                   dtype=spec.dtype, lora=spec.lora)):
@@ -310,7 +322,7 @@ def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
     if not head:
         return {}
     columns = head[0].shape[0]  # this rank's rows of the padded vocabulary
-    return head_workspace(tokens=spec.tokens, columns=columns,
+    return head_workspace(tokens=spec.rank_tokens, columns=columns,
                           real_columns=min(columns, spec.args.vocab_size), dtype=spec.dtype,
                           backward=backward)
 
@@ -318,11 +330,11 @@ def _head_ops(spec: RoleSpec, shapes, *, backward: bool) -> dict[str, int]:
 def _update_activations(spec: RoleSpec, mode: str, *, pp_rank: int, layers: int) -> int:
     """Bytes saved for backward on this stage under recompute `mode` (see the module doc)."""
     parallel = spec.parallel
-    per_layer = spec.tokens * layer_activation_bytes(spec, mode)
+    per_layer = spec.rank_tokens * layer_activation_bytes(spec, mode)
     micro_batches = in_flight_chunks(parallel.pp, parallel.vpp, pp_rank) / parallel.vpp
-    per_batch = layers * per_layer + spec.tokens * _stage_extra_bytes(
+    per_batch = layers * per_layer + spec.rank_tokens * _stage_extra_bytes(
         spec, last=pp_rank == parallel.pp - 1)
-    return int(micro_batches * per_batch + spec.tokens * recomputed_bytes(spec, mode))
+    return int(micro_batches * per_batch + spec.rank_tokens * recomputed_bytes(spec, mode))
 
 
 def _stage_extra_bytes(spec: RoleSpec, *, last: bool) -> float:

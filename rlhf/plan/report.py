@@ -89,6 +89,7 @@ def _layout(spec) -> str:
     p = spec.parallel
     text = f"tp{p.tp} pp{p.pp}" + (f" vpp{p.vpp}" if p.vpp > 1 else "") + f" dp{spec.dp}"
     text += f" ep{p.ep}" if p.ep > 1 else ""
+    text += f" cp{p.cp}" if p.cp > 1 else ""
     text += " sp" if p.sequence_parallel else ""
     text += f" {str(spec.dtype).removeprefix('torch.')}"
     if spec.trains:

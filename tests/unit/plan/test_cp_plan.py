@@ -1,0 +1,41 @@
+"""The planner at cp > 1: a rank runs its 1/cp share of each micro-batch's tokens, its attention
+holds the keys and values its query chunks read from the gathered stream, and ZeRO-1 splits
+the dense state over dp x cp, as the engine does."""
+
+import dataclasses
+from pathlib import Path
+
+from rlhf.config import load_config
+from rlhf.plan.inputs import hardware, role_specs
+from rlhf.plan.memory import layer_activation_bytes, stage_memory
+
+QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
+CP2 = ["actor.parallel.cp=2", "actor.share_prompts=false"]
+
+
+def _actor(*overrides):
+    cfg = load_config(QUICKSTART, list(overrides))
+    return next(s for s in role_specs(cfg, hardware(cfg)) if s.name == "actor")
+
+
+def test_cp_splits_tokens_and_zero1_over_dp_times_cp():
+    plain, split = _actor(), _actor(*CP2)
+    assert (plain.layout.dp, plain.layout.cp, split.layout.dp, split.layout.cp) == (2, 1, 1, 2)
+    assert split.rank_tokens == plain.tokens // 2 and plain.rank_tokens == plain.tokens
+    assert split.shards == plain.shards == 2  # dp x cp ranks either way
+    assert stage_memory(split)[0].state == stage_memory(plain)[0].state  # weights unsplit
+
+
+def test_activations_halve_plus_the_gathered_keys_and_values():
+    plain, split = _actor(), _actor(*CP2)
+    args, d = plain.args, plain.dtype.itemsize  # tp = 1
+    kv = args.num_kv_heads * args.head_dim
+    # rank r reads (r + 1) c + (2 cp - r) c = 5 c keys and values for its 2 c queries at cp=2
+    assert (layer_activation_bytes(split, "none") - layer_activation_bytes(plain, "none")
+            == d * 2 * kv * 5 / 2)
+    (one,), (two,) = stage_memory(plain), stage_memory(split)
+    extra = args.num_layers * split.rank_tokens * d * 2 * kv * 5 / 2  # one micro-batch at pp=1
+    assert abs(two.activations - (one.activations / 2 + extra)) <= 1
+    assert one.activations / 2 < two.activations < one.activations
+    head = dataclasses.replace(plain, tokens=plain.tokens // 2)
+    assert two.logits == stage_memory(head)[0].logits  # the head runs the local tokens only
