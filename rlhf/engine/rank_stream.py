@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ from torch.distributed import ProcessGroup
 from rlhf.data.packing import SharedPrefix, shifted_targets
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.models.outputs import head_outputs, sp_pad, vocab_shard
-from rlhf.models.transformer import ValueModel
+from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.models.varlen_layout import VarlenLayout, context_layout
 from rlhf.parallel.context_parallel import (
     ContextShard,
@@ -101,7 +102,7 @@ def stream_outputs(model: nn.Module, out: Tensor, stream: RankStream, mb: MicroB
     targets_T, valid_T = shifted_targets(mb.packed)
     log_probs, entropy = vocab_parallel_log_probs_entropy(
         out, shard_tokens(targets_T, shard) if "log_probs" in outputs else None,
-        **vocab_shard(model, mesh), temperature=temperature)
+        **vocab_shard(cast(CausalLM, model), mesh), temperature=temperature)
     result = {}
     if "log_probs" in outputs:
         result["log_probs"] = whole(log_probs).masked_fill(~valid_T, 0.0)
@@ -112,7 +113,7 @@ def stream_outputs(model: nn.Module, out: Tensor, stream: RankStream, mb: MicroB
 
 def check_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
     """ValueError when `mesh` has cp > 1 for a model the engine cannot run that way yet."""
-    if mesh.cp_size > 1 and model.args.is_moe:
+    if mesh.cp_size > 1 and cast(CausalLM, model).args.is_moe:
         raise ValueError(f"cp={mesh.cp_size} with a mixture-of-experts model: the engine runs "
                          "context parallelism on dense models only so far (routes and the "
                          "router's aux loss are per rank); use cp=1")

@@ -10,12 +10,15 @@ a critic at cp=2, and cp=2 with a two-stage pipeline, 1F1B and interleaved (vpp=
 Llama).
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
+from rlhf.engine.engine import Head
 from rlhf.parallel.context_parallel import plan_context_shard
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
@@ -34,7 +37,7 @@ from tests.unit.engine.reference import (
 TOL = 1e-6
 BATCH_SEED, N_SAMPLES, MAX_TOKENS = 11, 10, 24
 # case -> (model, head, ParallelConfig)
-CASES = {
+CASES: dict[str, tuple[str, Head, ParallelConfig]] = {
     "cp2-dp2": ("llama", "lm", ParallelConfig(cp=2)),
     "cp4": ("qwen2", "lm", ParallelConfig(cp=4)),
     "cp2-tp2-sp": ("qwen2", "lm", ParallelConfig(cp=2, tp=2, sequence_parallel=True)),
@@ -100,7 +103,7 @@ def setup(tmp_path_factory):
         TinyModelConfig(arch="llama", tie_embeddings=False, **{**SMALL, "num_layers": 4}),
         root / "llama4"))
     batch = make_batch(BATCH_SEED, n=N_SAMPLES)
-    refs = {(model, head): reference_step(folders[model], batch, head=head)
+    refs = {(model, head): reference_step(Path(folders[model]), batch, head=head)
             for model, head, _ in CASES.values()}
     return folders, refs
 
