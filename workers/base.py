@@ -67,10 +67,11 @@ def check_layout(world_size: int, config: JobConfig, key: str) -> None:
                           "build the group from the same config")
     model_ranks = role.parallel.model_ranks
     if world_size % model_ranks:
-        raise ConfigError(f"{key}.parallel.tp * {key}.parallel.cp * {key}.parallel.pp = "
-                          f"{model_ranks} ranks per model replica do not fit the {world_size} "
-                          f"ranks of the worker group; use a plan whose tp * cp * pp divides "
-                          f"{world_size}")
+        axes = ("tp", "cp", "pp") if role.parallel.cp > 1 else ("tp", "pp")
+        product = " * ".join(f"{key}.parallel.{a}" for a in axes)
+        raise ConfigError(f"{product} = {model_ranks} ranks per model replica do not fit the "
+                          f"{world_size} ranks of the worker group; use a plan whose "
+                          f"{' * '.join(axes)} divides {world_size}")
 
 
 class MemoryReportMixin:
