@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import ray
 import torch.distributed as dist
@@ -10,7 +11,9 @@ import torch.distributed as dist
 from rlhf.config.schema import LoraConfig
 from rlhf.controller import Dispatch, register
 from rlhf.controller.nodes import node_label
+from rlhf.engine.checkpoint import EngineWrite
 from rlhf.engine.offload import in_phase
+from rlhf.errors import RLHFError
 from rlhf.files import read_marker
 from rlhf.models.hf_io import hf_config, write_hf_folder
 from rlhf.models.lora import is_lora_param
@@ -26,12 +29,35 @@ class CheckpointMixin:
     and `self.lora`, the role's LoRA settings (None or r = 0: no adapters)."""
 
     lora: LoraConfig | None = None
+    _checkpoint_write: EngineWrite | None = None  # a background save's pending write
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     @in_phase("checkpoint")
-    def save_checkpoint(self, folder: str) -> str:
-        """Write this rank's engine shard under `folder` (collective); returns the file."""
-        return str(self.engine.save_checkpoint(Path(folder)))
+    def save_checkpoint(self, folder: str, background: bool = False) -> dict[str, Any] | None:
+        """Write this rank's engine shard under `folder` (collective); returns what
+        `EngineWrite.finish` does (its files' sizes and sha256, hashed as written). With
+        `background` only the plan and a host copy are made now: the write goes on in a
+        thread, `checkpoint_written` tells when it is done, `finish_checkpoint` completes it."""
+        if self._checkpoint_write is not None:
+            raise RLHFError(f"a checkpoint write into {self._checkpoint_write.folder} is still "
+                            "pending: finish_checkpoint before the next save")
+        write = self.engine.start_checkpoint(Path(folder), background=background)
+        if background:
+            self._checkpoint_write = write
+            return None
+        return write.finish()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def checkpoint_written(self) -> bool:
+        """Whether this rank's background checkpoint write (if any) has finished writing."""
+        return self._checkpoint_write is None or self._checkpoint_write.done()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
+    def finish_checkpoint(self) -> dict[str, Any] | None:
+        """Wait for the background write `save_checkpoint` started and complete it
+        (collective: the metadata); None when none is pending."""
+        write, self._checkpoint_write = self._checkpoint_write, None
+        return None if write is None else write.finish()
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     @in_phase("checkpoint")

@@ -910,6 +910,9 @@ class TrainerConfig:
     """Keep only this many newest checkpoints; 0 = keep all."""
     full_checkpoint_hash: bool = False
     """On resume, check every byte's sha256 (minutes for a large run), not sizes and quick digests."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background: a save stops training only while each rank copies
+    its state to host memory (once more the state's size in RAM), step_N appears when written."""
     critic_warmup: int = 0
     """Train only the critic for this many first steps (the actor waits for useful values)."""
     device_memory_gb: float | None = None

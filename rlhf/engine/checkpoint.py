@@ -23,13 +23,19 @@ read by `load_shard` below, for resumes of runs saved before DCP.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
+import os
+import threading
+import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -37,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -278,19 +285,130 @@ class _BoxLoadPlanner(LoadPlanner):
         pass  # resolve_tensor handed out a view of the destination itself
 
 
-# ---- save and load ------------------------------------------------------------------------------
+# ---- save: hashed as written, in the foreground or a background thread -------------------------
 
-def save_engine(folder: str | Path, *, model: torch.nn.Module, table: ParamTable,
-                mesh: ParallelMesh, optimizers: Sequence[tuple[Sequence[int], ShardedAdamW]],
-                step: int) -> Path:
-    """Write this rank's boxes of the engine state into `folder` (collective over the mesh);
-    return `folder`/engine.json once every rank's files and the metadata are on disk."""
+class _HashedStream(io.RawIOBase):
+    """A file being written whose bytes are hashed (sha256) and counted as they pass."""
+
+    def __init__(self, raw: Any):
+        self.raw, self.digest, self.size = raw, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self.digest.update(view)
+        self.size += view.nbytes
+        return self.raw.write(view)
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:
+        self.raw.flush()  # the file itself closes with `create_stream`
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, recording each file it writes as {"size", "sha256"} by name, from the
+    bytes as they are written (a rename carries the record): the manifest never re-reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.digests: dict[str, dict[str, Any]] = {}
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashed = _HashedStream(stream)
+            yield cast(io.IOBase, hashed)
+        self.digests[Path(path).name] = {"size": hashed.size, "sha256": hashed.digest.hexdigest()}
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        if (digest := self.digests.pop(Path(path).name, None)) is not None:
+            self.digests[Path(new_path).name] = digest
+
+
+class EngineWrite:
+    """One rank's part of an engine save once its plan is made: its data file written in the
+    foreground, or in a background thread from a host copy of its boxes (`background`).
+    `finish()` (collective over the mesh) waits for it and writes DCP's metadata."""
+
+    def __init__(self, folder: Path, *, mesh: ParallelMesh, index: int, planner: _BoxSavePlanner,
+                 writer: dcp.FileSystemWriter, fs: _HashingFileSystem, plan: SavePlan,
+                 metadata: Metadata, began: float, background: bool):
+        self.folder, self.mesh, self.index = folder, mesh, index
+        self.writer, self.fs, self.metadata, self.began = writer, fs, metadata, began
+        self.results: list[Any] = []
+        self.error: str | None = None
+        self.written_at: float | None = None
+        self.thread: threading.Thread | None = None
+        if background:
+            self.thread = threading.Thread(target=self._write, args=(planner, plan),
+                                           name=f"checkpoint-writer {folder.name}", daemon=True)
+            self.thread.start()
+        else:
+            self._write(planner, plan)
+            if self.error is not None:  # the foreground write raises where it failed
+                raise RLHFError(f"writing {folder} failed: {self.error}")
+
+    def _write(self, planner: _BoxSavePlanner, plan: SavePlan) -> None:
+        try:
+            written = self.writer.write_data(plan, planner)
+            written.wait()
+            self.results = written.value()
+        except Exception as e:  # noqa: BLE001 - carried to finish(), which every rank reaches
+            self.error = f"{type(e).__name__}: {e}"
+        self.written_at = time.monotonic()
+
+    def done(self) -> bool:
+        """Whether this rank's data file is written (or its write failed); no collective."""
+        return self.written_at is not None
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for every rank's data file, then write the metadata (the first rank); return
+        {"files": {name: {"size", "sha256"}} of this rank's files, "write_s": seconds from the
+        save's start until its data file was on disk}. RLHFError naming the ranks whose write
+        failed (on every rank, so none waits for the others)."""
+        if self.thread is not None:
+            self.thread.join()
+        outcomes = _all_gather((self.results, self.error), self.mesh)
+        failed = [f"mesh rank {i}: {error}" for i, (_, error) in enumerate(outcomes) if error]
+        if failed:
+            raise RLHFError(f"writing the engine checkpoint {self.folder} failed ("
+                            f"{'; '.join(failed)}); it is not complete and is not published")
+        if self.index == 0:
+            self.writer.finish(metadata=self.metadata, results=[r for r, _ in outcomes])
+        _all_gather(None, self.mesh)  # no rank returns before the metadata is on disk
+        assert self.written_at is not None
+        return {"files": dict(self.fs.digests), "write_s": self.written_at - self.began}
+
+
+def start_engine_save(folder: str | Path, *, model: torch.nn.Module, table: ParamTable,
+                      mesh: ParallelMesh,
+                      optimizers: Sequence[tuple[Sequence[int], ShardedAdamW]], step: int,
+                      background: bool = False) -> EngineWrite:
+    """Plan the save of this rank's boxes into `folder` (collective over the mesh) and write
+    them: now, or with `background` from a host copy made now, in a thread, so the engine may
+    train on while they are written. Every rank then calls `finish()` on the result."""
+    began = time.monotonic()
     folder = Path(folder)
     chunks = _chunks(model, table, mesh, optimizers)
     lora = has_lora(model)
     if lora:
         chunks += _base_fingerprints(model, table, mesh)
     index = _mesh_index(mesh)
+    fs = _HashingFileSystem()
     if index == 0:
         folder.mkdir(parents=True, exist_ok=True)
         info = {"format_version": FORMAT_VERSION, "step": step, "lora": lora,
@@ -298,18 +416,50 @@ def save_engine(folder: str | Path, *, model: torch.nn.Module, table: ParamTable
                 "layout": {"tp": mesh.tp_size, "pp": mesh.pp_size, "dp": mesh.dp_size,
                            "ep": mesh.ep_size,
                            "zero1": [o.part.shards for _, o in optimizers]}}
-        with atomic_write(folder / ENGINE_FILE, "w", encoding="utf-8") as f:
-            json.dump(info, f, indent=1)
-    _dcp_save(_BoxSavePlanner(chunks), dcp.FileSystemWriter(folder, thread_count=1), mesh,
-              index=index)
-    return folder / ENGINE_FILE
+        data = json.dumps(info, indent=1).encode()
+        with atomic_write(folder / ENGINE_FILE, "wb") as f:
+            f.write(data)
+        fs.digests[ENGINE_FILE] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    writer = dcp.FileSystemWriter(folder, thread_count=1)
+    writer.fs = fs
+    planner = _BoxSavePlanner(chunks)
+    plan, metadata = _dcp_plan(planner, writer, mesh, index=index)
+    if background:
+        planner = _BoxSavePlanner(_staged(chunks))
+    return EngineWrite(folder, mesh=mesh, index=index, planner=planner, writer=writer, fs=fs,
+                       plan=plan, metadata=metadata, began=began, background=background)
 
 
-def _dcp_save(planner: SavePlanner, writer: dcp.FileSystemWriter, mesh: ParallelMesh, *,
-              index: int) -> None:
-    """DCP's save protocol (local plans, one global plan, writes, metadata by the first rank)
-    with the plans and write results exchanged over the mesh's own groups: `dcp.save` wants
-    one group spanning the mesh, which a mesh over part of the job's ranks does not have."""
+def save_engine(folder: str | Path, *, model: torch.nn.Module, table: ParamTable,
+                mesh: ParallelMesh, optimizers: Sequence[tuple[Sequence[int], ShardedAdamW]],
+                step: int) -> Path:
+    """Write this rank's boxes of the engine state into `folder` (collective over the mesh);
+    return `folder`/engine.json once every rank's files and the metadata are on disk."""
+    start_engine_save(folder, model=model, table=table, mesh=mesh, optimizers=optimizers,
+                      step=step).finish()
+    return Path(folder) / ENGINE_FILE
+
+
+def _staged(chunks: Sequence[Chunk]) -> list[Chunk]:
+    """The boxes copied to host memory (pinned from a GPU): what a background write reads while
+    the engine changes its own tensors."""
+    staged = []
+    for c in chunks:
+        host = torch.empty(c.tensor.shape, dtype=c.tensor.dtype, device="cpu",
+                           pin_memory=c.tensor.is_cuda)
+        host.copy_(c.tensor.detach(), non_blocking=c.tensor.is_cuda)
+        staged.append(Chunk(c.key, c.offsets, c.size, host))
+    if any(c.tensor.is_cuda for c in chunks):
+        torch.cuda.synchronize()
+    return staged
+
+
+def _dcp_plan(planner: _BoxSavePlanner, writer: dcp.FileSystemWriter, mesh: ParallelMesh, *,
+              index: int) -> tuple[SavePlan, Metadata]:
+    """DCP's save protocol up to the writes (local plans, one global plan; the writes and the
+    metadata by the first rank follow in `EngineWrite`), with the plans exchanged over the
+    mesh's own groups: `dcp.save` wants one group spanning the mesh, which a mesh over part of
+    the job's ranks does not have. Returns this rank's plan and the metadata to complete."""
     coordinator = index == 0
     planner.set_up_planner({}, storage_meta=writer.storage_meta(), is_coordinator=coordinator)
     writer.set_up_storage_writer(coordinator, rank=index)
@@ -319,12 +469,7 @@ def _dcp_save(planner: SavePlanner, writer: dcp.FileSystemWriter, mesh: Parallel
     # Every rank makes the (deterministic) global plan from every local one and takes its own.
     plans, metadata = planner.create_global_plan(_all_gather(local, mesh))
     plans = writer.prepare_global_plan(plans)
-    written = writer.write_data(planner.finish_plan(plans[index]), planner)
-    written.wait()
-    results = _all_gather(written.value(), mesh)
-    if coordinator:
-        writer.finish(metadata=metadata, results=results)
-    _all_gather(None, mesh)  # no rank returns before the metadata is on disk
+    return planner.finish_plan(plans[index]), metadata
 
 
 def _all_gather(obj: Any, mesh: ParallelMesh) -> list[Any]:

@@ -424,6 +424,13 @@ class TrainEngine:
         return ckpt.save_engine(folder, model=self.model, table=self.table, mesh=self.mesh,
                                 optimizers=self._optimizers(), step=self.step_count)
 
+    def start_checkpoint(self, folder: str | Path, *, background: bool) -> ckpt.EngineWrite:
+        """`save_checkpoint`, its data written in a thread from a host copy with `background`
+        (training may go on); every rank then calls `finish()` on the result (collective)."""
+        return ckpt.start_engine_save(folder, model=self.model, table=self.table,
+                                      mesh=self.mesh, optimizers=self._optimizers(),
+                                      step=self.step_count, background=background)
+
     def load_checkpoint(self, folder: str | Path) -> None:
         """Restore the state a `save_checkpoint(folder)` wrote, in whatever layout (tp, pp,
         vpp, dp, ep, ZeRO-1) it was saved. A format-2 checkpoint (files per (pp, tp)

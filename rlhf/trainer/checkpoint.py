@@ -12,14 +12,19 @@ newest checkpoint that verifies.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
 import re
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -170,21 +175,28 @@ def quick_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _digests(path: Path) -> dict:
-    return {"size": path.stat().st_size, "sha256": file_sha256(path),
-            "quick": quick_digest(path)}
+def _digests(path: Path, known: dict | None = None) -> dict:
+    """A file's size, sha256 and quick digest; the sha256 from `known` (recorded from the bytes
+    as they were written) when its size is the one `known` says."""
+    size = path.stat().st_size
+    if known is not None and known["size"] == size:
+        return {"size": size, "sha256": known["sha256"], "quick": quick_digest(path)}
+    return {"size": size, "sha256": file_sha256(path), "quick": quick_digest(path)}
 
 
-def write_manifest(folder: Path, *, step: int, config: dict) -> None:
+def write_manifest(folder: Path, *, step: int, config: dict,
+                   known: dict[str, dict] | None = None) -> None:
     """manifest.json: every file under `folder` (size, sha256, quick digest), the step, the
-    run's config. Files are hashed in parallel threads."""
+    run's config. `known`: {relative name: {"size", "sha256"}} hashed as they were written,
+    not read again but for their quick digests. Files are hashed in parallel threads."""
+    known = known or {}
     paths = [p for p in sorted(folder.rglob("*")) if p.is_file()]
+    names = [p.relative_to(folder).as_posix() for p in paths]
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
-        digests = list(pool.map(_digests, paths))
-    files = {p.relative_to(folder).as_posix(): d for p, d in zip(paths, digests)}
+        digests = list(pool.map(_digests, paths, [known.get(n) for n in names]))
     manifest = {"step": step, "config_fingerprint": run_fingerprint(config),
                 "model_config_sha256": model_config_digest(config), "config": config,
-                "files": files}
+                "files": dict(zip(names, digests))}
     with atomic_write(folder / MANIFEST, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
 
@@ -225,17 +237,61 @@ def verify_checkpoint(folder: Path, *, full_hash: bool = False) -> str | None:
         return next((p for p in pool.map(problem, files.items()) if p is not None), None)
 
 
+def _take_files(written: dict[str, dict], role: str, result: dict) -> float:
+    """Add a rank's files (as `EngineWrite.finish` returns them) to `written` under `role`;
+    return its write seconds."""
+    for name, digest in result["files"].items():
+        written[f"{role}/{name}"] = digest
+    return float(result["write_s"])
+
+
 def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class CheckpointManager:
-    """Writes, finds, verifies and prunes the step_N checkpoints of one output folder."""
+class EngineRole(Protocol):
+    """A role's engine checkpoint, written by its ranks (a worker group's view of
+    workers.checkpoint.CheckpointMixin; each call returns one value per rank)."""
 
-    def __init__(self, output_dir: str | Path, *, max_keep: int = 0, full_hash: bool = False):
+    def save_checkpoint(self, folder: str, background: bool = False) -> list: ...
+
+    def checkpoint_written(self) -> list[bool]: ...
+
+    def finish_checkpoint(self) -> list: ...
+
+
+@dataclass
+class _Pending:
+    """A save whose engine files are being written in the background."""
+
+    step: int
+    stack: ExitStack  # holds the atomic folder open: closed, it publishes step_N
+    tmp: Path
+    roles: Mapping[str, EngineRole]
+    state: bytes
+    config: dict
+    began: float
+    blocked_s: float  # the training loop's seconds in this save so far
+    written: dict = field(default_factory=dict)  # relative name -> size, sha256 as written
+    write_s: float = 0.0  # the slowest rank's seconds until its data files were on disk
+
+
+class CheckpointManager:
+    """Writes, finds, verifies and prunes the step_N checkpoints of one output folder. With
+    `background` a save returns once every rank holds a host copy of its state; the files are
+    written while training goes on and step_N appears when they are all on disk (`poll`,
+    `wait`)."""
+
+    def __init__(self, output_dir: str | Path, *, max_keep: int = 0, full_hash: bool = False,
+                 background: bool = False, report: Callable[[str], None] | None = None):
         self.root = Path(output_dir) / "checkpoints"
         self.max_keep = max_keep
         self.full_hash = full_hash  # verify every byte's sha256, not sizes and quick digests
+        self.background = background
+        # One line per published save, its write and blocked seconds (default: stderr).
+        self.report = report or _to_stderr
+        self._pending: _Pending | None = None
+        self._metrics: dict[str, float] = {}
 
     def step_folders(self) -> list[tuple[int, Path]]:
         """(step, folder) of every step_N folder, sound or not, oldest first."""
@@ -292,18 +348,114 @@ class CheckpointManager:
             raise RLHFError(f"checkpoint {folder.name} is damaged: {problem}; {fix}")
         return folder
 
-    def save(self, step: int, *, write_roles: Callable[[Path], None], state: dict) -> Path:
-        """Run `write_roles(tmp)` (engine shards), write `state` and the manifest, then publish
-        as step_N. `state["config"]` (the job's config as a dict) goes into the manifest."""
+    def save(self, step: int, *, state: dict, roles: Mapping[str, EngineRole] | None = None,
+             write_roles: Callable[[Path], None] | None = None) -> Path:
+        """Checkpoint step_N: each of `roles` writes its engine files into the folder of its
+        name, `write_roles(folder)` (if given) any other files; then `state` (the driver's),
+        and the manifest, and the folder is published as step_N. `state["config"]` (the job's
+        config as a dict) goes into the manifest. A pending background save is published
+        first (its error raised). With `background`, returns step_N's path before it exists:
+        `poll` publishes it once written, `wait` waits for that."""
+        self.wait()
+        began = time.monotonic()
         final = self.root / f"step_{step}"
+        stack = ExitStack()
         # A folder saved again (a resumed run's final save) is swapped whole, like a new one.
-        with atomic_folder(final) as tmp:
-            write_roles(tmp)
-            with atomic_write(tmp / STATE_FILE, "wb") as f:
-                torch.save(state, f)
-            write_manifest(tmp, step=step, config=state.get("config", {}))  # last, see above
-        self._prune()
+        tmp = stack.enter_context(atomic_folder(final))
+        roles = dict(roles or {})
+        background = self.background and bool(roles)
+        try:
+            if write_roles is not None:
+                write_roles(tmp)
+            written: dict[str, dict] = {}
+            write_s = 0.0
+            for role, view in roles.items():
+                for result in view.save_checkpoint(str(tmp / role), background):
+                    if result is not None:
+                        write_s = max(write_s, _take_files(written, role, result))
+            buffer = io.BytesIO()
+            torch.save(state, buffer)  # now: the state's objects may change once training goes on
+        except BaseException:
+            stack.__exit__(*sys.exc_info())  # removes the temporary folder
+            raise
+        self._pending = _Pending(step, stack, tmp, roles, buffer.getvalue(),
+                                 state.get("config", {}), began, time.monotonic() - began,
+                                 written, write_s)
+        if not background:
+            self.wait()
         return final
+
+    def poll(self) -> dict[str, float]:
+        """Publish a background save whose files are all written (asks each rank, no wait);
+        return the metrics of the last published save not yet returned ({} if none):
+        checkpoint/blocked_s, the seconds the training loop spent in it, and
+        checkpoint/write_s, from its start until its files were on disk."""
+        pending = self._pending
+        if pending is not None and all(all(view.checkpoint_written())
+                                       for view in pending.roles.values()):
+            self.wait()
+        metrics, self._metrics = self._metrics, {}
+        return metrics
+
+    def wait(self) -> Path | None:
+        """Wait for a pending save's files and publish it (the atomic rename last); return its
+        folder, None when nothing was pending. A failed write raises RLHFError and leaves the
+        previous checkpoints as they were."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        waited = time.monotonic()
+        final = self.root / f"step_{pending.step}"
+        try:
+            if self.background:
+                for role, view in pending.roles.items():
+                    for result in view.finish_checkpoint():
+                        if result is not None:
+                            pending.write_s = max(pending.write_s,
+                                                  _take_files(pending.written, role, result))
+            with atomic_write(pending.tmp / STATE_FILE, "wb") as f:
+                f.write(pending.state)
+            pending.written[STATE_FILE] = {"size": len(pending.state),
+                                           "sha256": hashlib.sha256(pending.state).hexdigest()}
+            write_manifest(pending.tmp, step=pending.step, config=pending.config,
+                           known=pending.written)  # last, see above
+        except BaseException as e:
+            pending.stack.__exit__(*sys.exc_info())  # removes the temporary folder
+            if isinstance(e, Exception):
+                raise RLHFError(f"checkpoint step_{pending.step} could not be written ({e}); "
+                                "the previous checkpoints are as they were") from e
+            raise
+        pending.stack.close()  # the rename that publishes step_N
+        self._prune()
+        done = time.monotonic()
+        blocked = pending.blocked_s + done - waited
+        # The slowest rank's write, then what the driver did to publish it.
+        write_s = max(pending.write_s, pending.blocked_s) + done - waited
+        self._metrics = {"checkpoint/blocked_s": blocked, "checkpoint/write_s": write_s}
+        mode = "in the background" if self.background and pending.roles else "in the foreground"
+        self.report(f"checkpoint {final.name} written {mode} in {write_s:.2f} s; training was "
+                    f"blocked {blocked:.2f} s")
+        return final
+
+    def settle(self, error: BaseException) -> None:
+        """On a run stopped by `error`: publish a pending background save unless a worker
+        failed (its ranks may be stuck in a collective: the save stays unpublished, the
+        previous checkpoint the newest); never raises, says what happened."""
+        if self._pending is None:
+            return
+        # Here, not at the top: the controller package imports Ray, which the driver's checks
+        # (rlhf.trainer.run_folder) do without.
+        from rlhf.controller.errors import WorkerError
+
+        if isinstance(error, WorkerError):
+            self.report(f"checkpoint step_{self._pending.step} was not completed (a worker "
+                        "failed); the previous checkpoint stays the newest")
+            self._pending = None
+            return
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 - the run's own error is the one raised
+            self.report(str(e))
 
     def load_state(self, folder: Path) -> dict:
         """The driver state of a checkpoint (our own file: numpy and Python RNG states)."""

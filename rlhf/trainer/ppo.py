@@ -194,7 +194,9 @@ class PPOTrainer:
         self.needs = estimator_needs(algo.adv_estimator)
         self.kl_ctrl = build_kl_controller(algo.kl_ctrl, coef=algo.kl_coef, target=algo.kl_target,
                                            horizon=algo.kl_horizon)
-        self.ckpt = CheckpointManager(self.output_dir, max_keep=cfg.trainer.max_keep)
+        self.ckpt = CheckpointManager(self.output_dir, max_keep=cfg.trainer.max_keep,
+                                      full_hash=cfg.trainer.full_checkpoint_hash,
+                                      background=cfg.trainer.async_checkpoint)
         self.runner: RewardRunner | None = None
         self.rollouts = RolloutSource(views, n=cfg.rollout.n)
         self.pipeline = None  # trainer.async_mode: sample batch k+1 while batch k trains
@@ -239,6 +241,7 @@ class PPOTrainer:
                     if t.val_every > 0 and (step % t.val_every == 0 or step == t.total_steps):
                         metrics.update(self.validate())
                     metrics.update(timeline.end(step))  # outside timing/step
+                    metrics.update(self.ckpt.poll())  # a save published since the last record
                     records.append(logger.log(step, metrics))
                     saved = None
                     if (t.save_every > 0 and step % t.save_every == 0) or step == t.total_steps:
@@ -247,8 +250,14 @@ class PPOTrainer:
                         after_step(step)
                     stop.step_took(time.monotonic() - began)
                     if step < t.total_steps and (reason := stop.reason()) is not None:
+                        saved = saved or self.save(step)
+                        self.ckpt.wait()  # a background save is complete before the exit
                         raise Preempted(step=step, reason=reason,  # see preemption.py
-                                        checkpoint=saved or self.save(step))
+                                        checkpoint=saved)
+                self.ckpt.wait()  # the last save is on disk before the run ends
+        except Exception as e:
+            self.ckpt.settle(e)  # a background save of a sound cluster still completes
+            raise
         finally:
             timeline.close()
             self.runner.close()
@@ -433,14 +442,11 @@ class PPOTrainer:
 
     def save(self, step: int) -> Path:
         """Checkpoint every trained role, the data position, RNG and KL controller states."""
-        def write_roles(folder: Path) -> None:
-            for role in self._trained_roles():
-                self.views[role].save_checkpoint(str(folder / role))
-
         state = {"step": step, "loader": self.loader.state_dict(), "rng": rng_state(),
                  "kl_ctrl": self.kl_ctrl.state_dict(), "config": config_to_dict(self.cfg),
                  "rollouts": (self.pipeline or self.rollouts).state_dict()}
-        return self.ckpt.save(step, write_roles=write_roles, state=state)
+        return self.ckpt.save(step, roles={r: self.views[r] for r in self._trained_roles()},
+                              state=state)
 
     def resume(self) -> int:
         """Restore the checkpoint trainer.resume names, if any; returns its step (else 0)."""

@@ -1,5 +1,6 @@
 """GRPO (no critic, KL loss) end to end, and a reward function that fails mid-run: the job
-stops with a message naming the function, the last checkpoint intact. Both jobs run on one
+stops with a message naming the function, the last checkpoint intact (written in the
+background, completed as the run stops). Both jobs run on one
 set of worker groups, the second from a checkpoint of the groups' start."""
 
 import json
@@ -70,7 +71,7 @@ def test_grpo_steps_then_a_failing_reward_stops_the_job(groups, tmp_path):
         assets, tmp_path / "grpo-run", algorithm=GRPO,
         reward={"functions": [{"path": f"{tmp_path / 'reward.py'}:exact_or_explode"}]},
         data={"train_files": [train], "shuffle": False},
-        trainer={"total_steps": 3, "save_every": 1, "val_every": 2})
+        trainer={"total_steps": 3, "save_every": 1, "val_every": 2, "async_checkpoint": True})
     with pytest.raises(RLHFError, match="exact_or_explode") as info:
         fit(groups, cfg)
     assert "reward backend unreachable" in str(info.value)

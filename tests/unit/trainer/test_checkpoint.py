@@ -7,12 +7,16 @@ import random
 import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 import rlhf.trainer.checkpoint as checkpoint_module
+from rlhf.controller.errors import WorkerError
 from rlhf.errors import RLHFError
 from rlhf.trainer.checkpoint import (
     MANIFEST,
@@ -215,9 +219,10 @@ def test_an_unreadable_state_file_names_the_checkpoint(tmp_path):
         ckpt.load_state(folder)
 
 
-# A driver that saves step_1 and step_2, then is killed (SIGKILL, below) while writing step_3.
+# A driver that saves step_1 and step_2, then is killed (SIGKILL, below) while writing step_3:
+# in the save itself, or (background) while a thread writes the engine files and training goes on.
 DRIVER = """
-import sys, time
+import sys, threading, time
 from pathlib import Path
 import torch
 from rlhf.trainer.checkpoint import CheckpointManager
@@ -233,16 +238,33 @@ def shards(slow):
                 time.sleep(600)
     return write
 
-ckpt = CheckpointManager(sys.argv[1])
+class BackgroundRole:
+    def save_checkpoint(self, folder, background=False):
+        threading.Thread(target=shards(True), args=(Path(folder).parent,), daemon=True).start()
+        return [None]
+
+    def checkpoint_written(self):
+        return [False]
+
+background = sys.argv[2] == "background"
+ckpt = CheckpointManager(sys.argv[1], background=background)
 for step in (1, 2):
     ckpt.save(step, write_roles=shards(False), state={"step": step, "config": {}})
+if background:
+    ckpt.save(3, roles={"actor": BackgroundRole()}, state={"step": 3, "config": {}})
+    while True:  # training goes on
+        ckpt.poll()
+        time.sleep(0.01)
 ckpt.save(3, write_roles=shards(True), state={"step": 3, "config": {}})
 """
 
 
-def test_a_driver_killed_while_saving_and_a_corrupted_shard_resume_from_the_last_good(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+@pytest.mark.parametrize("mode", ["sync", "background"])
+def test_a_driver_killed_while_saving_and_a_corrupted_shard_resume_from_the_last_good(mode,
+                                                                                      tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path), mode],
+                            stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         assert proc.stdout.readline() == "writing\n"  # inside the save of step_3
     finally:
@@ -271,3 +293,96 @@ def test_a_crash_between_the_renames_of_a_re_save_gets_the_previous_folder_back(
     ckpt.remove_stale()
     assert ckpt.latest() == good and verify_checkpoint(good) is None
     assert not list((tmp_path / "checkpoints").glob(".step_*"))
+
+
+# ---- background saves: training goes on while the engine files are written ---------------------
+
+class SlowRole:
+    """One rank of an engine role (the worker group view's methods) whose background write
+    waits for `gate`, then writes a data file and reports it hashed as written, or fails."""
+
+    def __init__(self, gate, *, fail=False):
+        self.gate, self.fail, self.thread, self.result = gate, fail, None, None
+
+    def _write(self, folder):
+        self.gate.wait()
+        folder.mkdir()
+        data = b"weights" * 1000
+        (folder / "__0_0.distcp").write_bytes(data)
+        self.result = {"files": {"__0_0.distcp": {"size": len(data),
+                                                  "sha256": hashlib.sha256(data).hexdigest()}},
+                       "write_s": 0.5}
+
+    def save_checkpoint(self, folder, background=False):
+        if not background:
+            self._write(Path(folder))
+            return [self.result]
+        self.thread = threading.Thread(target=self._write, args=(Path(folder),))
+        self.thread.start()
+        return [None]
+
+    def checkpoint_written(self):
+        return [self.thread is None or not self.thread.is_alive()]
+
+    def finish_checkpoint(self):
+        self.thread.join()
+        if self.fail:
+            raise RLHFError("writing the engine checkpoint failed (mesh rank 0: OSError)")
+        return [self.result]
+
+
+def test_a_background_save_is_published_once_written_with_its_step_state(tmp_path):
+    lines = []
+    ckpt = CheckpointManager(tmp_path, background=True, report=lines.append)
+    gate = threading.Event()
+    state = {"step": 2, "config": {}, "loader": [1, 2]}
+    path = ckpt.save(2, roles={"actor": SlowRole(gate)}, state=state)
+    state["loader"].append(3)  # training goes on: the saved state is the one of step 2
+    assert not path.exists() and ckpt.poll() == {} and not path.exists()
+    gate.set()
+    deadline = time.monotonic() + 30
+    while not path.exists() and time.monotonic() < deadline:
+        metrics = ckpt.poll()
+    assert path.is_dir() and set(metrics) == {"checkpoint/blocked_s", "checkpoint/write_s"}
+    assert metrics["checkpoint/write_s"] >= 0.5 > metrics["checkpoint/blocked_s"]
+    assert ckpt.poll() == {}  # each save's figures once
+    assert lines == [f"checkpoint step_2 written in the background in "
+                     f"{metrics['checkpoint/write_s']:.2f} s; training was blocked "
+                     f"{metrics['checkpoint/blocked_s']:.2f} s"]
+    assert ckpt.load_state(path)["loader"] == [1, 2]
+    files = read_manifest(path)["files"]
+    assert sorted(files) == ["actor/__0_0.distcp", STATE_FILE]
+    assert verify_checkpoint(path, full_hash=True) is None
+    assert not list((tmp_path / "checkpoints").glob(".step_*"))
+
+
+def test_the_next_save_and_wait_finish_a_pending_one_and_raise_its_error(tmp_path):
+    ckpt = CheckpointManager(tmp_path, background=True, report=lambda line: None)
+    opened = threading.Event()
+    threading.Timer(0.2, opened.set).start()
+    first = ckpt.save(1, roles={"actor": SlowRole(opened)}, state={"step": 1})
+    second = ckpt.save(2, roles={"actor": SlowRole(opened, fail=True)}, state={"step": 2})
+    assert first.is_dir() and verify_checkpoint(first) is None  # the save waited for it
+    with pytest.raises(RLHFError, match=r"checkpoint step_2 could not be written \(writing the "
+                                        r"engine checkpoint failed .*\); the previous "
+                                        "checkpoints are as they were"):
+        ckpt.wait()
+    assert not second.exists() and ckpt.latest() == first
+    assert not list((tmp_path / "checkpoints").glob(".step_*"))
+    assert ckpt.wait() is None  # nothing pending any more
+
+
+def test_a_run_stopped_by_an_error_publishes_its_pending_save_unless_a_worker_failed(tmp_path):
+    lines = []
+    ckpt = CheckpointManager(tmp_path, background=True, report=lines.append)
+    opened = threading.Event()
+    opened.set()
+    first = ckpt.save(1, roles={"actor": SlowRole(opened)}, state={"step": 1})
+    ckpt.settle(RLHFError("the reward function raised"))  # the workers are sound
+    assert verify_checkpoint(first) is None and lines[-1].startswith("checkpoint step_1 written")
+    second = ckpt.save(2, roles={"actor": SlowRole(opened)}, state={"step": 2})
+    died = WorkerError("rank 1 died", job="j", role="actor", rank=1, method="update_actor")
+    ckpt.settle(died)  # the other ranks may be stuck in a collective: no call to them
+    assert not second.exists() and ckpt.wait() is None
+    assert lines[-1] == ("checkpoint step_2 was not completed (a worker failed); the previous "
+                         "checkpoint stays the newest")
