@@ -14,7 +14,7 @@ BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout":
                                "engine": "engine", "attention": "attention",
                                "step": "step", "fixed-memory": "fixed_memory", "gap": "gap",
                                "data": "data", "cost-model": "cost_model",
-                               "experts": "experts"}
+                               "experts": "experts", "checkpoint": "checkpoint"}
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:

@@ -190,7 +190,7 @@ def write_manifest(folder: Path, *, step: int, config: dict,
     run's config. `known`: {relative name: {"size", "sha256"}} hashed as they were written,
     not read again but for their quick digests. Files are hashed in parallel threads."""
     known = known or {}
-    paths = [p for p in sorted(folder.rglob("*")) if p.is_file()]
+    paths = [p for p in sorted(folder.rglob("*")) if p.is_file() and p != folder / MANIFEST]
     names = [p.relative_to(folder).as_posix() for p in paths]
     with ThreadPoolExecutor(max_workers=_HASH_THREADS) as pool:
         digests = list(pool.map(_digests, paths, [known.get(n) for n in names]))
