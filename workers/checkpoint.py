@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from rlhf.models.hf_io import hf_config, write_hf_folder
 from rlhf.models.lora import is_lora_param
 from rlhf.models.peft_folder import merged_stream, write_adapter_folder
 
+if TYPE_CHECKING:
+    from rlhf.engine import TrainEngine
+
 EXPORT_BUCKET_BYTES = 256 * 2**20  # also the size of each safetensors file written
 
 
@@ -28,6 +31,7 @@ class CheckpointMixin:
     `self.offload` (rlhf.engine.offload.Offloader), which brings the state they read back,
     and `self.lora`, the role's LoRA settings (None or r = 0: no adapters)."""
 
+    engine: TrainEngine
     lora: LoraConfig | None = None
     _checkpoint_write: EngineWrite | None = None  # a background save's pending write
 
@@ -90,6 +94,7 @@ class CheckpointMixin:
         buckets = engine.export_hf_weights(bucket_bytes=EXPORT_BUCKET_BYTES, select=select)
         if mesh.rank == mesh.ranks[0]:
             if adapter:
+                assert lora is not None  # refused above
                 write_adapter_folder(folder, (t for bucket in buckets for t in bucket),
                                      lora=lora, base_model=config_source)
             else:

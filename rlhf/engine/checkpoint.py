@@ -39,11 +39,10 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -62,6 +61,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from rlhf.engine.optim import ShardedAdamW
 from rlhf.errors import RLHFError
@@ -345,7 +345,7 @@ class EngineWrite:
     `finish()` (collective over the mesh) waits for it and writes DCP's metadata."""
 
     def __init__(self, folder: Path, *, mesh: ParallelMesh, index: int, planner: _BoxSavePlanner,
-                 writer: dcp.FileSystemWriter, fs: _HashingFileSystem, plan: SavePlan,
+                 writer: FileSystemWriter, fs: _HashingFileSystem, plan: SavePlan,
                  metadata: Metadata, began: float, background: bool):
         self.folder, self.mesh, self.index = folder, mesh, index
         self.writer, self.fs, self.metadata, self.began = writer, fs, metadata, began
@@ -420,7 +420,7 @@ def start_engine_save(folder: str | Path, *, model: torch.nn.Module, table: Para
         with atomic_write(folder / ENGINE_FILE, "wb") as f:
             f.write(data)
         fs.digests[ENGINE_FILE] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    writer = dcp.FileSystemWriter(folder, thread_count=1)
+    writer = FileSystemWriter(folder, thread_count=1)
     writer.fs = fs
     planner = _BoxSavePlanner(chunks)
     plan, metadata = _dcp_plan(planner, writer, mesh, index=index)
@@ -454,7 +454,7 @@ def _staged(chunks: Sequence[Chunk]) -> list[Chunk]:
     return staged
 
 
-def _dcp_plan(planner: _BoxSavePlanner, writer: dcp.FileSystemWriter, mesh: ParallelMesh, *,
+def _dcp_plan(planner: _BoxSavePlanner, writer: FileSystemWriter, mesh: ParallelMesh, *,
               index: int) -> tuple[SavePlan, Metadata]:
     """DCP's save protocol up to the writes (local plans, one global plan; the writes and the
     metadata by the first rank follow in `EngineWrite`), with the plans exchanged over the
@@ -523,11 +523,11 @@ def load_engine(folder: str | Path, *, model: torch.nn.Module, table: ParamTable
     fingerprints = _base_fingerprints(model, table, mesh) if lora else []
     saved_prints = [Chunk(c.key, c.offsets, c.size, torch.empty_like(c.tensor))
                     for c in fingerprints]
-    reader = dcp.FileSystemReader(folder)
+    reader = FileSystemReader(folder)
     _check_data_files(reader.read_metadata(), folder)
     with warnings.catch_warnings():  # no_dist: each rank reads its own boxes, no collective
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load({}, storage_reader=reader,
+        dcp_load({}, storage_reader=reader,
                  planner=_BoxLoadPlanner(chunks + saved_prints, where=where), no_dist=True)
     for mine, saved in zip(fingerprints, saved_prints):
         if not torch.allclose(saved.tensor, mine.tensor, rtol=1e-6, atol=1e-8):

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -249,17 +249,6 @@ def _to_stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-class EngineRole(Protocol):
-    """A role's engine checkpoint, written by its ranks (a worker group's view of
-    workers.checkpoint.CheckpointMixin; each call returns one value per rank)."""
-
-    def save_checkpoint(self, folder: str, background: bool = False) -> list: ...
-
-    def checkpoint_written(self) -> list[bool]: ...
-
-    def finish_checkpoint(self) -> list: ...
-
-
 @dataclass
 class _Pending:
     """A save whose engine files are being written in the background."""
@@ -267,7 +256,7 @@ class _Pending:
     step: int
     stack: ExitStack  # holds the atomic folder open: closed, it publishes step_N
     tmp: Path
-    roles: Mapping[str, EngineRole]
+    roles: Mapping[str, Any]  # see `CheckpointManager.save`
     state: bytes
     config: dict
     began: float
@@ -348,14 +337,17 @@ class CheckpointManager:
             raise RLHFError(f"checkpoint {folder.name} is damaged: {problem}; {fix}")
         return folder
 
-    def save(self, step: int, *, state: dict, roles: Mapping[str, EngineRole] | None = None,
+    def save(self, step: int, *, state: dict, roles: Mapping[str, Any] | None = None,
              write_roles: Callable[[Path], None] | None = None) -> Path:
-        """Checkpoint step_N: each of `roles` writes its engine files into the folder of its
-        name, `write_roles(folder)` (if given) any other files; then `state` (the driver's),
-        and the manifest, and the folder is published as step_N. `state["config"]` (the job's
-        config as a dict) goes into the manifest. A pending background save is published
-        first (its error raised). With `background`, returns step_N's path before it exists:
-        `poll` publishes it once written, `wait` waits for that."""
+        """Checkpoint step_N: each of `roles` (a worker group's view of
+        workers.checkpoint.CheckpointMixin: `save_checkpoint`, `checkpoint_written`,
+        `finish_checkpoint`, each answering per rank) writes its engine files into the folder
+        of its name, `write_roles(folder)` (if given) any other files; then `state` (the
+        driver's) and the manifest are written, and the folder is published as step_N.
+        `state["config"]` (the job's config as a dict) goes into the manifest. A pending
+        background save is published first (its error raised). With `background`, returns
+        step_N's path before it exists: `poll` publishes it once written, `wait` waits for
+        that."""
         self.wait()
         began = time.monotonic()
         final = self.root / f"step_{step}"
