@@ -12,6 +12,12 @@ one file per rank, with a `.metadata` file listing every box of every tensor. Lo
 for the boxes this rank holds in ITS layout and DCP reads the overlapping parts of the saved
 ones: tp, pp, vpp, dp (ZeRO-1 on or off) and ep may all differ from the run that saved.
 
+A save is planned collectively (`start_engine_save`), then each rank writes its data file in
+the foreground or, with `background`, in a thread from a host copy of its boxes while the
+engine trains on; `EngineWrite.finish` (collective) waits for the writes and writes DCP's
+metadata. Every file is hashed (size, sha256) from the bytes as they are written
+(`_HashingFileSystem`), for the checkpoint's manifest.
+
 `engine.json` (format_version 3) holds the step and the layout that wrote the checkpoint.
 With LoRA adapters only the trainable tensors are written, plus a (sum, sum of squares)
 fingerprint of each frozen base tensor (global, so any layout can check it) against which a

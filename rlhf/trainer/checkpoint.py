@@ -3,7 +3,10 @@
 A checkpoint is assembled in a hidden temporary folder (engine files of each role, then the
 driver's trainer_state.pt, then manifest.json listing every file with its size, its sha256
 and a quick digest) and renamed to step_N as a whole, so a crash while saving never leaves a
-partial step_N and never touches the previous ones. Loading checks the manifest first, before
+partial step_N and never touches the previous ones. With `background` the engine files are
+written by threads on the ranks while training goes on, and the folder is published (state,
+manifest, rename) once they are all on disk; the sha256 of every file the ranks write is
+recorded from the bytes as they are written, so the manifest reads back only quick digests. Loading checks the manifest first, before
 any rank reads a file: every file's size and quick digest (`quick_digest`: the file's size
 and sampled blocks, a few MiB read whatever the file's size), or with `full_hash` every byte's
 sha256. A truncated or corrupted file is reported by path, and `resume=auto` falls back to the

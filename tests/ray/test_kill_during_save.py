@@ -7,8 +7,9 @@ second two: trainer.ranks_per_node is not part of the run's identity):
    dp=1) is the reference for the rest;
 2. re-run on two ranks: it recognises its own earlier attempt (run.json), moves the leftovers
    aside, starts from step 1 and is sent SIGTERM once step 1 is logged: it finishes the step
-   it is in (before the last), saves a checkpoint and exits with EXIT_PREEMPTED; its steps
-   match the dp=1 reference;
+   it is in (before the last), saves a checkpoint (in the background, trainer.async_checkpoint:
+   the exit waits for it to be published) and exits with EXIT_PREEMPTED; its steps match the
+   dp=1 reference;
 3. re-run on one rank (dp 2 -> 1, ZeRO-1 shards resharded): it resumes there and finishes;
    every step is in metrics.jsonl once, with the reference's losses, gradient norms and
    rewards, the loader read as many batches as an uninterrupted run, and hf_model is written.
@@ -116,8 +117,9 @@ def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninter
     assert [r["step"] for r in uninterrupted] == [1, 2, 3, 4], log
     assert any(r["actor/grad_norm"] > 0 for r in uninterrupted)  # the updates do something
 
-    # 2. two ranks: restarts from scratch; SIGTERM after step 1 -> checkpoint, status 75
-    proc = start_train(config, tmp_path / "second.log")
+    # 2. two ranks: restarts from scratch; SIGTERM after step 1 -> checkpoint, status 75 (the
+    # checkpoint written in the background: the exit waits for it)
+    proc = start_train(config, tmp_path / "second.log", "trainer.async_checkpoint=true")
     try:
         terminate_after_step(proc, out, step=1, timeout_s=600)
     finally:
@@ -126,6 +128,7 @@ def test_killed_in_its_first_save_then_preempted_then_resized_ends_as_if_uninter
     assert proc.returncode == EXIT_PREEMPTED, log
     assert "holds an earlier attempt of this run that completed no checkpoint" in log
     assert "SIGTERM received: finishing the current step" in log and "preempted: " in log
+    assert "written in the background in" in log
     [(saved, folder)] = ckpt.step_folders()
     assert 1 <= saved < 4 and verify_checkpoint(folder) is None, log
     assert [r["step"] for r in read_metrics(out)] == list(range(1, saved + 1))
