@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 import rlhf.engine.checkpoint as ckpt
 from rlhf.config.schema import LoraConfig, ParallelConfig, TinyModelConfig
@@ -107,7 +108,7 @@ def _run_all(rank, world, folders, root):
 
 
 def dcp_keys(folder):
-    return ckpt.dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    return FileSystemReader(folder).read_metadata().state_dict_metadata
 
 
 def dcp_shapes(folder):
