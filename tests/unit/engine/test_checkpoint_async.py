@@ -3,6 +3,7 @@ the bytes as they were written (one process; tests/dist/test_checkpoint_layouts.
 across layouts, tests/unit/trainer/test_checkpoint.py publishes saves)."""
 
 import hashlib
+import threading
 
 import pytest
 import torch
@@ -22,13 +23,23 @@ def _tensors(engine):
     return out
 
 
-def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(folder, world,
-                                                                              tmp_path):
+def test_a_background_save_holds_the_state_of_its_step_while_training_goes_on(
+        folder, world, tmp_path, monkeypatch):
     engine = _engine(folder)
     _train_step(engine, make_batch(6))
     saved = _tensors(engine)
+    # The writer thread starts writing only once the next step has changed the engine.
+    stepped, create_stream = threading.Event(), ckpt._HashingFileSystem.create_stream
+
+    def after_the_step(self, path, mode):
+        stepped.wait()
+        return create_stream(self, path, mode)
+
+    monkeypatch.setattr(ckpt._HashingFileSystem, "create_stream", after_the_step)
     write = engine.start_checkpoint(tmp_path / "ckpt", background=True)
+    assert not write.done()
     _, stats = _train_step(engine, make_batch(7))  # changes every tensor the write reads
+    stepped.set()
     assert stats["grad_norm"] > 0
     moved = _tensors(engine)
     assert any(not torch.equal(moved[k], saved[k]) for k in saved)
