@@ -6,11 +6,11 @@ and a quick digest) and renamed to step_N as a whole, so a crash while saving ne
 partial step_N and never touches the previous ones. With `background` the engine files are
 written by threads on the ranks while training goes on, and the folder is published (state,
 manifest, rename) once they are all on disk; the sha256 of every file the ranks write is
-recorded from the bytes as they are written, so the manifest reads back only quick digests. Loading checks the manifest first, before
-any rank reads a file: every file's size and quick digest (`quick_digest`: the file's size
-and sampled blocks, a few MiB read whatever the file's size), or with `full_hash` every byte's
-sha256. A truncated or corrupted file is reported by path, and `resume=auto` falls back to the
-newest checkpoint that verifies.
+recorded from the bytes as they are written, so the manifest reads back only quick digests.
+Loading checks the manifest first, before any rank reads a file: every file's size and quick
+digest (`quick_digest`: the file's size and sampled blocks, a few MiB read whatever the file's
+size), or with `full_hash` every byte's sha256. A truncated or corrupted file is reported by
+path, and `resume=auto` falls back to the newest checkpoint that verifies.
 """
 from __future__ import annotations
 
@@ -408,6 +408,7 @@ class CheckpointManager:
                         if result is not None:
                             pending.write_s = max(pending.write_s,
                                                   _take_files(pending.written, role, result))
+            written = time.monotonic()  # every rank's files are on disk
             with atomic_write(pending.tmp / STATE_FILE, "wb") as f:
                 f.write(pending.state)
             pending.written[STATE_FILE] = {"size": len(pending.state),
@@ -424,8 +425,9 @@ class CheckpointManager:
         self._prune()
         done = time.monotonic()
         blocked = pending.blocked_s + done - waited
-        # The slowest rank's write, then what the driver did to publish it.
-        write_s = max(pending.write_s, pending.blocked_s) + done - waited
+        # The slowest rank's write, then what the driver did to publish it (a wait for the
+        # write is in the former).
+        write_s = max(pending.write_s, pending.blocked_s) + done - written
         self._metrics = {"checkpoint/blocked_s": blocked, "checkpoint/write_s": write_s}
         mode = "in the background" if self.background and pending.roles else "in the foreground"
         self.report(f"checkpoint {final.name} written {mode} in {write_s:.2f} s; training was "
