@@ -29,6 +29,7 @@ read by `load_shard` below, for resumes of runs saved before DCP.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -37,14 +38,18 @@ import os
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import Tensor
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
@@ -71,7 +76,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
 from rlhf.engine.optim import ShardedAdamW
 from rlhf.errors import RLHFError
-from rlhf.files import atomic_write
+from rlhf.files import atomic_folder, atomic_write
+from rlhf.models.hf_io import causal_lm_config, finish_hf_folder, weight_file_names
 from rlhf.models.lora import has_lora
 from rlhf.models.param_table import ParamInfo, ParamTable
 from rlhf.parallel.mesh import ParallelMesh
@@ -586,6 +592,84 @@ def _base_fingerprints(model: torch.nn.Module, table: ParamTable, mesh: Parallel
         stacked = torch.where(mask, parts, stacked)
     stacked = stacked.cpu()
     return [Chunk(key, (0,), (2,), stacked[i].clone()) for i, key in enumerate(keys)]
+
+
+# ---- HF export from the checkpoint's own metadata -----------------------------------------------
+# The weights of a format-3 checkpoint are the HF tensors (full shapes, HF names, no tied copy):
+# an export plans its files from the metadata and each process writes its share of them, reading
+# only those tensors, one file at a time: no training layout, no devices, no model built.
+
+
+def hf_export_plan(folder: str | Path, *, bucket_bytes: int) -> list[tuple[str, list[str]]]:
+    """(file name, HF names) of each safetensors file an HF export of the weights in `folder`
+    writes: its `model/` tensors in buckets of at most `bucket_bytes` (a bigger one alone)."""
+    folder = Path(folder)
+    if read_engine_info(folder)["lora"]:
+        raise RLHFError(f"{folder} holds LoRA adapters only; their export needs the base model "
+                        "(rlhf export-hf loads it on the workers)")
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for key, md in FileSystemReader(folder).read_metadata().state_dict_metadata.items():
+        if not key.startswith(WEIGHTS) or not isinstance(md, TensorStorageMetadata):
+            continue
+        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(key[len(WEIGHTS):])
+        size += nbytes
+    return list(zip(weight_file_names(len(buckets)), buckets))
+
+
+@torch.no_grad()
+def write_hf_weight_files(folder: str | Path, out: str | Path,
+                          plan: Sequence[tuple[str, list[str]]], part: int = 0, *,
+                          parts: int = 1) -> int:
+    """Write the files of `plan` (`hf_export_plan`) that fall to `part` of `parts` (every
+    `parts`-th) into `out`, each read whole from checkpoint `folder`; return their bytes."""
+    folder, out = Path(folder), Path(out)
+    metadata = FileSystemReader(folder).read_metadata()
+    _check_data_files(metadata, folder)
+    saved, written = metadata.state_dict_metadata, 0
+    for file, names in list(plan)[part::parts]:
+        chunks = []
+        for name in names:
+            md = saved[WEIGHTS + name]
+            assert isinstance(md, TensorStorageMetadata)
+            tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            chunks.append(Chunk(WEIGHTS + name, (0,) * tensor.dim(), tuple(md.size), tensor))
+        with warnings.catch_warnings():  # no_dist: no collective, each process its own files
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp_load({}, storage_reader=FileSystemReader(folder),
+                     planner=_BoxLoadPlanner(chunks, where=str(folder)), no_dist=True)
+        save_file({c.key[len(WEIGHTS):]: c.tensor for c in chunks}, str(out / file),
+                  metadata={"format": "pt"})
+        written += sum(c.tensor.numel() * c.tensor.element_size() for c in chunks)
+    return written
+
+
+def export_hf_folder(folder: str | Path, out: str | Path, *, config_source: str | Path,
+                     bucket_bytes: int, processes: int = 1) -> Path:
+    """An HF folder of the weights of format-3 checkpoint `folder`, written through a temporary
+    folder that replaces `out` whole: `processes` processes (spawned when more than one) each
+    write their share of the files, then the index, config and tokenizer files of
+    `config_source` are added."""
+    folder, out = Path(folder), Path(out)
+    plan = hf_export_plan(folder, bucket_bytes=bucket_bytes)
+    with atomic_folder(out) as tmp:
+        if processes == 1:
+            total = write_hf_weight_files(folder, tmp, plan)
+        else:
+            with ProcessPoolExecutor(processes, mp_context=get_context("spawn")) as pool:
+                total = sum(pool.map(functools.partial(write_hf_weight_files, folder, tmp, plan,
+                                                       parts=processes),
+                                     range(processes)))
+        saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+        dtypes = Counter(md.properties.dtype for key, md in saved.items()
+                         if key.startswith(WEIGHTS) and isinstance(md, TensorStorageMetadata))
+        finish_hf_folder(tmp, plan, total_bytes=total, config_source=config_source,
+                         config=causal_lm_config(config_source, dtype=dtypes.most_common(1)[0][0]))
+    return out
 
 
 # ---- format 2 (read only): files per (pp, tp) coordinate and per ZeRO-1 shard ------------------

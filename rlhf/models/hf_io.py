@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from rlhf.errors import RLHFError
+from rlhf.families import model_family
 from rlhf.models.lora import is_lora_param
 from rlhf.models.transformer import CausalLM, ValueModel
 
@@ -210,21 +211,43 @@ def write_hf_folder(folder: str | Path, buckets: Iterable[list[tuple[str, Tensor
         save_file(tensors, part, metadata={"format": "pt"})
         parts.append((part, list(tensors)))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
-    names = ([SINGLE_FILE] if len(parts) == 1 else
-             [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))])
-    weight_map = {}
-    for (part, keys), file in zip(parts, names):
+    names = weight_file_names(len(parts))
+    for (part, _), file in zip(parts, names):
         part.rename(folder / file)
-        weight_map.update(dict.fromkeys(keys, file))
-    if len(parts) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    finish_hf_folder(folder, [(file, keys) for (_, keys), file in zip(parts, names)],
+                     total_bytes=total, config_source=config_source, config=config)
+    return folder
+
+
+def weight_file_names(count: int) -> list[str]:
+    """The names of a folder's `count` safetensors files, as transformers writes them."""
+    return ([SINGLE_FILE] if count == 1 else
+            [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)])
+
+
+def finish_hf_folder(folder: Path, files: list[tuple[str, list[str]]], *, total_bytes: int,
+                     config_source: str | Path, config: dict) -> None:
+    """Around the weight files of `folder` ((name, tensor names) each): the index when there
+    are several, the tokenizer/generation files of `config_source`, `config` as config.json."""
+    if len(files) > 1:
+        weight_map = {key: file for file, keys in files for key in keys}
+        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (folder / INDEX_FILE).write_text(json.dumps(index, indent=2), encoding="utf-8")
     for pattern in _SIDE_FILES:
-        for path in config_source.glob(pattern):
+        for path in Path(config_source).glob(pattern):
             if path.is_file():
                 shutil.copy2(path, folder / path.name)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return folder
+
+
+def causal_lm_config(config_source: str | Path, *, dtype: torch.dtype) -> dict:
+    """config.json of `config_source` for its family's causal LM with weights in `dtype` (what
+    `hf_config` gives a CausalLM, without the model)."""
+    config = json.loads((Path(config_source) / "config.json").read_text(encoding="utf-8"))
+    config["architectures"] = [model_family(config.get("model_type")).causal_lm_class]
+    config.pop("torch_dtype", None)
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    return config
 
 
 def hf_config(model: Model, config_source: str | Path) -> dict:

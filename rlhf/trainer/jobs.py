@@ -247,7 +247,10 @@ def checkpoint_config(folder: Path):
 
 def export_checkpoint(cfg, folder: Path, out: Path, *, merge: bool = False) -> Path:
     """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder,
-    or for a LoRA run a peft adapter folder of model.path (`merge`: the merged HF folder)."""
+    or for a LoRA run a peft adapter folder of model.path (`merge`: the merged HF folder).
+    A full-weight DCP checkpoint is exported from its own metadata, without workers."""
+    from rlhf.engine.checkpoint import FORMAT_VERSION, checkpoint_format, export_hf_folder
+    from workers.checkpoint import EXPORT_BUCKET_BYTES
     from workers.sft import SFTWorker
 
     if out.exists() and any(out.iterdir()):
@@ -256,6 +259,10 @@ def export_checkpoint(cfg, folder: Path, out: Path, *, merge: bool = False) -> P
     if merge and not lora:
         raise RLHFError(f"{folder} holds a full-weight policy (actor.lora.r = 0): there are no "
                         "adapters to merge; export without --merge")
+    if not lora and checkpoint_format(folder / "actor") == FORMAT_VERSION:
+        # The checkpoint holds the HF tensors themselves: written file by file, no workers.
+        return export_hf_folder(folder / "actor", out, config_source=cfg.model.path,
+                                bucket_bytes=EXPORT_BUCKET_BYTES)
     spec = (SFTWorker, {"config": cfg, "init_path": cfg.model.path, "plan_key": "actor",
                         "train": False})
     groups = RoleGroups(cfg, {"export": spec}, job_name=f"{cfg.trainer.experiment_name}-export",

@@ -7,16 +7,20 @@ pp2 x vpp2 x dp2 (ZeRO-1, tied embeddings) -> tp2 x dp2, LoRA at tp2 x dp2 -> tp
 model has an odd vocabulary, so tp=2 pads it and the padding must stay out of the checkpoint.
 The pp2 x vpp2 save is written in the background while A takes another step, which must not
 reach the checkpoint.
-A format-2 checkpoint (the files per (pp, tp) coordinate that runs wrote before DCP), written
-here by the old writer, still resumes at its own layout and continues bit for bit.
+Each checkpoint is also exported from its own metadata (no engine) and must equal the export
+of the engine that loaded it. A format-2 checkpoint (the files per (pp, tp) coordinate that
+runs wrote before DCP), written here by the old writer, still resumes at its own layout and
+continues bit for bit.
 """
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -24,8 +28,10 @@ import rlhf.engine.checkpoint as ckpt
 from rlhf.config.schema import LoraConfig, ParallelConfig, TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
+from rlhf.errors import RLHFError
 from rlhf.files import atomic_write
 from rlhf.models.build import build_model
+from rlhf.models.hf_io import hf_config
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import OPTIM, SMALL, actor_loss_fn, exported, make_batch
@@ -107,6 +113,10 @@ def _run_all(rank, world, folders, root):
         if resumed is not None:
             resumed.load_checkpoint(saved)
             out["step_count"] = resumed.step_count
+            out["loaded"] = exported(resumed)  # today's export, on the workers' layout
+            if rank == 0:
+                out["config"] = hf_config(resumed.model, folder)
+                out["from_metadata"] = _export_from_metadata(saved, f"{saved}-hf", folder)
             out["resumed"] = (_step(resumed, SEEDS[1]), exported(resumed))
         plain = _engine(folder, ranks_b, kw_b, lora, cache)
         if plain is not None:
@@ -115,6 +125,20 @@ def _run_all(rank, world, folders, root):
             out["keys"] = set(dcp_keys(saved))
             out["shapes"] = dcp_shapes(saved)
     return results
+
+
+def _export_from_metadata(saved, out, config_source):
+    """`export_hf_folder` of checkpoint `saved` in files of about 40 KB (several per model):
+    its tensors, config.json and file count; or the refusal of a LoRA checkpoint."""
+    try:
+        ckpt.export_hf_folder(saved, out, config_source=config_source, bucket_bytes=40_000)
+    except RLHFError as e:
+        return str(e)
+    files = sorted(Path(out).glob("*.safetensors"))
+    tensors = {}
+    for path in files:
+        tensors.update({k: v.float() for k, v in load_file(path).items()})
+    return tensors, json.loads((Path(out) / "config.json").read_text()), len(files)
 
 
 def dcp_keys(folder):
@@ -157,6 +181,21 @@ def test_global_tensors_have_hf_shapes_without_padding_and_ties_once(runs):
     assert not any("lm_head" in key for key in shapes)  # the tied head is the embedding
     lora_keys = per_rank[0]["lora-tp2-dp2-to-tp1"]["keys"]
     assert lora_keys and all(k.startswith("lora_base/") or "lora_" in k for k in lora_keys)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_export_from_the_metadata_equals_the_loaded_engines_export(runs, name):
+    """rlhf export-hf without workers: the checkpoint's own tensors, written by file, against
+    today's export of an engine that loaded it (tp gathers, pp broadcasts, padding cut)."""
+    got = runs[0][0][name]
+    if CASES[name][3]:  # LoRA: adapters only, the base is needed
+        assert "holds LoRA adapters only" in got["from_metadata"]
+        return
+    tensors, config, files = got["from_metadata"]
+    assert files > 1 and tensors.keys() == got["loaded"].keys()
+    for key, want in got["loaded"].items():
+        assert torch.equal(tensors[key], want), key
+    assert config == got["config"]
 
 
 def test_a_format2_checkpoint_still_resumes_at_its_layout(runs):
