@@ -55,7 +55,7 @@ def score(*, prompt, response, ground_truth, extra):
 """
 # Wall-clock figures differ between runs; everything else must repeat exactly.
 VARYING = ("timing/", "throughput/", "sync/", "rollout/seconds", "rollout/tokens_per_s",
-           "memory/")
+           "memory/", "checkpoint/")
 
 
 # Run on the cluster after job A: the interface checks a job spanning nodes gets before any

@@ -31,7 +31,7 @@ REQUIRED = {"reward/mean", "actor/pg_loss", "actor/entropy", "actor/kl_ref", "ac
             "throughput/tokens_per_s"}
 # Wall-clock figures differ between runs; everything else must repeat exactly.
 VARYING = ("timing/", "throughput/", "sync/", "rollout/seconds", "rollout/tokens_per_s",
-           "memory/")
+           "memory/", "checkpoint/")
 
 
 @pytest.fixture(scope="module")
