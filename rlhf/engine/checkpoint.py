@@ -485,18 +485,18 @@ def _dcp_plan(planner: _BoxSavePlanner, writer: FileSystemWriter, mesh: Parallel
 
 
 def _all_gather(obj: Any, mesh: ParallelMesh) -> list[Any]:
-    """Every mesh rank's `obj`, in `_mesh_index` order (object all-gathers over mp, then dp)."""
+    """Every mesh rank's `obj`, in `_mesh_index` order (object all-gathers over mp, then dp x cp)."""
     line: list[Any] = [None] * len(mesh.group_ranks("mp"))
     dist.all_gather_object(line, obj, group=mesh.mp_group)
-    lines: list[Any] = [None] * len(mesh.group_ranks("dp"))
-    dist.all_gather_object(lines, line, group=mesh.dp_group)
+    lines: list[Any] = [None] * len(mesh.group_ranks("dp_cp"))
+    dist.all_gather_object(lines, line, group=mesh.dp_cp_group)
     return [item for part in lines for item in part]
 
 
 def _mesh_index(mesh: ParallelMesh) -> int:
-    """This rank's place in `_all_gather`'s order: its dp group rank, then its mp group rank."""
+    """This rank's place in `_all_gather`'s order: its dp x cp rank, then its mp rank."""
     mp = mesh.group_ranks("mp")
-    return mesh.group_ranks("dp").index(mesh.rank) * len(mp) + mp.index(mesh.rank)
+    return mesh.group_ranks("dp_cp").index(mesh.rank) * len(mp) + mp.index(mesh.rank)
 
 
 def read_engine_info(folder: str | Path) -> dict[str, Any]:

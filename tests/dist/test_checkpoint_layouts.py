@@ -47,13 +47,17 @@ CASES = {
     "tp2-dp2-zero1-to-tp1-pp2": ("llama", (4, dict(tp=2)), (2, dict(pp=2)), False),
     "pp2-vpp2-dp2-to-tp2-dp2": ("qwen3-tied-odd", (4, dict(pp=2, vpp=2)), (4, dict(tp=2)), False),
     "lora-tp2-dp2-to-tp1": ("llama", (4, dict(tp=2)), (1, {}), True),
+    # cp ranks hold ZeRO-1 pieces too (the partition spans dp x cp): the plan exchange must
+    # reach them, and a cp run resumes without cp
+    "cp2-dp2-zero1-to-tp2": ("llama", (4, dict(cp=2)), (2, dict(tp=2)), False),
 }
 BACKGROUND = "pp2-vpp2-dp2-to-tp2-dp2"  # the case whose save is written in the background
 
 
 def _engine(folder, ranks, parallel_kw, lora, cache):
     parallel = ParallelConfig(**parallel_kw)
-    mesh = ParallelMesh(list(range(ranks)), tp=parallel.tp, pp=parallel.pp, cache=cache)
+    mesh = ParallelMesh(list(range(ranks)), tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
+                        cache=cache)
     if not mesh.is_member:
         return None
     built = build_model(folder, mesh=mesh, parallel=parallel, head="lm",
