@@ -12,11 +12,13 @@ uses when colocated) and no training engine. Its weights arrive over the transfe
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
 from rlhf.data.batch import Batch
 from rlhf.data.fields import require_fields
+from rlhf.data.ragged import Ragged
 from rlhf.engine.engine import resolve_dtype
 from rlhf.engine.offload import in_phase
 from rlhf.errors import ConfigError
@@ -53,10 +55,17 @@ class RolloutWorker(Worker):
         """One segment of streaming rollouts (trainer.async_mode streaming): each `input_ids`
         row (prompt + tokens so far) continues by at most its `max_tokens` new tokens with its
         `seed`; see RolloutReplica.continue_samples."""
-        require_fields(batch, ("input_ids", "max_tokens", "seed"), "rollout.generate_segments")
-        return self.replica.continue_samples(batch["input_ids"],
-                                             max_tokens=batch["max_tokens"].tolist(),
-                                             seeds=batch["seed"].tolist())
+        require_fields(batch, ("input_ids", "prompt_len", "max_tokens", "seed"),
+                       "rollout.generate_segments")
+        out = self.replica.continue_samples(batch["input_ids"],
+                                            max_tokens=batch["max_tokens"].tolist(),
+                                            seeds=batch["seed"].tolist())
+        stops = self.config.rollout.stop
+        if not stops:
+            return out
+        tokenizer = self.replica.ensure_sampler().llm.get_tokenizer()
+        return cut_at_stops(out, batch["input_ids"], batch["prompt_len"].tolist(), stops=stops,
+                            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def holds_weights(self) -> bool:
@@ -144,6 +153,51 @@ def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str, env: boo
     rows = env_rows(batch) if env else None
     return replica.generate(batch["prompt_ids"], greedy=greedy, seed=seed, env_rows=rows,
                             sampling=sampling)
+
+
+def stop_cut(decode: Callable[[list[int]], str], earlier: list[int], new: list[int],
+             stops: Sequence[str]) -> int | None:
+    """How many of a segment's `new` tokens its response keeps when a stop string ends within
+    them, `earlier` being the response's tokens before the segment: up to and including the
+    token that completes the first stop string in the response's text, where vLLM cuts an
+    unsegmented generation; None when no stop string ends within `new`.
+
+    vLLM looks only at the segment's own text, so a stop string split across two segments
+    needs the earlier tail: as many tokens as the longest stop string has characters, and
+    one more (a token decodes to one character or more), never the prompt's (vLLM does not
+    match stop strings in the prompt either)."""
+    if not stops or not new:
+        return None
+    tail = earlier[-(max(len(s) for s in stops) + 1):]
+    tail_chars = len(decode(tail))
+
+    def ends_in_new(k: int) -> bool:  # a stop string ends within new[:k]
+        text = decode(tail + new[:k])
+        return any(text.find(s, max(0, tail_chars - len(s) + 1)) >= 0 for s in stops)
+
+    if not ends_in_new(len(new)):
+        return None
+    return next(k for k in range(1, len(new) + 1) if ends_in_new(k))
+
+
+def cut_at_stops(out: Batch, inputs: Ragged, prompt_lens: list[int], *, stops: Sequence[str],
+                 decode: Callable[[list[int]], str]) -> Batch:
+    """A segment's sampled rows (`response_ids`, `rollout_log_probs`, `stopped`) cut by
+    `stop_cut`: a row whose text, with its response's earlier tail, completes a stop string
+    keeps the tokens up to it and is stopped."""
+    ids = [row.tolist() for row in out["response_ids"].to_list()]
+    log_probs = [row.tolist() for row in out["rollout_log_probs"].to_list()]
+    stopped = out["stopped"].clone()
+    for i, (row, start) in enumerate(zip(inputs.to_list(), prompt_lens, strict=True)):
+        keep = stop_cut(decode, row.tolist()[start:], ids[i], stops)
+        if keep is not None:
+            ids[i], log_probs[i], stopped[i] = ids[i][:keep], log_probs[i][:keep], True
+    _, rest = out.pop(["response_ids", "rollout_log_probs", "stopped"])
+    return rest.union(Batch({
+        "response_ids": Ragged.from_list(ids, dtype=out["response_ids"].values.dtype),
+        "rollout_log_probs": Ragged.from_list(log_probs,
+                                              dtype=out["rollout_log_probs"].values.dtype),
+        "stopped": stopped}))
 
 
 def rollout_spec(ctx: WorkerContext, config: JobConfig) -> ReplicaSpec:

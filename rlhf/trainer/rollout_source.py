@@ -300,6 +300,7 @@ class StreamingPipeline:
             return sync
         inputs = Batch({
             "input_ids": Ragged.from_list([r.input_ids for r in requests], dtype=torch.int64),
+            "prompt_len": torch.tensor([r.prompt_len for r in requests], dtype=torch.int64),
             "max_tokens": torch.tensor([r.max_tokens for r in requests], dtype=torch.int64),
             "seed": torch.tensor([derive_seed(self.seed, *r.seed_parts) for r in requests],
                                  dtype=torch.int64)})

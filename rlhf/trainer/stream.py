@@ -77,12 +77,14 @@ class Group:
 
 @dataclass(frozen=True)
 class Request:
-    """One segment to sample: (group, sample) `key`, its token ids in (prompt + tokens so far),
-    at most `max_tokens` new ones, and its seed's parts (`seed_parts`: prompt index, sample,
-    restarts, segment), so a resumed run samples the same segment with the same seed."""
+    """One segment to sample: (group, sample) `key`, its token ids in (prompt + tokens so far;
+    the first `prompt_len` are the prompt's), at most `max_tokens` new ones, and its seed's
+    parts (`seed_parts`: prompt index, sample, restarts, segment), so a resumed run samples the
+    same segment with the same seed."""
 
     key: tuple[int, int]
     input_ids: list[int]
+    prompt_len: int
     max_tokens: int
     seed_parts: tuple[int, int, int, int]
 
@@ -154,7 +156,7 @@ class RolloutStream:
                     self.counts["interrupted"] += 1
                 room = self.max_new_tokens - len(s.tokens)
                 out.append(Request((index, j), group.prompt_ids + s.tokens,
-                                   min(self.segment_tokens, room),
+                                   len(group.prompt_ids), min(self.segment_tokens, room),
                                    (index, j, s.restarts, s.segments)))
         return out
 
