@@ -176,3 +176,20 @@ def test_streaming_refuses_what_it_does_not_carry_across_segments():
         cfg = SimpleNamespace(rollout=SimpleNamespace(env=env, routing_replay=replay))
         with pytest.raises(ConfigError, match=fix):
             streaming_pipeline(cfg, source, Loader())
+
+
+def test_streaming_with_colocated_rollouts_is_refused_before_any_process_starts(tmp_path):
+    """A colocated engine shares the actor's ranks, which train between segments: streaming
+    needs a pool that samples while the actor trains, so the config check names the fix."""
+    from pathlib import Path
+
+    from rlhf.config import load_config
+    from rlhf.config.checks import check_config
+
+    quickstart = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
+    base = [f"model.path={tmp_path / 'model'}", "trainer.async_mode=streaming"]
+    with pytest.raises(ConfigError, match="needs rollout ranks of their own: set "
+                                          "rollout.placement=separate"):
+        check_config(load_config(quickstart, base))
+    check_config(load_config(quickstart, base + ["rollout.placement=separate",
+                                                 "rollout.world_size=1"]))
