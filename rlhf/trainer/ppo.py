@@ -261,6 +261,8 @@ class PPOTrainer:
         finally:
             timeline.close()
             self.runner.close()
+            if self.pipeline is not None:
+                self.pipeline.close()
             logger.close()
         return records
 

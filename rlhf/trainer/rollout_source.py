@@ -25,6 +25,7 @@ saving), so a resumed run trains exactly the samples an uninterrupted one would 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,8 +33,10 @@ import torch
 
 from rlhf.controller import RoleView
 from rlhf.data.batch import Batch
+from rlhf.data.fields import MODEL_MASK
 from rlhf.data.ragged import Ragged
-from rlhf.errors import ConfigError
+from rlhf.errors import ConfigError, RLHFError
+from rlhf.rollout.multiturn import env_rows
 from rlhf.rollout.routing import records_in_rollout
 from rlhf.rollout.sampling import derive_seed
 from rlhf.trainer.metrics import SectionTimer
@@ -199,6 +202,9 @@ class RolloutPipeline:
             batch = batch.union(Batch({"old_log_probs": batch["rollout_log_probs"]}))
         return batch, metrics
 
+    def close(self) -> None:
+        """Nothing to stop (StreamingPipeline's multi-turn environments have processes)."""
+
     def state_dict(self) -> dict:
         """The in-flight batch (waited for) and the versions, for a checkpoint."""
         pending = None
@@ -220,6 +226,100 @@ class RolloutPipeline:
 TOKEN_VERSIONS = "token_versions"  # streaming: per response token, the version that sampled it
 
 
+class StreamEpisodes:
+    """The environments of a streaming run's multi-turn samples (rollout.env), on the driver:
+    whichever rollout rank samples a sample's next segment, its environment stays here. At
+    each ended model turn the episode's environment is reset first if the sample has none yet
+    (its first turn, or it was regenerated), then stepped with the turn's text and exact
+    token ids; the observation is rendered for that turn only and appended (RolloutStream
+    .observe). A resumed run's environments start empty: samples past their first turn are
+    regenerated (RolloutStream.restart_episodes), so each prompt is still trained once."""
+
+    def __init__(self, runner, *, decode: Callable[[list[int]], str],
+                 render: Callable[..., list[int]], on_error: str, fallback_reward: float):
+        self.runner, self.decode, self.render = runner, decode, render
+        self.on_error, self.fallback_reward = on_error, fallback_reward
+        self.episodes: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (restarts, id)
+        self.next_id = 0
+        self.failures: dict[str, float] = defaultdict(float)  # since the last step's metrics
+
+    def play(self, stream: RolloutStream) -> None:
+        """Answer every ended turn of `stream`; end the environments of finished samples."""
+        ended = stream.turns_ended()
+        resets = {}
+        for key, group, s in ended:
+            known = self.episodes.get(key)
+            if known is None or known[0] != s.restarts:  # first turn, or regenerated
+                if known is not None:
+                    self.runner.end([known[1]])
+                self.episodes[key] = (s.restarts, self.next_id)
+                resets[self.next_id] = env_rows(group.prompt)[0]
+                self.next_id += 1
+        outcomes = self._call("reset", resets, stream, ended)
+        turns = {}
+        for key, _, s in ended:
+            episode = self.episodes[key][1]
+            if outcomes.get(episode, ("ok",))[0] == "ok":
+                ids = s.tokens[s.turn_start:]
+                turns[episode] = {"text": self.decode(ids), "token_ids": ids}
+        outcomes = self._call("step", turns, stream, ended)
+        for key, _, _ in ended:
+            episode = self.episodes[key][1]
+            if episode not in turns or outcomes[episode][0] != "ok":
+                continue  # failed: _call ended it
+            result = outcomes[episode][1]
+            obs = (None if result.observation is None else
+                   self.render(result.observation, model_ids=turns[episode]["token_ids"]))
+            stream.observe(key, ids=obs, reward=result.reward, done=result.done,
+                           metrics=result.metrics)
+        live = {key for key, (_, episode) in self.episodes.items()
+                if key[0] in stream.generating
+                and not stream.generating[key[0]].samples[key[1]].done}
+        finished = [key for key in self.episodes if key not in live]
+        if finished:
+            self.runner.end([self.episodes.pop(key)[1] for key in finished])
+
+    def _call(self, method: str, payloads: dict, stream: RolloutStream, ended) -> dict:
+        if not payloads:
+            return {}
+        outcomes = getattr(self.runner, method)(payloads)
+        for key, _, _ in ended:
+            episode = self.episodes[key][1]
+            kind, cause = outcomes.get(episode, ("ok", None))
+            if kind == "ok":
+                continue
+            if self.on_error == "raise":
+                raise RLHFError(f"environment {getattr(self.runner, 'spec', '?')!r} failed on "
+                                f"prompt {key[0]} sample {key[1]} in {method}: {cause}\nFix the "
+                                "environment (or raise rollout.env.timeout_s), or set "
+                                "rollout.env.on_error: fallback to end such episodes with "
+                                "rollout.env.fallback_reward")
+            self.failures["errors" if kind == "error" else "timeouts"] += 1
+            stream.fail(key, reward=self.fallback_reward)
+        return outcomes
+
+    def metrics(self, samples: list) -> dict[str, float]:
+        """As multi-turn rollouts report them (rlhf.rollout.multiturn.env_metrics): over the
+        episodes a step trains, env/turns, env/episode_tokens, env/model_tokens and env/<key>
+        (an environment metric summed over the episode) as means per episode; env/errors and
+        env/timeouts: failed calls since the last step."""
+        n = max(len(samples), 1)
+        out = {"env/turns": sum(s.turns for s in samples) / n,
+               "env/episode_tokens": sum(len(s.tokens) for s in samples) / n,
+               "env/model_tokens": sum(sum(s.model_mask) for s in samples) / n,
+               "env/errors": self.failures["errors"], "env/timeouts": self.failures["timeouts"]}
+        self.failures = defaultdict(float)
+        for name in sorted({k for s in samples for k in s.env_metrics}):
+            out[f"env/{name}"] = sum(s.env_metrics.get(name, 0.0) for s in samples) / n
+        if out.get("env/tool_calls", 0.0) > 0:
+            out["env/tool_success_rate"] = 1.0 - out.get("env/tool_errors", 0.0) / out[
+                "env/tool_calls"]
+        return out
+
+    def close(self) -> None:
+        self.runner.close()
+
+
 class StreamingPipeline:
     """trainer.async_mode streaming: the rollout pool samples continuously in segments
     (rlhf.trainer.stream keeps the books). Each step takes data.train_batch_size finished
@@ -232,13 +332,14 @@ class StreamingPipeline:
 
     def __init__(self, source: RolloutSource, draw: Callable[[], Batch], *, stream,
                  groups_per_step: int, seed: int, old_from_rollout: bool,
-                 wait_timeout_s: float):
+                 wait_timeout_s: float, episodes: StreamEpisodes | None = None):
         if source.rollout is None:
             raise ValueError("async_mode streaming needs rollout ranks of their own "
                              "(rollout.placement separate)")
         self.source, self.draw, self.stream = source, draw, stream
         self.groups_per_step, self.seed = groups_per_step, seed
         self.old_from_rollout, self.wait_timeout_s = old_from_rollout, wait_timeout_s
+        self.episodes = episodes  # rollout.env: the samples' environments
         self.report_every_s = 60.0  # how often a long wait for the buffer prints its state
         self.pending: tuple[list, object, int, float] | None = None  # requests, call, version
         self._last_counts = dict(stream.counts)
@@ -277,6 +378,8 @@ class StreamingPipeline:
         batch = self._assemble(groups)
         batch, admit = self._admit(batch)
         metrics.update(admit)
+        if self.episodes is not None:
+            metrics.update(self.episodes.metrics([s for g in groups for s in g.samples]))
         metrics["async/trainer_wait_s"] = time.perf_counter() - began
         metrics["async/rollout_idle_s"] = max(0.0, self._rollout_span_s - self._rollout_busy_s)
         self._rollout_span_s = self._rollout_busy_s = 0.0
@@ -327,6 +430,8 @@ class StreamingPipeline:
                                                  out["rollout_log_probs"].to_list(),
                                                  out["stopped"].tolist())]
         self.stream.record(requests, segments, version=version)
+        if self.episodes is not None:
+            self.episodes.play(self.stream)
 
     def _state(self, what: str) -> str:
         s = self.stream
@@ -347,6 +452,10 @@ class StreamingPipeline:
         and sampler log-probs; `policy_version` = a sample's oldest token's version."""
         samples = [s for g in groups for s in g.samples]
         batch = Batch.concat([g.prompt for g in groups]).repeat_interleave(self.stream.n)
+        if self.episodes is not None:  # the whole episode is one response, as multi-turn's
+            batch = batch.union(Batch({
+                MODEL_MASK: Ragged.from_list([s.model_mask for s in samples], dtype=torch.bool),
+                "env_reward": torch.tensor([s.reward for s in samples], dtype=torch.float32)}))
         return batch.union(Batch({
             "response_ids": Ragged.from_list([s.tokens for s in samples], dtype=torch.int64),
             "rollout_log_probs": Ragged.from_list([s.log_probs for s in samples],
@@ -360,6 +469,8 @@ class StreamingPipeline:
         and a histogram, the stream's state and what happened since the last step."""
         stream = self.stream
         staleness_T = (self.source.policy_version - batch[TOKEN_VERSIONS].values).float()
+        if MODEL_MASK in batch:  # the model's tokens only: environment tokens train nothing
+            staleness_T = staleness_T[batch[MODEL_MASK].values]
         counts = stream.counts
         delta = {k: counts[k] - self._last_counts.get(k, 0) for k in counts}
         self._last_counts = dict(counts)
@@ -370,6 +481,9 @@ class StreamingPipeline:
                    "async/dropped_samples": float(delta["dropped_samples"]),
                    "async/regenerated_samples": float(delta["regenerated_samples"]),
                    "async/segments": float(delta["segments"])}
+        if self.episodes is not None:
+            metrics.update({"env/truncated": float(delta["env_truncated"]),
+                            "env/restarted_samples": float(delta["env_restarts"])})
         if staleness_T.numel():
             for q in (0.5, 0.9, 1.0):
                 metrics[f"async/token_staleness_p{int(q * 100)}"] = float(
@@ -393,14 +507,18 @@ class StreamingPipeline:
         self.source.load_state_dict(state["source"])
         self.stream.load_state_dict(state["stream"])
         self._last_counts = dict(self.stream.counts)
+        if self.episodes is not None:  # this process holds none of their environments
+            self.stream.restart_episodes()
+
+    def close(self) -> None:
+        """Stop the environments' worker processes (multi-turn)."""
+        if self.episodes is not None:
+            self.episodes.close()
 
 
 def streaming_pipeline(cfg, source: RolloutSource, draw: Callable[[], Batch]) -> StreamingPipeline:
     """The StreamingPipeline of a JobConfig with trainer.async_mode streaming."""
     rollout = cfg.rollout
-    if rollout.env.path is not None:
-        raise ConfigError("trainer.async_mode streaming does not run multi-turn episodes "
-                          "(rollout.env) yet; use async_mode one_step or bounded")
     if records_in_rollout(rollout):  # a sample's routes would span several segments' calls
         raise ConfigError("trainer.async_mode streaming does not keep vLLM's routed experts "
                           "(rollout.routing_replay=rollout) yet; use routing_replay=trainer "
@@ -409,8 +527,30 @@ def streaming_pipeline(cfg, source: RolloutSource, draw: Callable[[], Batch]) ->
     stream = RolloutStream(n=rollout.n,
                            slots=t.stream_slots or cfg.data.train_batch_size * rollout.n,
                            max_staleness=t.max_staleness, max_new_tokens=rollout.max_new_tokens,
-                           segment_tokens=t.stream_segment_tokens, stale_policy=t.stale_policy)
+                           segment_tokens=t.stream_segment_tokens, stale_policy=t.stale_policy,
+                           env=rollout.env.path is not None, max_turns=rollout.max_turns,
+                           max_response_tokens=rollout.max_response_tokens)
     return StreamingPipeline(source, draw, stream=stream,
                              groups_per_step=cfg.data.train_batch_size, seed=rollout.seed,
                              old_from_rollout=t.async_old_log_probs == "rollout",
-                             wait_timeout_s=t.stream_wait_timeout_s)
+                             wait_timeout_s=t.stream_wait_timeout_s,
+                             episodes=stream_episodes(cfg) if stream.env else None)
+
+
+def stream_episodes(cfg) -> StreamEpisodes:
+    """The driver's environments of a streaming run with rollout.env: its worker processes,
+    and the policy's tokenizer to decode turns and render observations (as the rollout ranks
+    do for one_step and bounded, rlhf.rollout.multiturn)."""
+    from transformers import AutoTokenizer
+
+    from rlhf.envs.render import TurnRenderer
+    from rlhf.envs.runner import EnvRunner
+
+    env = cfg.rollout.env
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    renderer = TurnRenderer(tokenizer)
+    return StreamEpisodes(EnvRunner(env.path, env.kwargs, num_workers=env.num_workers,
+                                    timeout_s=env.timeout_s),
+                          decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                          render=renderer.ids, on_error=env.on_error,
+                          fallback_reward=env.fallback_reward)

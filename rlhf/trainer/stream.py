@@ -15,7 +15,12 @@ flight continues under the new version: a partial rollout. `RolloutStream` is th
   (stale_policy regenerate) or its group dropped (drop); both counted. Versions only advance
   when the trainer takes a batch, so the bound is enforced each time the version changes
   (`expire`) and again when a batch is taken.
-- each drawn prompt's fate: queued, generating, buffered, trained or dropped.
+- each drawn prompt's fate: queued, generating, buffered, trained or dropped;
+- with an environment (rollout.env, `env=True`) each sample is a multi-turn episode: a model
+  turn ends at a stop, at max_new_tokens or at the episode's max_response_tokens; the sample
+  then waits (`turns_ended`) until the driver brings the environment's answer (`observe`),
+  whose observation tokens are appended as context (model_mask False) before the next turn.
+  A turn a weight update interrupts continues from its tokens like any other sample.
 
 The checkpoint's part (`state_dict`) is all of it: queue, groups in flight with their tokens,
 buffer, ledger, counters. A run resumed from it continues every sample in flight from its
@@ -46,14 +51,22 @@ class Sample:
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    model_mask: list[bool] = field(default_factory=list)  # False on environment tokens
     done: bool = False
     finish_reason: str = ""
     segments: int = 0  # segments sampled since it (re)started: the seed's segment counter
-    restarts: int = 0  # times regenerated for staleness: part of its seeds
+    restarts: int = 0  # times regenerated (staleness, or an environment lost): its seeds
+    turns: int = 0  # model turns ended (multi-turn)
+    turn_start: int = 0  # where the current model turn starts in `tokens`
+    awaiting: bool = False  # its turn ended; the environment answers next (multi-turn)
+    reward: float = 0.0  # the environment's rewards, summed (multi-turn)
+    env_metrics: dict[str, float] = field(default_factory=dict)  # its metrics, summed
 
     def reset(self) -> None:
-        self.tokens, self.log_probs, self.versions = [], [], []
+        self.tokens, self.log_probs, self.versions, self.model_mask = [], [], [], []
         self.done, self.finish_reason, self.segments = False, "", 0
+        self.turns, self.turn_start, self.awaiting, self.reward = 0, 0, False, 0.0
+        self.env_metrics = {}
         self.restarts += 1
 
 
@@ -102,7 +115,8 @@ class RolloutStream:
     """Streaming rollout state (see the module docstring): slots, buffer, staleness, fates."""
 
     def __init__(self, *, n: int, slots: int, max_staleness: int, max_new_tokens: int,
-                 segment_tokens: int, stale_policy: Literal["drop", "regenerate"]):
+                 segment_tokens: int, stale_policy: Literal["drop", "regenerate"],
+                 env: bool = False, max_turns: int = 1, max_response_tokens: int | None = None):
         if slots < n:
             raise ValueError(f"{slots} sample slots cannot hold a group of {n} samples; raise "
                              "rollout.stream_slots to at least rollout.n")
@@ -111,13 +125,16 @@ class RolloutStream:
         self.n, self.slots, self.max_staleness = n, slots, max_staleness
         self.max_new_tokens, self.segment_tokens = max_new_tokens, segment_tokens
         self.stale_policy = stale_policy
+        self.env, self.max_turns = env, max_turns  # max_new_tokens is then per model turn
+        self.max_response_tokens = max_response_tokens or max_new_tokens
         self.queue: deque[tuple[int, Any, list[int]]] = deque()  # drawn, not started
         self.drawn = 0  # prompts drawn from the stream so far (the next one's index)
         self.generating: dict[int, Group] = {}
         self.buffer: deque[Group] = deque()
         self.fates: dict[int, str] = {}
         self.counts = {"interrupted": 0, "dropped_samples": 0, "dropped_groups": 0,
-                       "regenerated_samples": 0, "segments": 0, "tokens": 0}
+                       "regenerated_samples": 0, "segments": 0, "tokens": 0,
+                       "env_truncated": 0, "env_restarts": 0}
 
     # ---- the prompt stream and the slots ------------------------------------------------------
 
@@ -150,11 +167,12 @@ class RolloutStream:
         for index in sorted(self.generating):
             group = self.generating[index]
             for j, s in enumerate(group.samples):
-                if s.done:
+                if s.done or s.awaiting:
                     continue
                 if s.versions and s.versions[-1] != version:
                     self.counts["interrupted"] += 1
-                room = self.max_new_tokens - len(s.tokens)
+                room = min(self.max_new_tokens - (len(s.tokens) - s.turn_start),
+                           self.max_response_tokens - len(s.tokens))
                 out.append(Request((index, j), group.prompt_ids + s.tokens,
                                    len(group.prompt_ids), min(self.segment_tokens, room),
                                    (index, j, s.restarts, s.segments)))
@@ -162,10 +180,10 @@ class RolloutStream:
 
     def record(self, requests: list[Request], segments: list[Segment], *, version: int) -> int:
         """Append each segment's tokens, sampled by `version`, to its sample; a group whose
-        samples are all done moves to the buffer. Returns the groups finished."""
+        samples are all done moves to the buffer. Returns the groups finished. With an
+        environment, a sample whose model turn ended waits for `observe` instead."""
         if len(requests) != len(segments):
             raise ValueError(f"{len(segments)} segments for {len(requests)} requests")
-        finished = 0
         for request, seg in zip(requests, segments):
             index, j = request.key
             if index not in self.generating:
@@ -178,14 +196,26 @@ class RolloutStream:
             s.tokens += seg.tokens
             s.log_probs += seg.log_probs
             s.versions += [version] * len(seg.tokens)
+            s.model_mask += [True] * len(seg.tokens)
             s.segments += 1
             s.finish_reason = seg.finish_reason
-            # Done when the sampler stopped it (EOS, stop string) or at the response limit;
-            # "length" before that limit is only the segment's end.
-            s.done = seg.finish_reason in STOP_REASONS or len(s.tokens) >= self.max_new_tokens
+            # The turn ends when the sampler stopped it (EOS, stop string) or at a token
+            # limit; "length" before the limits is only the segment's end.
+            ended = (seg.finish_reason in STOP_REASONS
+                     or len(s.tokens) - s.turn_start >= self.max_new_tokens
+                     or len(s.tokens) >= self.max_response_tokens)
+            if ended and self.env:
+                s.awaiting, s.turns = True, s.turns + 1
+            else:
+                s.done = ended
             self.counts["segments"] += 1
             self.counts["tokens"] += len(seg.tokens)
-        for index in sorted({r.key[0] for r in requests}):
+        return self._finish({r.key[0] for r in requests})
+
+    def _finish(self, indices) -> int:
+        """Groups among `indices` whose samples are all done move to the buffer; how many."""
+        finished = 0
+        for index in sorted(indices):
             group = self.generating[index]
             if group.done:
                 del self.generating[index]
@@ -193,6 +223,61 @@ class RolloutStream:
                 self.fates[index] = BUFFERED
                 finished += 1
         return finished
+
+    # ---- multi-turn: the environment's answers between model turns ----------------------------
+
+    def turns_ended(self) -> list[tuple[tuple[int, int], Group, Sample]]:
+        """((prompt, sample) key, its group, the sample) of every sample whose model turn
+        ended and whose environment has not answered yet; the turn is
+        sample.tokens[sample.turn_start:]."""
+        return [((index, j), self.generating[index], s) for index in sorted(self.generating)
+                for j, s in enumerate(self.generating[index].samples) if s.awaiting]
+
+    def observe(self, key: tuple[int, int], *, ids: list[int] | None, reward: float,
+                done: bool, metrics: dict[str, float] | None = None) -> None:
+        """The environment's answer to a sample's ended turn: its reward and metrics (summed
+        over the episode), whether it ended the episode, the observation's token ids (None:
+        none) appended as context before the next model turn. The episode also ends after
+        rollout.max_turns turns, or when the observation leaves no room for a model token
+        (counted as env_truncated)."""
+        s = self.generating[key[0]].samples[key[1]]
+        if not s.awaiting:
+            raise ValueError(f"prompt {key[0]} sample {key[1]} has no ended turn to answer")
+        s.awaiting, s.reward = False, s.reward + reward
+        for name, value in (metrics or {}).items():
+            s.env_metrics[name] = s.env_metrics.get(name, 0.0) + value
+        ids = ids or []
+        if done or s.turns >= self.max_turns:
+            s.done = True
+        elif len(s.tokens) + len(ids) >= self.max_response_tokens:
+            s.done = True
+            self.counts["env_truncated"] += 1
+        else:  # context tokens: no log-prob, the version of the turn they answer
+            s.tokens += ids
+            s.log_probs += [0.0] * len(ids)
+            s.versions += [s.versions[-1] if s.versions else 0] * len(ids)
+            s.model_mask += [False] * len(ids)
+            s.turn_start = len(s.tokens)
+        self._finish([key[0]])
+
+    def fail(self, key: tuple[int, int], *, reward: float) -> None:
+        """End a sample's episode whose environment failed, with `reward` as its score
+        (rollout.env.on_error fallback)."""
+        s = self.generating[key[0]].samples[key[1]]
+        s.awaiting, s.done, s.reward = False, True, reward
+        self._finish([key[0]])
+
+    def restart_episodes(self) -> int:
+        """Regenerate every unfinished sample past its first model turn: its environment's
+        state was lost (a resumed run's environments start empty). Returns how many."""
+        restarted = 0
+        for index in sorted(self.generating):
+            for s in self.generating[index].samples:
+                if not s.done and s.turns > 0:
+                    s.reset()
+                    restarted += 1
+        self.counts["env_restarts"] += restarted
+        return restarted
 
     # ---- staleness and the hand-over ----------------------------------------------------------
 
@@ -272,4 +357,8 @@ class RolloutStream:
         self.drawn, self.queue = state["drawn"], deque(state["queue"])
         self.generating = {g.index: g for g in state["generating"]}
         self.buffer = deque(state["buffer"])
-        self.fates, self.counts = state["fates"], state["counts"]
+        self.fates, self.counts = state["fates"], {**self.counts, **state["counts"]}
+        for group in [*self.generating.values(), *self.buffer]:
+            for s in group.samples:  # checkpoints before multi-turn streaming had no mask
+                if "model_mask" not in vars(s):
+                    s.model_mask, s.env_metrics = [True] * len(s.tokens), {}
