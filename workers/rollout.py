@@ -12,7 +12,10 @@ uses when colocated) and no training engine. Its weights arrive over the transfe
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from torch import Tensor
 
 from rlhf.config import JobConfig
 from rlhf.controller import Dispatch, WorkerContext, register
@@ -95,6 +98,12 @@ class WeightSenderMixin:
 
     _transfer: TransferGroup | None = None
     _transfer_store = None
+    if TYPE_CHECKING:  # what the class mixing this in provides
+        ctx: WorkerContext
+
+        def export_weights(self) -> Iterable[list[tuple[str, Tensor]]]: ...
+
+        def full_sync_bytes(self) -> float: ...
 
     @register(dispatch=Dispatch.RANK_ZERO)
     def open_weight_transfer(self, rollout_ranks: int) -> TransferAddress:

@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -122,12 +123,13 @@ class InFlight:
 
     prompts: Batch
     version: int
-    call: object | None  # PendingCall; None once `out` is known
+    call: Any  # PendingCall; None once `out` is known
     out: Batch | None = None
 
     def result(self) -> Batch:
         if self.out is None:
             self.out, self.call = self.call.get(), None
+        assert self.out is not None
         return self.out
 
 
@@ -148,6 +150,7 @@ class RolloutPipeline:
         metrics: dict[str, float] = {}
         if self.pending is None:  # the first step: nothing sampled ahead yet
             metrics.update(self._submit(step, ahead=0, timer=timer))
+        assert self.pending is not None  # submitted above or by the previous step
         with timer("wait_rollout"):
             current, out = self.pending, self.pending.result()
         self.pending = None
@@ -177,6 +180,7 @@ class RolloutPipeline:
         self._busy_s = sync.get("sync/seconds", 0.0)
         prompts = self.draw(step)
         version = source.rollout_version if source.rollout is not None else source.policy_version
+        assert version is not None  # synced above unless the pool held a known version
         self.pending = InFlight(prompts, version, source.generate(prompts, greedy=False,
                                                                   blocking=False))
         return {**metrics, **sync}
@@ -341,7 +345,7 @@ class StreamingPipeline:
         self.old_from_rollout, self.wait_timeout_s = old_from_rollout, wait_timeout_s
         self.episodes = episodes  # rollout.env: the samples' environments
         self.report_every_s = 60.0  # how often a long wait for the buffer prints its state
-        self.pending: tuple[list, object, int, float] | None = None  # requests, call, version
+        self.pending: tuple[list, Any, int, float] | None = None  # requests, call, version
         self._last_counts = dict(stream.counts)
         self._rollout_busy_s = self._rollout_span_s = 0.0
 
@@ -407,6 +411,7 @@ class StreamingPipeline:
             "max_tokens": torch.tensor([r.max_tokens for r in requests], dtype=torch.int64),
             "seed": torch.tensor([derive_seed(self.seed, *r.seed_parts) for r in requests],
                                  dtype=torch.int64)})
+        assert source.rollout is not None  # checked when the pipeline was made
         call = source.rollout.generate_segments(inputs, blocking=False)
         self.pending = (requests, call, version, time.perf_counter())
         return sync

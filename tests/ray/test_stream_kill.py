@@ -8,6 +8,7 @@ workers outlive the dead driver (as in test_async's resume), so the resumed run 
 their weights back to the checkpoint's."""
 
 import random
+from typing import cast
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def test_a_streaming_run_killed_at_a_random_point_trains_every_prompt_once(
     assets = make_assets(tmp_path)
     killed = _job(assets, tmp_path / "killed")
     roles, role_configs = job_workers(killed)
-    groups = RoleGroups(killed, roles, job_name="stream-kill", role_configs=role_configs)
+    groups = RoleGroups(killed, roles, job_name="stream-kill",
+                        role_configs=cast(dict, role_configs))
     kill_at = random.Random(42).randrange(6, 16)  # the segment the driver dies waiting for
     collect, calls = StreamingPipeline._collect, [0]
 
