@@ -16,14 +16,19 @@ vocab 512, GRPO with a k3 KL loss, 16 prompts x 4 samples x 32 new tokens) or `q
 our line adds all_to_all_s and all_to_all_share: a rank's seconds in the expert all-to-alls
 and their share of the step).
 
-With `--async`: synchronous against one-step-off-policy steps, side by side. Both runs use the
+With `--async`: synchronous, one-step-off and streaming steps, side by side. The runs use the
 same job (model, prompts, sizes) on one training rank and one rollout rank of its own
 (rollout.placement separate), one after the other on one local Ray cluster: first
 trainer.async_mode off (sample, then train), then one_step (sample batch k+1 while batch k
-trains), whose ranks are the first run's processes kept warm (rlhf.controller.warm). Prints
-one JSON line per run (mean seconds per timed step and per phase) and a summary: the
-synchronous run's generate and train times, their sum and their max (the step time a perfect
-overlap reaches), and the one-step-off step time against both.
+trains), then streaming (segments of --segment-tokens, partial rollouts, finished groups
+handed over as they complete), whose ranks are the first run's processes kept warm
+(rlhf.controller.warm). Prints one JSON line per run (mean seconds per timed step and per
+phase, trained tokens/s, each side's idle seconds per step, response lengths) and a summary:
+the synchronous run's generate and train times, their sum and their max (the step time a
+perfect overlap reaches), each async mode's step time and trained tokens/s against sync's.
+`--long-tail RATE` makes response lengths long-tailed: the random model's responses end at
+stop strings (rollout.stop) drawn from its vocabulary so that about RATE of its tokens end one,
+nearly geometric lengths whose longest in a batch is several times the median.
 """
 
 from __future__ import annotations
@@ -71,8 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--model quickstart: the config it takes the model and micro-batch "
                              "budget from (default configs/quickstart.yaml)")
     parser.add_argument("--async", dest="run_async", action="store_true",
-                        help="instead: synchronous vs one-step-off-policy steps on one training "
-                             "rank and one rollout rank")
+                        help="instead: synchronous vs one-step-off-policy vs streaming steps on "
+                             "one training rank and one rollout rank")
+    parser.add_argument("--segment-tokens", type=int, default=16,
+                        help="--async: trainer.stream_segment_tokens of the streaming run "
+                             "(default 16)")
+    parser.add_argument("--long-tail", type=float, default=0.0,
+                        help="long-tailed response lengths: the share of vocabulary tokens that "
+                             "end a response (stop strings), e.g. 0.04; 0 = off (default)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -338,6 +349,8 @@ def _job_config(args, root: Path):
         shape.update(num_heads=heads, num_kv_heads=max(1, heads // 2))
     spec = TinyModelConfig(**{**spec.__dict__, **shape})
     model = make_tiny_model(spec, root / f"{args.model}-model")
+    if not 0 <= args.long_tail < 1:
+        raise SystemExit(f"error: --long-tail must be in [0, 1), got {args.long_tail}")
     train = root / "train.jsonl"
     write_arith_dataset(train, task=ArithTask(), n=prompts * total, seed=0, split="train")
     if args.few_shot:
@@ -349,7 +362,8 @@ def _job_config(args, root: Path):
         "ref": {"max_tokens_per_micro_batch": budget},
         "reward": {"functions": [{"path": "rlhf.rewards.arith:exact_match"}], "num_workers": 0},
         "rollout": {"n": samples, "max_new_tokens": new_tokens, "temperature": 1.0,
-                    "cpu_kv_cache_gb": 0.25, "max_num_seqs": prompts * samples},
+                    "cpu_kv_cache_gb": 0.25, "max_num_seqs": prompts * samples,
+                    "stop": long_tail_stops(model, args.long_tail)},
         "algorithm": {"adv_estimator": "grpo", "kl_in_reward": False, "use_kl_loss": True,
                       "kl_loss_type": "k3", "kl_loss_coef": 0.01, "ppo_epochs": 1},
         "data": {"train_files": [str(train)],
@@ -363,6 +377,24 @@ def _job_config(args, root: Path):
     return config_from_dict(tree)
 
 
+def long_tail_stops(model: Path, rate: float) -> list[str]:
+    """Stop strings that end a response at about `rate` of a random model's tokens: the text
+    of that share of its vocabulary, tokens of 3 or more letters (no shorter text, so a stop
+    string is rarely written across two tokens). [] when rate is 0."""
+    if rate == 0:
+        return []
+    from rlhf.trainer.jobs import load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    words = sorted({text for i in range(len(tokenizer))
+                    if (text := tokenizer.decode([i]).strip()).isalpha() and len(text) >= 3})
+    want = max(1, round(rate * len(tokenizer)))
+    if len(words) < want:
+        raise SystemExit(f"error: --long-tail {rate} needs {want} word tokens, the model's "
+                         f"vocabulary has {len(words)}; lower --long-tail")
+    return words[::len(words) // want][:want]
+
+
 def _prepend_examples(path: Path, k: int) -> None:
     """Rewrite the prompts of a JSONL file with k solved problems (other rows') before each."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -373,15 +405,20 @@ def _prepend_examples(path: Path, k: int) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
-# ---- --async: synchronous against one-step-off steps ----------------------------------------
+# ---- --async: synchronous against one-step-off and streaming steps --------------------------
 
 ASYNC_PHASES = ("step", "generate", "sync_weights", "wait_rollout", "update_actor", "ref", "reward")
 
 
+ASYNC_MODES = ("off", "one_step", "streaming")
+
+
 def run_async(args: argparse.Namespace) -> int:
-    """Synchronous against one-step-off-policy steps (`--async`)."""
+    """Synchronous against one-step-off-policy and streaming steps (`--async`)."""
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("error: --steps must be at least 1 and --warmup at least 0")
+    if args.segment_tokens < 1:
+        raise SystemExit("error: --segment-tokens must be at least 1")
     if args.cores < 2:
         raise SystemExit("error: --async needs --cores of at least 2 (a training rank and a "
                          "rollout rank)")
@@ -394,27 +431,39 @@ def run_async(args: argparse.Namespace) -> int:
         # One cluster for both runs (their Ray settings are the same); the second run's ranks
         # are the first one's processes (rlhf.controller.warm), with torch and vLLM imported.
         with _local_ray(base), keep_ranks_warm():
-            for mode in ("off", "one_step"):
-                cfg = _separate(base, mode, Path(tmp) / mode)
+            for mode in ASYNC_MODES:
+                cfg = _separate(base, mode, Path(tmp) / mode,
+                                segment_tokens=args.segment_tokens)
                 lines.append({"system": f"async_mode={mode}",
                               **_run_async_mode(cfg, warmup=args.warmup)})
-    sync, overlap = lines
+    sync, overlap, streaming = lines
     generate = sync["seconds"]["generate"]
     train = sync["seconds"]["step"] - generate - sync["seconds"]["sync_weights"]
     lines.append({
         "summary": args.model, "sync_s_per_step": sync["seconds"]["step"],
         "one_step_s_per_step": overlap["seconds"]["step"],
+        "streaming_s_per_step": streaming["seconds"]["step"],
         "speedup": round(sync["seconds"]["step"] / overlap["seconds"]["step"], 3),
+        "streaming_speedup": round(sync["seconds"]["step"] / streaming["seconds"]["step"], 3),
+        # trained tokens/s over sync's: the issue's yardstick (steps may train unlike sizes)
+        "one_step_tokens_ratio": _ratio(overlap, sync), "streaming_tokens_ratio":
+            _ratio(streaming, sync),
         "generate_s": round(generate, 4), "train_s": round(train, 4),
         "sum_generate_train_s": round(generate + train, 4),
         "max_generate_train_s": round(max(generate, train), 4),
-        "timed_steps": args.steps, "warmup_steps": args.warmup, "cores": args.cores})
+        "timed_steps": args.steps, "warmup_steps": args.warmup, "cores": args.cores,
+        "segment_tokens": args.segment_tokens, "long_tail": args.long_tail,
+        "load_avg_1m": round(os.getloadavg()[0], 2)})
     for line in lines:
         print(json.dumps(line), flush=True)
     return 0
 
 
-def _separate(cfg, mode: str, out: Path):
+def _ratio(line: dict, sync: dict) -> float:
+    return round(line["trained_tokens_per_s"] / max(sync["trained_tokens_per_s"], 1e-9), 3)
+
+
+def _separate(cfg, mode: str, out: Path, *, segment_tokens: int = 16):
     """`cfg` on one training rank and one rollout rank, with trainer.async_mode `mode`."""
     from rlhf.config import config_from_dict, config_to_dict
 
@@ -422,6 +471,8 @@ def _separate(cfg, mode: str, out: Path):
     tree["rollout"].update(placement="separate", world_size=1)
     tree["trainer"].update(async_mode=mode, ranks_per_node=1, output_dir=str(out),
                            experiment_name=f"{cfg.trainer.experiment_name}-{mode}")
+    if mode == "streaming":
+        tree["trainer"].update(stream_segment_tokens=segment_tokens)
     return config_from_dict(tree)
 
 
@@ -432,10 +483,24 @@ def _run_async_mode(cfg, *, warmup: int) -> dict:
     def mean(key: str) -> float:
         return round(sum(r.get(key, 0.0) for r in records) / len(records), 4)
 
-    out = {"seconds": {p: mean(f"timing/{p}") for p in ASYNC_PHASES},
-           "rollout_seconds": mean("rollout/seconds"), "sync_gb_per_s": mean("sync/gb_per_s")}
-    if cfg.trainer.async_mode != "off":
+    seconds = {p: mean(f"timing/{p}") for p in ASYNC_PHASES}
+    step_s = sum(r["timing/step"] for r in records)
+    out = {"seconds": seconds,
+           "rollout_seconds": mean("rollout/seconds"), "sync_gb_per_s": mean("sync/gb_per_s"),
+           "trained_tokens_per_s": round(sum(r["tokens/total"] for r in records)
+                                         / max(step_s, 1e-9), 2),
+           "response_length_mean": mean("response_length/mean"),
+           "response_length_max": max(r["response_length/max"] for r in records)}
+    if cfg.trainer.async_mode == "off":  # each side waits while the other works
+        out.update(actor_wait_s=round(seconds["generate"] + seconds["sync_weights"], 4),
+                   rollout_idle_s=round(seconds["step"] - seconds["generate"]
+                                        - seconds["sync_weights"], 4))
+    else:
         out.update(actor_wait_s=mean("timing/wait_rollout"),
-                   rollout_idle_s=mean("async/rollout_idle_s"),
-                   staleness_mean=mean("async/staleness_mean"))
+                   rollout_idle_s=mean("async/rollout_idle_s"))
+    if cfg.trainer.async_mode == "one_step":
+        out.update(staleness_mean=mean("async/staleness_mean"))
+    if cfg.trainer.async_mode == "streaming":
+        out.update(token_staleness_p100=mean("async/token_staleness_p100"),
+                   interrupted_samples=mean("async/interrupted_samples"))
     return out

@@ -22,8 +22,9 @@ def step_runs():
     vLLM and transformers imports they share) and one Ray cluster of --cores CPUs: the async
     runs' ranks are the processes the first run's two ranks left. The first run goes first:
     it meters every rank process under the driver, and no idle one may be among them."""
-    sync, overlap = run_benchmarks(["step", *SIZES, "--ranks", "2"], ["step", "--async", *SIZES],
-                                   timeout_s=880, ray_cpus=2)
+    sync, overlap = run_benchmarks(["step", *SIZES, "--ranks", "2"],
+                                   ["step", "--async", *SIZES, "--segment-tokens", "3",
+                                    "--long-tail", "0.04"], timeout_s=880, ray_cpus=2)
     return {"sync": sync, "async": overlap}
 
 
@@ -90,11 +91,27 @@ def test_bench_step_refuses_fewer_cores_than_ranks():
         main(["bench", "step", "--ranks", "4", "--cores", "2"])
 
 
-def test_bench_step_async_prints_sync_and_one_step_side_by_side(step_runs):
-    sync, overlap, summary = step_runs["async"].json_lines()
-    assert (sync["system"], overlap["system"]) == ("async_mode=off", "async_mode=one_step")
+def test_bench_step_async_prints_sync_one_step_and_streaming_side_by_side(step_runs):
+    sync, overlap, streaming, summary = step_runs["async"].json_lines()
+    assert [line["system"] for line in (sync, overlap, streaming)] == [
+        "async_mode=off", "async_mode=one_step", "async_mode=streaming"]
     assert sync["seconds"]["wait_rollout"] == 0 and overlap["seconds"]["wait_rollout"] > 0
     assert overlap["staleness_mean"] == 1.0  # the timed step 2 trains on version-0 samples
+    # sync: the trainer waits for the samples, the pool for the update
+    assert sync["actor_wait_s"] == pytest.approx(
+        sync["seconds"]["generate"] + sync["seconds"]["sync_weights"], abs=2e-4)
+    assert sync["rollout_idle_s"] > 0
+    # streaming in 3-token segments of responses up to NEW_TOKENS: continued across updates
+    assert streaming["interrupted_samples"] > 0 and streaming["token_staleness_p100"] <= 1
+    for line in (sync, overlap, streaming):
+        assert line["trained_tokens_per_s"] > 0
+        assert 0 < line["response_length_mean"] <= line["response_length_max"] <= NEW_TOKENS
+    for mode, line in (("one_step", overlap), ("streaming", streaming)):
+        assert summary[f"{mode}_tokens_ratio"] == pytest.approx(
+            line["trained_tokens_per_s"] / sync["trained_tokens_per_s"], rel=0.01)
+    assert summary["streaming_s_per_step"] == streaming["seconds"]["step"]
+    assert (summary["segment_tokens"], summary["long_tail"]) == (3, 0.04)
+    assert summary["load_avg_1m"] >= 0
     assert summary["sync_s_per_step"] == sync["seconds"]["step"]
     assert summary["one_step_s_per_step"] == overlap["seconds"]["step"]
     assert summary["speedup"] == pytest.approx(sync["seconds"]["step"]
