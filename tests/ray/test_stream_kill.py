@@ -25,7 +25,8 @@ pytestmark = [pytest.mark.timeout(900), pytest.mark.vllm]
 
 STEPS, BATCH = 4, 4
 STREAMING = {"async_mode": "streaming", "stream_segment_tokens": 3, "max_staleness": 1,
-             "total_steps": STEPS, "save_every": 1, "ranks_per_node": 1}
+             "stream_slots": 4 * BATCH, "total_steps": STEPS, "save_every": 1,
+             "ranks_per_node": 1}  # two batches of samples in flight: a buffer to lose
 ROLLOUT = {**SEPARATE, "env": {"path": ECHO_SPEC, "num_workers": 0}, "max_turns": 3,
            "max_episode_tokens": 32}
 
