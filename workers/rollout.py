@@ -167,9 +167,10 @@ def sample_rollouts(replica, batch: Batch, *, greedy: bool, where: str, env: boo
 def stop_cut(decode: Callable[[list[int]], str], earlier: list[int], new: list[int],
              stops: Sequence[str]) -> int | None:
     """How many of a segment's `new` tokens its response keeps when a stop string ends within
-    them, `earlier` being the response's tokens before the segment: up to and including the
-    token that completes the first stop string in the response's text, where vLLM cuts an
-    unsegmented generation; None when no stop string ends within `new`.
+    them, `earlier` being the tokens its generation sampled before the segment (the response's;
+    with an environment, the current model turn's): up to and including the token that
+    completes the first stop string in their text, where vLLM cuts an unsegmented generation;
+    None when no stop string ends within `new`.
 
     vLLM looks only at the segment's own text, so a stop string split across two segments
     needs the earlier tail: as many tokens as the longest stop string has characters, and

@@ -91,7 +91,9 @@ class Group:
 @dataclass(frozen=True)
 class Request:
     """One segment to sample: (group, sample) `key`, its token ids in (prompt + tokens so far;
-    the first `prompt_len` are the prompt's), at most `max_tokens` new ones, and its seed's
+    the first `prompt_len` are what an unsegmented generation of the current model turn has as
+    its prompt: the prompt, and with an environment the earlier turns and observations), at
+    most `max_tokens` new ones, and its seed's
     parts (`seed_parts`: prompt index, sample, restarts, segment), so a resumed run samples the
     same segment with the same seed."""
 
@@ -174,7 +176,8 @@ class RolloutStream:
                 room = min(self.max_new_tokens - (len(s.tokens) - s.turn_start),
                            self.max_response_tokens - len(s.tokens))
                 out.append(Request((index, j), group.prompt_ids + s.tokens,
-                                   len(group.prompt_ids), min(self.segment_tokens, room),
+                                   len(group.prompt_ids) + s.turn_start,
+                                   min(self.segment_tokens, room),
                                    (index, j, s.restarts, s.segments)))
         return out
 

@@ -62,10 +62,9 @@ class TurnRollout(FakeRollout):
         ids, lps, stopped = [], [], []
         for row, start, limit in zip(batch["input_ids"].to_list(), batch["prompt_len"].tolist(),
                                      batch["max_tokens"].tolist()):
-            response = row.tolist()[start:]
-            self.segments.append((response, self.engine_version))
-            in_turn = next((i for i, t in enumerate(reversed(response)) if t < 0),
-                           len(response))
+            self.segments.append((row.tolist()[2:], self.engine_version))  # 2-token prompts
+            assert OBS[0] not in row.tolist()[start:]  # the turn's prompt: earlier turns too
+            in_turn = len(row) - start  # the turn's tokens so far: after the earlier turns
             k = min(limit, TURN - in_turn)
             ids.append([100 * self.engine_version + in_turn + t for t in range(k)])
             lps.append([-(self.engine_version + 1.0)] * k)
