@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
+from typing import cast
 
 from rlhf.config import TinyModelConfig
 
@@ -162,7 +163,7 @@ def fit_job(cfg, *, warmup: int, views: Callable | None = None,
     with _local_ray(cfg):
         roles, role_configs = job_workers(cfg)
         groups = RoleGroups(cfg, roles, job_name=cfg.trainer.experiment_name,
-                            role_configs=role_configs)
+                            role_configs=cast(dict, role_configs))
         try:
             trainer = PPOTrainer(cfg, groups.views if views is None else views(groups),
                                  tokenizer=load_tokenizer(cfg.model.path),
@@ -310,10 +311,11 @@ def _rank_pids() -> list[int]:
 
 def _step_prompts(cfg) -> tuple[list[list[list[int]]], list[list]]:
     """Per step, the prompt ids and answers our trainer's loader gives it (in order, unshuffled)."""
-    from rlhf.data.dataset import build_prompt_dataset
+    from rlhf.data.dataset import PromptDataset, build_prompt_dataset
     from rlhf.trainer.jobs import load_tokenizer
 
     data = build_prompt_dataset(cfg.data.train_files, load_tokenizer(cfg.model.path), cfg.data)
+    assert isinstance(data, PromptDataset)  # the JSONL file _job_config wrote
     size, steps = cfg.data.train_batch_size, cfg.trainer.total_steps
     ids = [row.tolist() for row in data.prompt_ids.to_list()]
     prompts = [ids[i * size:(i + 1) * size] for i in range(steps)]
@@ -337,6 +339,10 @@ def _job_config(args, root: Path):
                              "root or pass --quickstart-config PATH")
         base = load_config(args.quickstart_config, [])
         spec, prompts, samples, new_tokens = base.model.tiny, 32, 8, 16
+        if spec is None:
+            raise SystemExit(f"error: --model quickstart builds the model {args.quickstart_config}"
+                             " describes in model.tiny, and it has none; pass a config with "
+                             "model.tiny")
         budget = base.actor.max_tokens_per_micro_batch
         ep = base.actor.parallel.ep  # an MoE quickstart's expert parallelism
     else:

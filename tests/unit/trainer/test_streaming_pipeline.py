@@ -6,6 +6,7 @@ and sampler log-probs as the ratio's denominator, the staleness bound, and resum
 import pickle
 import re
 from types import SimpleNamespace
+from typing import Literal
 
 import pytest
 import torch
@@ -77,10 +78,11 @@ class Loader:
                       "raw_prompt": [f"p{p + i}" for i in range(GROUPS)]})
 
 
-def make(*, max_staleness=1, policy="regenerate", state=None):
+def make(*, max_staleness=1, policy: Literal["drop", "regenerate"] = "regenerate", state=None):
     actor = FakeActor()
     rollout = SegmentRollout(actor)
-    source = RolloutSource({"actor": actor, "rollout": rollout}, n=N)
+    views: dict = {"actor": actor, "rollout": rollout}  # fakes of the two roles' views
+    source = RolloutSource(views, n=N)
     stream = RolloutStream(n=N, slots=N * GROUPS, max_staleness=max_staleness,
                            max_new_tokens=MAX_NEW, segment_tokens=SEGMENT, stale_policy=policy)
     loader = Loader()
@@ -170,7 +172,8 @@ def test_a_pool_that_never_catches_up_stops_with_the_stream_state(capsys):
 def test_streaming_refuses_what_it_does_not_carry_across_segments():
     """vLLM's routed experts span one generate call, not segments."""
     actor = FakeActor()
-    source = RolloutSource({"actor": actor, "rollout": SegmentRollout(actor)}, n=N)
+    views: dict = {"actor": actor, "rollout": SegmentRollout(actor)}
+    source = RolloutSource(views, n=N)
     cfg = SimpleNamespace(rollout=SimpleNamespace(env=SimpleNamespace(path=None),
                                                   routing_replay="rollout"))
     with pytest.raises(ConfigError, match="routing_replay=trainer"):
