@@ -127,7 +127,8 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict, hash=False)  # keeps configs hashable
     """Keyword arguments of the environment's constructor."""
     num_workers: int = 2
-    """Environment worker processes per rollout rank; 0 = in the rank's process, no time limit."""
+    """Environment worker processes per rollout rank (async_mode streaming: on the driver); 0 = in
+    that process, no time limit."""
     timeout_s: float = 30.0
     """Seconds one environment call (reset or step) may take before it counts as an error."""
     on_error: Literal["raise", "fallback"] = "raise"
