@@ -25,7 +25,7 @@ from rlhf.trainer.rollout_source import (
 )
 from rlhf.trainer.stream import TRAINED, RolloutStream
 from tests.unit.trainer.test_async_loop import FakeActor, FakeRollout
-from tests.unit.trainer.test_streaming_pipeline import Call
+from tests.unit.trainer.test_streaming_pipeline import Call, restore
 
 N, GROUPS, TURN, TURNS, SEGMENT = 2, 2, 5, 3, 4
 OBS = [-7, -7]  # an observation's token ids (render's stand-in)
@@ -104,10 +104,7 @@ def make(*, state=None, on_error="raise", truths=lambda p: "ok", slots=N * GROUP
     loader = Loader(truths)
     pipe = StreamingPipeline(source, loader, stream=stream, groups_per_step=GROUPS, seed=3,
                              old_from_rollout=True, wait_timeout_s=5.0, episodes=episodes)
-    if state is not None:
-        pipe.load_state_dict(state["pipe"])
-        loader.position = state["loader"]
-        actor.version = state["pipe"]["source"]["policy_version"]
+    restore(state, pipe, loader, actor)
     return actor, rollout, source, pipe, loader
 
 

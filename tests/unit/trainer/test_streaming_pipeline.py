@@ -88,11 +88,17 @@ def make(*, max_staleness=1, policy: Literal["drop", "regenerate"] = "regenerate
     loader = Loader()
     pipe = StreamingPipeline(source, loader, stream=stream, groups_per_step=GROUPS, seed=3,
                              old_from_rollout=True, wait_timeout_s=5.0)
+    restore(state, pipe, loader, actor)
+    return actor, rollout, source, pipe, loader
+
+
+def restore(state, pipe, loader, actor):
+    """A resumed driver: the pipeline, the loader's position and the policy version from
+    `state` (None: a fresh start, nothing to restore)."""
     if state is not None:
         pipe.load_state_dict(state["pipe"])
         loader.position = state["loader"]
         actor.version = state["pipe"]["source"]["policy_version"]
-    return actor, rollout, source, pipe, loader
 
 
 def train(actor, source, pipe, steps):
