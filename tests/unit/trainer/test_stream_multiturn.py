@@ -25,7 +25,7 @@ from rlhf.trainer.rollout_source import (
 )
 from rlhf.trainer.stream import TRAINED, RolloutStream
 from tests.unit.trainer.test_async_loop import FakeActor, FakeRollout
-from tests.unit.trainer.test_streaming_pipeline import Call, restore
+from tests.unit.trainer.test_streaming_pipeline import restore, segment_result
 
 N, GROUPS, TURN, TURNS, SEGMENT = 2, 2, 5, 3, 4
 OBS = [-7, -7]  # an observation's token ids (render's stand-in)
@@ -69,11 +69,7 @@ class TurnRollout(FakeRollout):
             ids.append([100 * self.engine_version + in_turn + t for t in range(k)])
             lps.append([-(self.engine_version + 1.0)] * k)
             stopped.append(in_turn + k == TURN)
-        out = Batch(meta={"metrics": {"rollout/seconds": 0.01}}, fields={
-            "response_ids": Ragged.from_list(ids, dtype=torch.int64),
-            "rollout_log_probs": Ragged.from_list(lps, dtype=torch.float32),
-            "stopped": torch.tensor(stopped)})
-        return out if blocking else Call(out)
+        return segment_result(ids, lps, stopped, blocking)
 
 
 class Loader:

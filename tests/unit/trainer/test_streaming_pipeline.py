@@ -59,11 +59,17 @@ class SegmentRollout(FakeRollout):
             ids.append([100 * self.engine_version + so_far + t for t in range(k)])
             lps.append([-(self.engine_version + 1.0)] * k)
             stopped.append(k == left)
-        out = Batch(meta={"metrics": {"rollout/seconds": 0.01}}, fields={
-            "response_ids": Ragged.from_list(ids, dtype=torch.int64),
-            "rollout_log_probs": Ragged.from_list(lps, dtype=torch.float32),
-            "stopped": torch.tensor(stopped)})
-        return out if blocking else Call(out)
+        return segment_result(ids, lps, stopped, blocking)
+
+
+def segment_result(ids, lps, stopped, blocking):
+    """What `generate_segments` returns for these rows' new tokens, log-probs and stops (a
+    `Call` to wait on when not `blocking`)."""
+    out = Batch(meta={"metrics": {"rollout/seconds": 0.01}}, fields={
+        "response_ids": Ragged.from_list(ids, dtype=torch.int64),
+        "rollout_log_probs": Ragged.from_list(lps, dtype=torch.float32),
+        "stopped": torch.tensor(stopped)})
+    return out if blocking else Call(out)
 
 
 class Loader:
