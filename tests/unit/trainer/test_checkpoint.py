@@ -303,9 +303,12 @@ class SlowRole:
 
     def __init__(self, gate, *, fail=False):
         self.gate, self.fail, self.thread, self.result = gate, fail, None, None
+        self.cancelled = False
 
     def _write(self, folder):
         self.gate.wait()
+        if self.cancelled:  # a dead rank: it writes nothing
+            return
         folder.mkdir()
         data = b"weights" * 1000
         (folder / "__0_0.distcp").write_bytes(data)
@@ -381,9 +384,14 @@ def test_a_run_stopped_by_an_error_publishes_its_pending_save_unless_a_worker_fa
     first = ckpt.save(1, roles={"actor": SlowRole(opened)}, state={"step": 1})
     ckpt.settle(RLHFError("the reward function raised"))  # the workers are sound
     assert verify_checkpoint(first) is None and lines[-1].startswith("checkpoint step_1 written")
-    second = ckpt.save(2, roles={"actor": SlowRole(opened)}, state={"step": 2})
+    held = threading.Event()  # the failed run's rank never gets to write
+    dead = SlowRole(held)
+    second = ckpt.save(2, roles={"actor": dead}, state={"step": 2})
     died = WorkerError("rank 1 died", job="j", role="actor", rank=1, method="update_actor")
     ckpt.settle(died)  # the other ranks may be stuck in a collective: no call to them
     assert not second.exists() and ckpt.wait() is None
     assert lines[-1] == ("checkpoint step_2 was not completed (a worker failed); the previous "
                          "checkpoint stays the newest")
+    dead.cancelled = True  # end the stand-in's thread without writing, so none outlives the test
+    held.set()
+    dead.thread.join()
