@@ -26,20 +26,18 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from rlhf.data.packing import SharedPrefix, shifted_targets
+from rlhf.data.packing import SharedPrefix
 from rlhf.engine.micro_batch import MicroBatch
-from rlhf.models.outputs import head_outputs, sp_pad, vocab_shard
-from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.models.outputs import head_outputs, sp_pad
+from rlhf.models.transformer import CausalLM
 from rlhf.models.varlen_layout import VarlenLayout, context_layout
 from rlhf.parallel.context_parallel import (
     ContextShard,
-    gather_tokens,
     plan_context_shard,
     shard_tokens,
 )
 from rlhf.parallel.host import to_device
 from rlhf.parallel.mesh import ParallelMesh
-from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
 
 
 @dataclass(frozen=True)
@@ -86,29 +84,11 @@ def stream_outputs(model: nn.Module, out: Tensor, stream: RankStream, mb: MicroB
                    mesh: ParallelMesh, outputs: Sequence[str], temperature: float
                    ) -> dict[str, Tensor]:
     """The per-token outputs (T,) of the whole pack of `mb` from the head's raw output `out`
-    on this rank's stream (`rlhf.models.outputs.head_outputs` at cp = 1)."""
-    shard = stream.shard
-    if shard is None:
-        return head_outputs(model, out[:mb.num_tokens], mb.packed, mesh=mesh, outputs=outputs,
-                            temperature=temperature)
-
-    def whole(x_local: Tensor) -> Tensor:  # every cp rank computes the same loss of it
-        return gather_tokens(x_local, shard, group=stream.cp_group, grad_is_partial=False)
-
-    if isinstance(model, ValueModel):
-        return {"values": whole(out.float())}
-    # Labels are shifted on the whole pack, then sharded: a chunk's last row predicts a token
-    # another cp rank holds.
-    targets_T, valid_T = shifted_targets(mb.packed)
-    log_probs, entropy = vocab_parallel_log_probs_entropy(
-        out, shard_tokens(targets_T, shard) if "log_probs" in outputs else None,
-        **vocab_shard(cast(CausalLM, model), mesh), temperature=temperature)
-    result = {}
-    if "log_probs" in outputs:
-        result["log_probs"] = whole(log_probs).masked_fill(~valid_T, 0.0)
-    if "entropy" in outputs:
-        result["entropy"] = whole(entropy)
-    return result
+    on this rank's stream: `head_outputs`, of the stream's own rows at cp > 1."""
+    if stream.shard is None:
+        out = out[:mb.num_tokens]  # sequence parallelism's padding rows dropped
+    return head_outputs(model, out, mb.packed, mesh=mesh, outputs=outputs,
+                        temperature=temperature, shard=stream.shard, cp_group=stream.cp_group)
 
 
 def check_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.distributed import ProcessGroup
 
 from rlhf.data.packing import Packed, shifted_targets
 from rlhf.data.routes import ROUTES
@@ -21,6 +22,7 @@ from rlhf.models.fused import is_fused
 from rlhf.models.tp_sharding import TPState
 from rlhf.models.transformer import CausalLM, ValueModel
 from rlhf.models.varlen_layout import varlen_layout
+from rlhf.parallel.context_parallel import ContextShard, gather_tokens, shard_tokens
 from rlhf.parallel.mesh import ParallelMesh
 from rlhf.parallel.tensor_parallel import ParallelLMHead
 from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
@@ -116,11 +118,23 @@ def check_outputs(model: nn.Module, outputs: Sequence[str], temperature: float) 
 
 
 def head_outputs(model: nn.Module, out: Tensor, packed: Packed, *, mesh: ParallelMesh,
-                 outputs: Sequence[str], temperature: float) -> dict[str, Tensor]:
+                 outputs: Sequence[str], temperature: float, shard: ContextShard | None = None,
+                 cp_group: ProcessGroup | None = None) -> dict[str, Tensor]:
     """`model_outputs` from the head's raw output for the T tokens of `packed` (logits_TV_local
-    or values_T): also what the last pipeline stage computes."""
+    or values_T): also what the last pipeline stage computes.
+
+    `shard`: `out` holds only this context-parallel rank's rows of the pack
+    (`rlhf.parallel.context_parallel`); labels are shifted on the whole pack, then sharded (a
+    chunk's last row predicts a token another rank holds), and every output is all-gathered
+    over `cp_group` back to the whole pack. Each cp rank then computes the same loss of it, and
+    the gather's backward keeps this rank's rows of that one gradient."""
+    def whole(x_local: Tensor) -> Tensor:
+        if shard is None:
+            return x_local
+        return gather_tokens(x_local, shard, group=cp_group, grad_is_partial=False)
+
     if isinstance(model, ValueModel):
-        return {"values": out.float()}
+        return {"values": whole(out.float())}
     # One fused pass gives both outputs; it divides by the temperature in float32 (bf16
     # logits / temperature would round once more, which vLLM's fp32 sampler log-probs do not),
     # and its backward skips the entropy term when the loss does not use the entropy.
@@ -128,11 +142,13 @@ def head_outputs(model: nn.Module, out: Tensor, packed: Packed, *, mesh: Paralle
     if "log_probs" in outputs:
         targets_T, valid_T = shifted_targets(packed)
         targets_T = targets_T.to(out.device)
+        if shard is not None:
+            targets_T = shard_tokens(targets_T, shard)
     log_probs_T, entropy_T = vocab_parallel_log_probs_entropy(
         out, targets_T, **vocab_shard(model, mesh), temperature=temperature)
     result = {}
     if "log_probs" in outputs:
-        result["log_probs"] = log_probs_T.masked_fill(~valid_T.to(out.device), 0.0)
+        result["log_probs"] = whole(log_probs_T).masked_fill(~valid_T.to(out.device), 0.0)
     if "entropy" in outputs:
-        result["entropy"] = entropy_T
+        result["entropy"] = whole(entropy_T)
     return result
