@@ -77,7 +77,12 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from rlhf.engine.optim import ShardedAdamW
 from rlhf.errors import RLHFError
 from rlhf.files import atomic_folder, atomic_write
-from rlhf.models.hf_io import causal_lm_config, finish_hf_folder, weight_file_names
+from rlhf.models.hf_io import (
+    bucketed_by_size,
+    causal_lm_config,
+    finish_hf_folder,
+    weight_file_names,
+)
 from rlhf.models.lora import has_lora
 from rlhf.models.param_table import ParamInfo, ParamTable
 from rlhf.parallel.mesh import ParallelMesh
@@ -607,17 +612,11 @@ def hf_export_plan(folder: str | Path, *, bucket_bytes: int) -> list[tuple[str, 
     if read_engine_info(folder)["lora"]:
         raise RLHFError(f"{folder} holds LoRA adapters only; their export needs the base model "
                         "(rlhf export-hf loads it on the workers)")
-    buckets: list[list[str]] = [[]]
-    size = 0
-    for key, md in FileSystemReader(folder).read_metadata().state_dict_metadata.items():
-        if not key.startswith(WEIGHTS) or not isinstance(md, TensorStorageMetadata):
-            continue
-        nbytes = math.prod(md.size) * md.properties.dtype.itemsize
-        if buckets[-1] and size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(key[len(WEIGHTS):])
-        size += nbytes
+    saved = FileSystemReader(folder).read_metadata().state_dict_metadata
+    buckets = list(bucketed_by_size(
+        ((key[len(WEIGHTS):], math.prod(md.size) * md.properties.dtype.itemsize)
+         for key, md in saved.items()
+         if key.startswith(WEIGHTS) and isinstance(md, TensorStorageMetadata)), bucket_bytes))
     return list(zip(weight_file_names(len(buckets)), buckets))
 
 

@@ -12,6 +12,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import safe_open
@@ -28,6 +29,7 @@ from rlhf.models.transformer import CausalLM, ValueModel
 VALUE_HEAD_INIT_STD = 0.02
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+T = TypeVar("T")
 # Files copied next to the weights by write_hf_folder (tokenizer, chat template, generation).
 _SIDE_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.json",
                "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json")
@@ -180,15 +182,22 @@ def bucketed(named: Iterable[tuple[str, Tensor]],
              bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
     """(name, tensor) pairs in order, grouped in buckets of at most `bucket_bytes` (a bigger
     tensor goes alone)."""
+    return bucketed_by_size(((pair, pair[1].numel() * pair[1].element_size()) for pair in named),
+                            bucket_bytes)
+
+
+def bucketed_by_size(sized: Iterable[tuple[T, int]], bucket_bytes: int) -> Iterator[list[T]]:
+    """Items in order, each given with its size in bytes, grouped in buckets of at most
+    `bucket_bytes` (a bigger item goes alone); lazy, so the items may be streamed."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    bucket, size = [], 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
+    bucket: list[T] = []
+    size = 0
+    for item, nbytes in sized:
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, tensor))
+        bucket.append(item)
         size += nbytes
     if bucket:
         yield bucket
@@ -243,8 +252,17 @@ def finish_hf_folder(folder: Path, files: list[tuple[str, list[str]]], *, total_
 def causal_lm_config(config_source: str | Path, *, dtype: torch.dtype) -> dict:
     """config.json of `config_source` for its family's causal LM with weights in `dtype` (what
     `hf_config` gives a CausalLM, without the model)."""
-    config = json.loads((Path(config_source) / "config.json").read_text(encoding="utf-8"))
+    config = _read_config(config_source)
     config["architectures"] = [model_family(config.get("model_type")).causal_lm_class]
+    return _with_dtype(config, dtype)
+
+
+def _read_config(config_source: str | Path) -> dict:
+    return json.loads((Path(config_source) / "config.json").read_text(encoding="utf-8"))
+
+
+def _with_dtype(config: dict, dtype: torch.dtype) -> dict:
+    """`config` naming the weights' `dtype` as transformers does (no `torch_dtype` left)."""
     config.pop("torch_dtype", None)
     config["dtype"] = str(dtype).removeprefix("torch.")
     return config
@@ -253,14 +271,12 @@ def causal_lm_config(config_source: str | Path, *, dtype: torch.dtype) -> dict:
 def hf_config(model: Model, config_source: str | Path) -> dict:
     """config.json of `config_source` with the architecture and dtype of `model` (a whole model
     or any pipeline stage of it)."""
-    config = json.loads((Path(config_source) / "config.json").read_text(encoding="utf-8"))
-    prefix = model.args.family.hf_prefix
+    dtype = next(model.parameters()).dtype
     if isinstance(model, CausalLM):
-        config["architectures"] = [f"{prefix}ForCausalLM"]
-    elif not str((config.get("architectures") or [""])[0]).endswith("Classification"):
+        return causal_lm_config(config_source, dtype=dtype)
+    config = _read_config(config_source)
+    if not str((config.get("architectures") or [""])[0]).endswith("Classification"):
         # A critic trained from a causal LM becomes a one-label sequence classifier.
-        config["architectures"] = [f"{prefix}ForSequenceClassification"]
+        config["architectures"] = [f"{model.args.family.hf_prefix}ForSequenceClassification"]
         config["id2label"], config["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
-    config.pop("torch_dtype", None)
-    config["dtype"] = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return config
+    return _with_dtype(config, dtype)
