@@ -67,25 +67,27 @@ def _tiny_model(root: Path, *, layers: int, hidden: int, vocab: int) -> str:
 
 
 class _LocalRole:
-    """One in-process rank of an engine role, with the methods `CheckpointManager.save` calls
-    on a worker group's view (workers.checkpoint.CheckpointMixin, one result per rank)."""
+    """A one-rank worker group's view of an engine role, in this process: the worker's own
+    checkpoint methods (workers.checkpoint.CheckpointMixin) with a list of one result, as a
+    view returns one per rank, for `CheckpointManager.save`."""
 
     def __init__(self, engine):
-        self.engine, self.write = engine, None
+        from rlhf.config.schema import OffloadConfig
+        from rlhf.engine.offload import Offloader
+        from workers.checkpoint import CheckpointMixin
+
+        self.rank = CheckpointMixin()
+        self.rank.engine = engine
+        self.rank.offload = Offloader(engine.state_tensors, config=OffloadConfig())
 
     def save_checkpoint(self, folder: str, background: bool = False) -> list:
-        write = self.engine.start_checkpoint(Path(folder), background=background)
-        if background:
-            self.write = write
-            return [None]
-        return [write.finish()]
+        return [self.rank.save_checkpoint(folder, background)]
 
     def checkpoint_written(self) -> list[bool]:
-        return [self.write is None or self.write.done()]
+        return [self.rank.checkpoint_written()]
 
     def finish_checkpoint(self) -> list:
-        write, self.write = self.write, None
-        return [None if write is None else write.finish()]
+        return [self.rank.finish_checkpoint()]
 
 
 def _bench_rank(rank: int, world: int, folder: str, label: str, root: str,

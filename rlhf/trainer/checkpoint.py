@@ -240,12 +240,18 @@ def verify_checkpoint(folder: Path, *, full_hash: bool = False) -> str | None:
         return next((p for p in pool.map(problem, files.items()) if p is not None), None)
 
 
-def _take_files(written: dict[str, dict], role: str, result: dict) -> float:
-    """Add a rank's files (as `EngineWrite.finish` returns them) to `written` under `role`;
-    return its write seconds."""
-    for name, digest in result["files"].items():
-        written[f"{role}/{name}"] = digest
-    return float(result["write_s"])
+def _take_files(written: dict[str, dict], role: str, results: Sequence[dict | None]) -> float:
+    """Add the files of `role`'s ranks (as `EngineWrite.finish` returns them; None from a rank
+    whose write is not finished) to `written` under `role`; return the slowest rank's write
+    seconds (0 when none reported)."""
+    write_s = 0.0
+    for result in results:
+        if result is None:
+            continue
+        for name, digest in result["files"].items():
+            written[f"{role}/{name}"] = digest
+        write_s = max(write_s, float(result["write_s"]))
+    return write_s
 
 
 def _to_stderr(line: str) -> None:
@@ -365,9 +371,8 @@ class CheckpointManager:
             written: dict[str, dict] = {}
             write_s = 0.0
             for role, view in roles.items():
-                for result in view.save_checkpoint(str(tmp / role), background):
-                    if result is not None:
-                        write_s = max(write_s, _take_files(written, role, result))
+                write_s = max(write_s, _take_files(
+                    written, role, view.save_checkpoint(str(tmp / role), background)))
             buffer = io.BytesIO()
             torch.save(state, buffer)  # now: the state's objects may change once training goes on
         except BaseException:
@@ -404,10 +409,8 @@ class CheckpointManager:
         try:
             if self.background:
                 for role, view in pending.roles.items():
-                    for result in view.finish_checkpoint():
-                        if result is not None:
-                            pending.write_s = max(pending.write_s,
-                                                  _take_files(pending.written, role, result))
+                    pending.write_s = max(pending.write_s, _take_files(
+                        pending.written, role, view.finish_checkpoint()))
             written = time.monotonic()  # every rank's files are on disk
             with atomic_write(pending.tmp / STATE_FILE, "wb") as f:
                 f.write(pending.state)
