@@ -37,7 +37,7 @@ from rlhf.data.batch import Batch
 from rlhf.data.fields import MODEL_MASK
 from rlhf.data.ragged import Ragged
 from rlhf.errors import ConfigError, RLHFError
-from rlhf.rollout.multiturn import env_rows
+from rlhf.rollout.multiturn import env_metrics, env_rows
 from rlhf.rollout.routing import records_in_rollout
 from rlhf.rollout.sampling import derive_seed
 from rlhf.trainer.metrics import SectionTimer
@@ -245,7 +245,8 @@ class StreamEpisodes:
         self.on_error, self.fallback_reward = on_error, fallback_reward
         self.episodes: dict[tuple[int, int], tuple[int, int]] = {}  # key -> (restarts, id)
         self.next_id = 0
-        self.failures: dict[str, float] = defaultdict(float)  # since the last step's metrics
+        # since the last step's metrics: failed calls by kind, and "seconds" in the calls
+        self.failures: dict[str, float] = defaultdict(float)
 
     def play(self, stream: RolloutStream) -> None:
         """Answer every ended turn of `stream`; end the environments of finished samples."""
@@ -286,7 +287,9 @@ class StreamEpisodes:
     def _call(self, method: str, payloads: dict, stream: RolloutStream, ended) -> dict:
         if not payloads:
             return {}
+        began = time.perf_counter()
         outcomes = getattr(self.runner, method)(payloads)
+        self.failures["seconds"] += time.perf_counter() - began
         for key, _, _ in ended:
             episode = self.episodes[key][1]
             kind, cause = outcomes.get(episode, ("ok", None))
@@ -302,23 +305,20 @@ class StreamEpisodes:
             stream.fail(key, reward=self.fallback_reward)
         return outcomes
 
-    def metrics(self, samples: list) -> dict[str, float]:
-        """As multi-turn rollouts report them (rlhf.rollout.multiturn.env_metrics): over the
-        episodes a step trains, env/turns, env/episode_tokens, env/model_tokens and env/<key>
-        (an environment metric summed over the episode) as means per episode; env/errors and
-        env/timeouts: failed calls since the last step."""
-        n = max(len(samples), 1)
-        out = {"env/turns": sum(s.turns for s in samples) / n,
-               "env/episode_tokens": sum(len(s.tokens) for s in samples) / n,
-               "env/model_tokens": sum(sum(s.model_mask) for s in samples) / n,
-               "env/errors": self.failures["errors"], "env/timeouts": self.failures["timeouts"]}
+    def metrics(self, samples: list, *, truncated: float) -> dict[str, float]:
+        """As multi-turn rollouts report them (`rlhf.rollout.multiturn.env_metrics`), over the
+        episodes a step trains; errors, timeouts and seconds in environment calls since the
+        last step, and `truncated` episodes (RolloutStream's count since then)."""
+        sums: dict[str, float] = {
+            "episodes": float(len(samples)), "turns": float(sum(s.turns for s in samples)),
+            "episode_tokens": float(sum(len(s.tokens) for s in samples)),
+            "model_tokens": float(sum(sum(s.model_mask) for s in samples)),
+            "truncated": truncated, **self.failures}
+        for s in samples:
+            for name, value in s.env_metrics.items():
+                sums[f"m/{name}"] = sums.get(f"m/{name}", 0.0) + value
         self.failures = defaultdict(float)
-        for name in sorted({k for s in samples for k in s.env_metrics}):
-            out[f"env/{name}"] = sum(s.env_metrics.get(name, 0.0) for s in samples) / n
-        if out.get("env/tool_calls", 0.0) > 0:
-            out["env/tool_success_rate"] = 1.0 - out.get("env/tool_errors", 0.0) / out[
-                "env/tool_calls"]
-        return out
+        return env_metrics(sums)
 
     def close(self) -> None:
         self.runner.close()
@@ -383,7 +383,8 @@ class StreamingPipeline:
         batch, admit = self._admit(batch)
         metrics.update(admit)
         if self.episodes is not None:
-            metrics.update(self.episodes.metrics([s for g in groups for s in g.samples]))
+            metrics.update(self.episodes.metrics([s for g in groups for s in g.samples],
+                                                 truncated=metrics["env/truncated"]))
         metrics["async/trainer_wait_s"] = time.perf_counter() - began
         metrics["async/rollout_idle_s"] = max(0.0, self._rollout_span_s - self._rollout_busy_s)
         self._rollout_span_s = self._rollout_busy_s = 0.0
