@@ -83,6 +83,9 @@ class ColocatedWorker:
         envs = sys.modules.get("vllm.envs")
         if envs is not None:  # the engine core cached its environment: the next one reads anew
             envs.disable_envs_cache()
+        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the rest of the
+        # process; the next group's `adopt` must be able to set its bundle's threads again.
+        torch.set_num_threads = _TORCH_SET_NUM_THREADS
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
@@ -165,6 +168,7 @@ class ColocatedWorker:
 
 
 _ACTOR_NAME_MARKER = ":actor_name:"  # ray._private.ray_constants.LOG_PREFIX_ACTOR_NAME
+_TORCH_SET_NUM_THREADS = torch.set_num_threads  # torch's own, before any engine replaces it
 
 
 # A library's process-wide helper is started once, by whichever role first needs it, and then

@@ -54,6 +54,13 @@ class CountingRole(Worker):
                 "tracker": multiprocessing.resource_tracker._resource_tracker._pid}
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
+    def pin_threads(self):
+        """What vLLM's CPU worker does at start: set the threads, then make
+        torch.set_num_threads a no-op for the rest of the process."""
+        torch.set_num_threads(2)
+        torch.set_num_threads = lambda n: None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL)
     def die(self):
         os._exit(3)
 
@@ -79,6 +86,17 @@ def test_a_later_group_runs_in_the_processes_of_an_earlier_one_from_scratch(ray_
     assert before < {s["pid"] for s in seen}  # both kept processes, and one new
     assert [s["calls"] for s in seen] == [1, 1, 1]  # fresh roles
     assert [(s["rank"], s["world"], s["rank_sum"]) for s in seen] == [(r, 3, 3.0) for r in range(3)]
+    assert {s["threads"] for s in seen} == {1}
+
+
+def test_a_later_group_sets_its_threads_though_an_engine_pinned_them(ray_cluster):
+    with group("pinned") as first:
+        first.pin_threads()
+        before = {s["pid"]: s["threads"] for s in first.visit()}
+        assert set(before.values()) == {2}
+    with group("after-pinned") as second:
+        seen = second.visit()
+    assert {s["pid"] for s in seen} == set(before)  # the same processes, kept warm
     assert {s["threads"] for s in seen} == {1}
 
 
