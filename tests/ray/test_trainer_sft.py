@@ -1,5 +1,5 @@
-"""`rlhf sft` end to end on Ray: the same losses and exported weights at dp=2 and tp=2, and the
-exported folder loads in transformers."""
+"""`rlhf sft` end to end on Ray: the same losses and exported weights at dp=2, tp=2 and cp=2,
+and the exported folder loads in transformers."""
 
 import json
 
@@ -26,18 +26,22 @@ def run(assets, out, **sft):
     return cfg, run_sft(cfg, job_name=out.name, progress=False)
 
 
-def test_sft_learns_the_same_at_dp2_and_tp2_and_exports_hf(ray_cluster, assets, tmp_path):
+def test_sft_learns_the_same_at_dp2_tp2_and_cp2_and_exports_hf(ray_cluster, assets, tmp_path):
     cfg_dp, dp = run(assets, tmp_path / "sft-dp2")
-    cfg_tp, tp = run(assets, tmp_path / "sft-tp2", parallel={"tp": 2})
-    nll_dp, nll_tp = [r["sft/nll"] for r in dp], [r["sft/nll"] for r in tp]
+    nll_dp = [r["sft/nll"] for r in dp]
     assert len(nll_dp) == 4 and nll_dp[-1] < nll_dp[0]  # it learns
-    assert nll_dp == pytest.approx(nll_tp, abs=1e-4)
     w_dp = load_file(sft_output_path(cfg_dp) / "model.safetensors")
-    w_tp = load_file(sft_output_path(cfg_tp) / "model.safetensors")
     w_init = load_file(f"{assets['model']}/model.safetensors")
-    assert w_dp.keys() == w_tp.keys() == w_init.keys()
-    for name in w_dp:
-        torch.testing.assert_close(w_dp[name], w_tp[name], atol=1e-4, rtol=0, msg=name)
+    # cp=2: both ranks hold one replica and each half of every sequence (dp=1); a sequence
+    # split over cp ranks cannot share its prompt with another's
+    for name, sft in (("tp2", {"parallel": {"tp": 2}}),
+                      ("cp2", {"parallel": {"cp": 2}, "share_prompts": False})):
+        cfg, other = run(assets, tmp_path / f"sft-{name}", **sft)
+        assert [r["sft/nll"] for r in other] == pytest.approx(nll_dp, abs=1e-4), name
+        w = load_file(sft_output_path(cfg) / "model.safetensors")
+        assert w.keys() == w_dp.keys() == w_init.keys()
+        for key in w_dp:
+            torch.testing.assert_close(w[key], w_dp[key], atol=1e-4, rtol=0, msg=f"{name} {key}")
     assert not torch.equal(w_dp["model.embed_tokens.weight"], w_init["model.embed_tokens.weight"])
     hf = AutoModelForCausalLM.from_pretrained(sft_output_path(cfg_dp), dtype=torch.float32)
     torch.testing.assert_close(hf.model.embed_tokens.weight, w_dp["model.embed_tokens.weight"])
