@@ -6,8 +6,9 @@ import dataclasses
 from pathlib import Path
 
 from rlhf.config import load_config
+from rlhf.plan.advice import plan_with_advice, with_overrides
 from rlhf.plan.inputs import hardware, role_specs
-from rlhf.plan.memory import layer_activation_bytes, stage_memory
+from rlhf.plan.memory import layer_activation_bytes, plan_job, stage_memory
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 CP2 = ["actor.parallel.cp=2", "actor.share_prompts=false"]
@@ -39,3 +40,18 @@ def test_activations_halve_plus_the_gathered_keys_and_values():
     assert one.activations / 2 < two.activations < one.activations
     head = dataclasses.replace(plain, tokens=plain.tokens // 2)
     assert two.logits == stage_memory(head)[0].logits  # the head runs the local tokens only
+
+
+def test_advice_for_a_long_sequence_that_does_not_fit_names_cp_with_unshared_prompts():
+    cfg = load_config(QUICKSTART, ["actor.max_tokens_per_micro_batch=65536",
+                                   "critic.max_tokens_per_micro_batch=2048"])
+    plan = plan_job(cfg)
+    tight = load_config(QUICKSTART, ["actor.max_tokens_per_micro_batch=65536",
+                                     "critic.max_tokens_per_micro_batch=2048",
+                                     f"trainer.device_memory_gb={plan.peak * 0.9 / 2**30:.3f}"])
+    plan, advice = plan_with_advice(tight)
+    assert not plan.fits
+    by_change = {a.overrides: a for a in advice}
+    cp = by_change[("actor.parallel.cp=2", "actor.share_prompts=false")]  # else it is refused
+    assert cp.fits and cp.peak < plan.peak
+    assert with_overrides(tight, cp.overrides).actor.parallel.cp == 2
