@@ -194,6 +194,9 @@ def _check_rollout_placement(cfg: JobConfig) -> Iterator[str]:
         yield (f"algorithm.dynamic_sampling={cfg.algorithm.dynamic_sampling} refills a step's "
                f"batch with fresh rollouts, which trainer.async_mode={trainer.async_mode} does "
                "not do (one batch sampled ahead per step): set one of them to off")
+    if trainer.async_mode == "streaming" and rollout.min_new_tokens:
+        yield ("rollout.min_new_tokens holds back the end of a whole response, which streaming "
+               "rollouts generate in segments: set it to 0 or trainer.async_mode to another mode")
     if trainer.async_mode == "off" and trainer.max_staleness != 1:
         yield (f"trainer.max_staleness={trainer.max_staleness} only applies to "
                "trainer.async_mode=bounded; set async_mode=bounded or remove max_staleness")

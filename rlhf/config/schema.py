@@ -162,6 +162,11 @@ class RolloutConfig:
     """Sample among the k most likely tokens; -1 = off."""
     max_new_tokens: int = 512
     """Longest response, in tokens."""
+    min_new_tokens: int = 0
+    """Shortest sampled response, in tokens: EOS and stop strings cannot end one earlier
+    (vLLM's min_tokens; greedy validation answers are not held). A stress setting: with
+    min_new_tokens = max_new_tokens every response has the length the memory plan budgets
+    for, so a first step shows whether the job fits. Single-turn, non-streaming rollouts."""
     stop: tuple[str, ...] = ()
     """Extra stop strings (the tokenizer's EOS always stops)."""
     seed: int = 0
@@ -260,6 +265,12 @@ class RolloutConfig:
                                   f"ratio of 1 means sampler and trainer agree), got {list(band)}")
         if "" in self.stop:
             raise ConfigError("stop must not contain an empty string")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ConfigError(f"min_new_tokens must be between 0 and max_new_tokens "
+                              f"({self.max_new_tokens}), got {self.min_new_tokens}")
+        if self.min_new_tokens and self.env.path is not None:
+            raise ConfigError("min_new_tokens holds back the end of one response; multi-turn "
+                              "episodes (rollout.env) end turns themselves: set it to 0")
         require_min(self, 1, "max_turns")
         if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
             raise ConfigError(f"max_episode_tokens must be at least 1 or null, got "

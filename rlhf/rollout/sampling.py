@@ -37,8 +37,9 @@ def sampling_temperature(config: RolloutConfig) -> float:
 
 def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int],
                     max_tokens: list[int] | None = None) -> list:
-    """One vLLM SamplingParams (n=1) per request: the config's sampling, or greedy; each
-    request's `max_tokens` (a multi-turn episode's room) defaults to rollout.max_new_tokens.
+    """One vLLM SamplingParams (n=1) per request: the config's sampling (rollout.min_new_tokens
+    held), or greedy; each request's `max_tokens` (a multi-turn episode's room) defaults to
+    rollout.max_new_tokens.
 
     Each request returns the log-prob of its sampled token (logprobs=0); the engine is built
     with processed log-probs, i.e. after temperature scaling, like the trainer's log-probs.
@@ -51,7 +52,8 @@ def sampling_params(config: RolloutConfig, *, greedy: bool, seeds: list[int],
     if greedy:
         return [SamplingParams(temperature=0.0, max_tokens=limit, **common) for limit in limits]
     return [SamplingParams(temperature=config.temperature, top_p=config.top_p,
-                           top_k=config.top_k, seed=seed, max_tokens=limit, **common)
+                           top_k=config.top_k, seed=seed, max_tokens=limit,
+                           min_tokens=min(config.min_new_tokens, limit), **common)
             for seed, limit in zip(seeds, limits, strict=True)]
 
 

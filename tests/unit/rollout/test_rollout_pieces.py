@@ -63,6 +63,18 @@ def test_sampling_params_follow_the_config():
     greedy = sampling_params(cfg, greedy=True, seeds=[5])[0]
     assert greedy.temperature == 0.0 and greedy.max_tokens == 33
     assert not sampling_params(RolloutConfig(), greedy=False, seeds=[1])[0].detokenize
+    assert p.min_tokens == 0
+
+
+def test_min_new_tokens_holds_sampled_responses_within_each_requests_room():
+    cfg = RolloutConfig(max_new_tokens=64, min_new_tokens=48)
+    held = sampling_params(cfg, greedy=False, seeds=[1, 2], max_tokens=[64, 20])
+    assert [(p.min_tokens, p.max_tokens) for p in held] == [(48, 64), (20, 20)]
+    assert sampling_params(cfg, greedy=True, seeds=[1])[0].min_tokens == 0
+    with pytest.raises(ConfigError, match="min_new_tokens must be between 0 and max_new_tokens"):
+        RolloutConfig(max_new_tokens=8, min_new_tokens=9)
+    with pytest.raises(ConfigError, match="multi-turn"):
+        config_from_dict({"rollout": {"min_new_tokens": 4, "env": {"path": "x.py:Env"}}})
 
 
 def test_temperatures_outside_vllms_range_are_refused():
