@@ -55,3 +55,13 @@ def test_advice_for_a_long_sequence_that_does_not_fit_names_cp_with_unshared_pro
     cp = by_change[("actor.parallel.cp=2", "actor.share_prompts=false")]  # else it is refused
     assert cp.fits and cp.peak < plan.peak
     assert with_overrides(tight, cp.overrides).actor.parallel.cp == 2
+
+
+def test_the_long_context_example_fits_its_stated_memory_only_with_cp():
+    example = QUICKSTART.parent / "long_context.yaml"
+    plan, _ = plan_with_advice(load_config(example))  # as shipped: cp=2
+    assert plan.fits
+    plan, advice = plan_with_advice(load_config(example, ["actor.parallel.cp=1",
+                                                          "ref.parallel.cp=1"]))
+    assert not plan.fits
+    assert ("actor.parallel.cp=2",) in [a.overrides for a in advice if a.fits]
