@@ -144,8 +144,8 @@ def bench(cfg, args) -> dict:
     scale = statistics.median(m / p for p, m in pairs["micro"] + pairs["pass"])
     tb, cm = (statistics.median(step[m]) for m in ("token_budget", "cost_model"))
     return {"bench": "cost-model", "role": args.role, "phase": args.phase,
-            "tp": spec.parallel.tp, "pp": spec.parallel.pp, "vpp": spec.parallel.vpp,
-            "dp": spec.dp, "dtype": str(spec.dtype).removeprefix("torch."),
+            "tp": spec.parallel.tp, "cp": spec.parallel.cp, "pp": spec.parallel.pp,
+            "vpp": spec.parallel.vpp, "dp": spec.dp, "dtype": str(spec.dtype).removeprefix("torch."),
             "machine": fp["machine"], "threads": fp["threads"], "batches": len(batches),
             "samples": args.samples, "median_length": args.median, "sigma": args.sigma,
             "max_tokens": spec.tokens,

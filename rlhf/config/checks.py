@@ -228,10 +228,6 @@ def _check_role(cfg: JobConfig, name: str, role: ForwardRoleConfig,
         yield (f"{name}.parallel.ep={parallel.ep} needs every rank of an ep group to run as many "
                "micro-batches, which trainer.micro_batching=cost_model does not plan; use "
                "token_budget")
-    if parallel.cp > 1 and cfg.trainer.micro_batching == "cost_model":
-        yield (f"{name}.parallel.cp={parallel.cp}: `rlhf profile` measures a role's passes "
-               "without context parallelism, so trainer.micro_batching=cost_model would plan "
-               "from the wrong costs; use token_budget")
     if (cfg.trainer.pipeline_schedule == "auto" and parallel.vpp > 1
             and parallel.layers_per_stage is not None):
         yield (f"{name}.parallel.layers_per_stage fixes {parallel.pp * parallel.vpp} virtual "

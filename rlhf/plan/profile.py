@@ -178,7 +178,8 @@ def measure_role(cfg: JobConfig, spec: RoleSpec, fp: dict, *, repeats: int, prog
     phases = PHASES if spec.trains else PHASES[:1]
     jobs = [(phase, [lengths]) for phase in phases for lengths in shapes]
     progress(f"profile: {key}: {len(jobs)} micro-batches x {repeats + 1} runs on tp="
-             f"{spec.parallel.tp} pp={spec.parallel.pp} ({spec.args.num_layers} layers, width "
+             f"{spec.parallel.tp} cp={spec.parallel.cp} pp={spec.parallel.pp} "
+             f"({spec.args.num_layers} layers, width "
              f"{spec.args.hidden_size}, {str(spec.dtype).removeprefix('torch.')})")
     folder = folders.of(spec)
     ranks = run_on_layout(spec, folder, jobs, repeats=repeats, memory=True,
@@ -242,11 +243,12 @@ def _p2p_sizes(max_tokens: int) -> list[int]:
 
 
 def _stage_ranks(spec: RoleSpec) -> list[int]:
-    """The rank (of the tp * pp measuring ranks) that reports each pipeline stage: tp rank 0."""
+    """The rank (of the tp * cp * pp measuring ranks) that reports each pipeline stage: tp and
+    cp rank 0."""
     from rlhf.parallel.layout import Layout
 
-    layout = Layout.over(spec.parallel.tp * spec.parallel.pp, tp=spec.parallel.tp,
-                         pp=spec.parallel.pp)
+    layout = Layout.over(spec.parallel.model_ranks, tp=spec.parallel.tp, pp=spec.parallel.pp,
+                         cp=spec.parallel.cp)
     return [layout.rank_at(dp=0, pp=s, tp=0) for s in range(spec.parallel.pp)]
 
 
@@ -291,10 +293,11 @@ def run_on_layout(spec: RoleSpec, folder: str, jobs: Sequence[Job], *, repeats: 
     role's layout; per rank {"compute": median seconds computing, "wall": median wall seconds,
     "walls": each timed run's wall seconds,
     "memory": peak bytes (with `memory`), "p2p": [(tokens, one-way seconds)]} per job;
-    `threads`: torch threads per rank (None: torch's default)."""
+    `threads`: torch threads per rank (None: torch's default). At cp > 1 the cp ranks share
+    each micro-batch, as in a step, so a pass's time is the whole pack's on its cp group."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
-    world = spec.parallel.tp * spec.parallel.pp
+    world = spec.parallel.model_ranks
     opts = {"path": folder, "head": spec.head, "parallel": spec.parallel,
             "dtype": spec.dtype, "recompute": spec.recompute, "trains": spec.trains,
             "repeats": repeats, "memory": memory, "p2p_tokens": list(p2p_tokens),
@@ -330,7 +333,7 @@ def _measure(rank: int, world: int, opts: dict, jobs: list[Job], progress: Progr
     if opts["threads"] is not None:
         torch.set_num_threads(opts["threads"])
     parallel = opts["parallel"]
-    mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp,
+    mesh = ParallelMesh(list(range(world)), tp=parallel.tp, pp=parallel.pp, cp=parallel.cp,
                         cache=ProcessGroupCache())
     device = resolve_device(None)
     engine = TrainEngine.from_pretrained(
@@ -442,8 +445,8 @@ def _peak_bytes(engine, mbs, phase: str, mesh, device: torch.device) -> float:
 
 def _p2p(mesh, engine, sizes: Sequence[int], device: torch.device) -> list[tuple[int, float]]:
     """One-way seconds of an activation (tokens x hidden) from stage 0 to 1: half a ping-pong."""
-    first = mesh.rank_at(dp=mesh.dp_rank, pp=0, tp=mesh.tp_rank)
-    second = mesh.rank_at(dp=mesh.dp_rank, pp=1, tp=mesh.tp_rank)
+    first = mesh.rank_at(dp=mesh.dp_rank, pp=0, tp=mesh.tp_rank, cp=mesh.cp_rank)
+    second = mesh.rank_at(dp=mesh.dp_rank, pp=1, tp=mesh.tp_rank, cp=mesh.cp_rank)
     me = dist.get_rank()
     dtype = next(engine.model.parameters()).dtype
     out = []

@@ -65,8 +65,6 @@ BAD = {
                     "actor.share_prompts=false"], "actor.parallel.cp"),
     "cp-needs-dense": (["model.tiny.arch=qwen3_moe", "trainer.ranks_per_node=4",
                         "actor.parallel.cp=2", "actor.share_prompts=false"], "actor.parallel.cp"),
-    "cost-model-vs-cp": (["actor.parallel.cp=2", "actor.share_prompts=false",
-                          "trainer.micro_batching=cost_model"], "actor.parallel.cp=2: `rlhf profile`"),
     "sft-cp-vs-shared-prompts": (["sft.parallel.cp=2"], "sft.share_prompts"),
     "vpp-stages-vs-layers": (["actor.parallel.pp=2", "actor.parallel.vpp=4"], "actor.parallel.vpp"),
     "layers-per-stage-length": (["actor.parallel.pp=2", "actor.parallel.layers_per_stage=[4]"],

@@ -75,3 +75,23 @@ def test_handoff_cost_is_the_one_micro_batch_pass_less_its_stages_compute():
     coefs, points = prof._handoff_cost(flat, [0, 1], list(range(4)), shapes, phase="forward",
                                        virtual_stages=2)
     assert points == [] and coefs["const"] + coefs["tokens"] * 2048 == pytest.approx(1.0)
+
+
+def test_a_cp_role_is_measured_on_its_cp_group_holding_half_of_each_pack(tmp_path):
+    """At cp=2 the profile runs the role's pass on two ranks sharing each micro-batch, as a
+    step does: the pass's peak bytes per rank fall towards half of cp=1's."""
+    from rlhf.plan.inputs import hardware, role_specs
+
+    peaks = {}
+    for cp in (1, 2):
+        cfg = _cfg(tmp_path, f"actor.parallel.cp={cp}", "actor.share_prompts=false")
+        (spec,) = [s for s in role_specs(cfg, hardware(cfg)) if s.name == "actor"]
+        folders = prof.ModelFolders(cfg)
+        try:
+            ranks = prof.run_on_layout(spec, folders.of(spec), [("forward_backward", [[64]])],
+                                       repeats=1, threads=1, memory=True)
+        finally:
+            folders.close()
+        assert len(ranks) == cp and all(r["compute"][0] > 0 for r in ranks)
+        peaks[cp] = max(r["memory"][0] for r in ranks)
+    assert peaks[2] < 0.8 * peaks[1]
