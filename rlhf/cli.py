@@ -38,6 +38,10 @@ def _add_job_commands(commands: argparse._SubParsersAction) -> None:
                         help="a LoRA run (actor.lora.r > 0): write the base with the adapters "
                              "merged in, a plain Hugging Face folder, instead of the peft "
                              "adapter folder written by default")
+    export.add_argument("--processes", type=int, default=1,
+                        help="processes writing the weight files of a full-weight checkpoint "
+                             "(each its share of the files; default 1). A full-weight "
+                             "checkpoint is exported from its own files, without Ray")
     export.set_defaults(run=_export_hf)
 
 
@@ -148,12 +152,17 @@ def _print_summary(records: list[dict], out: Path) -> None:
 
 
 def _export_hf(args) -> int:
-    from rlhf.trainer.jobs import checkpoint_config, export_checkpoint, init_ray
+    from rlhf.trainer.jobs import (
+        checkpoint_config,
+        export_checkpoint,
+        exports_without_workers,
+        init_ray,
+    )
 
     cfg, folder = checkpoint_config(Path(args.checkpoint))
-
-    init_ray(cfg, env_address=env_address())
-    export_checkpoint(cfg, folder, Path(args.out), merge=args.merge)
+    if not exports_without_workers(cfg, folder):
+        init_ray(cfg, env_address=env_address())
+    export_checkpoint(cfg, folder, Path(args.out), merge=args.merge, processes=args.processes)
     form = ("a Hugging Face folder" if not cfg.actor.lora.enabled else
             "the base with the adapters merged" if args.merge else "a peft adapter folder")
     print(f"wrote the policy of {folder} to {args.out} ({form})")

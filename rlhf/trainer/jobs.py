@@ -245,11 +245,21 @@ def checkpoint_config(folder: Path):
     return config_from_dict(state["config"]), folder
 
 
-def export_checkpoint(cfg, folder: Path, out: Path, *, merge: bool = False) -> Path:
+def exports_without_workers(cfg, folder: Path) -> bool:
+    """Whether `export_checkpoint` writes checkpoint `folder` from its own files (a full-weight
+    DCP checkpoint holds the HF tensors themselves) rather than on Ray workers."""
+    from rlhf.engine.checkpoint import FORMAT_VERSION, checkpoint_format
+
+    return not cfg.actor.lora.enabled and checkpoint_format(folder / "actor") == FORMAT_VERSION
+
+
+def export_checkpoint(cfg, folder: Path, out: Path, *, merge: bool = False,
+                      processes: int = 1) -> Path:
     """Load the actor shards of checkpoint `folder` on the actor's layout; write an HF folder,
     or for a LoRA run a peft adapter folder of model.path (`merge`: the merged HF folder).
-    A full-weight DCP checkpoint is exported from its own metadata, without workers."""
-    from rlhf.engine.checkpoint import FORMAT_VERSION, checkpoint_format, export_hf_folder
+    A full-weight DCP checkpoint is exported from its own metadata, without workers (nor
+    Ray), by `processes` processes; otherwise Ray must be initialised."""
+    from rlhf.engine.checkpoint import export_hf_folder
     from workers.checkpoint import EXPORT_BUCKET_BYTES
     from workers.sft import SFTWorker
 
@@ -259,10 +269,15 @@ def export_checkpoint(cfg, folder: Path, out: Path, *, merge: bool = False) -> P
     if merge and not lora:
         raise RLHFError(f"{folder} holds a full-weight policy (actor.lora.r = 0): there are no "
                         "adapters to merge; export without --merge")
-    if not lora and checkpoint_format(folder / "actor") == FORMAT_VERSION:
-        # The checkpoint holds the HF tensors themselves: written file by file, no workers.
+    if processes < 1:
+        raise RLHFError(f"processes must be at least 1, got {processes}")
+    if exports_without_workers(cfg, folder):
         return export_hf_folder(folder / "actor", out, config_source=cfg.model.path,
-                                bucket_bytes=EXPORT_BUCKET_BYTES)
+                                bucket_bytes=EXPORT_BUCKET_BYTES, processes=processes)
+    if processes > 1:
+        raise RLHFError(f"{folder} is exported on the actor's workers (a LoRA run, or a "
+                        "checkpoint written before format 3), which --processes does not "
+                        "split; export without it")
     spec = (SFTWorker, {"config": cfg, "init_path": cfg.model.path, "plan_key": "actor",
                         "train": False})
     groups = RoleGroups(cfg, {"export": spec}, job_name=f"{cfg.trainer.experiment_name}-export",

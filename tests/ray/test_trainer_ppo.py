@@ -3,7 +3,10 @@ validation, metrics.jsonl, checkpoints, a resume that reproduces the next steps'
 `export-hf` of a checkpoint matching the live policy."""
 
 import dataclasses
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -121,3 +124,12 @@ def test_export_hf_of_a_checkpoint_matches_the_live_policy(job):
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=0, rtol=0, msg=name)
     assert (exported / "tokenizer.json").is_file() and (exported / "config.json").is_file()
+    # The command line: a full-weight checkpoint needs no Ray (an unreachable cluster address
+    # would fail any attempt to join one) and splits its files over processes.
+    cli = subprocess.run(
+        [sys.executable, "-m", "rlhf.cli", "export-hf", str(folder), str(root / "cli-hf"),
+         "--processes", "2"], env={**os.environ, "RAY_ADDRESS": "127.0.0.1:9"},
+        capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    c = load_file(root / "cli-hf" / "model.safetensors")
+    assert c.keys() == b.keys() and all(torch.equal(c[k], b[k]) for k in b)
