@@ -64,7 +64,7 @@ def candidates(cfg: JobConfig, plan: MemoryPlan) -> list[tuple[str, ...]]:
             size = getattr(spec.parallel, axis)
             if world % (model_parallel * 2) == 0:
                 change = (f"{spec.name}.parallel.{axis}={size * 2}",)
-                if axis == "cp" and roles[spec.name].share_prompts:
+                if axis == "cp" and getattr(roles[spec.name], "share_prompts", False):
                     # the config's rule: cp splits sequences, which a shared prompt cannot be
                     change += (f"{spec.name}.share_prompts=false",)
                 out.append(change)
