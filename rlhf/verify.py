@@ -183,9 +183,6 @@ def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_se
     check_tp_compatible(args, tp)
     split_layers(args.num_layers, stages=pp * vpp)  # ConfigError when there are too few layers
     gpus = torch.cuda.device_count() if device == "cuda" else None
-    if cp > 1 and args.is_moe:
-        raise RLHFError(f"--cp {cp}: the engine runs context parallelism on dense models only; "
-                        f"{folder} is a mixture-of-experts model, use --cp 1")
     ranks = parallel.model_ranks * ep
     if nproc is None:
         nproc = gpus if gpus is not None else ranks

@@ -257,10 +257,6 @@ def _check_parallel_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFac
     elif facts.num_experts % parallel.ep:
         yield (f"{name}.parallel.ep={parallel.ep} does not divide the model's {facts.num_experts} "
                f"experts ({src}); choose a divisor so every rank holds the same number")
-    if parallel.cp > 1 and facts.num_experts:
-        yield (f"{name}.parallel.cp={parallel.cp} with a mixture-of-experts model ({src}): the "
-               "training engine runs context parallelism on dense models only so far; set cp "
-               "to 1")
     stages = parallel.pp * parallel.vpp
     if facts.num_layers < stages:
         yield (f"{name}.parallel.pp * {name}.parallel.vpp = {stages} exceeds the model's "

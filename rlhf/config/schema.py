@@ -325,14 +325,11 @@ class ParallelConfig:
     model's number of experts; each rank holds num_experts / ep experts."""
     cp: int = 1
     """Context-parallel size: the cp ranks of a model replica split every packed micro-batch's
-    tokens (a long sequence spans them all) and gather keys and values in attention; dense
-    models, with share_prompts false (docs/guides/context-parallelism.md)."""
+    tokens (a long sequence spans them all) and gather keys and values in attention; needs
+    share_prompts false (docs/guides/context-parallelism.md)."""
 
     def __post_init__(self):
         require_min(self, 1, "tp", "pp", "vpp", "ep", "cp")
-        if self.cp > 1 and self.ep > 1:
-            raise ConfigError(f"cp={self.cp} with ep={self.ep}: the training engine does not yet "
-                              "sum routed experts' grads over the cp ranks; set cp or ep to 1")
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError(f"vpp={self.vpp} needs pp > 1 (interleaving splits pipeline stages); "
                               "set vpp to 1 or raise pp")

@@ -22,11 +22,12 @@ their order, are the synchronous path's.
 
 With expert parallelism (ep > 1) the routed experts' parameters have a buffer of their own
 (`GradBuffer.expert`): the ep ranks of a dp group hold different experts, so their grads are
-summed (and ZeRO-1 sharded) over the expert-data-parallel group instead of dp.
+summed (and ZeRO-1 sharded) over the expert-data-parallel group instead of dp; at cp > 1 over
+edp × cp (`edp_cp`), since the cp ranks of those ranks routed other tokens to the same experts.
 
 `grad_norm` is the whole model's norm from the owned ranges: TP-replicated grads counted on
 TP rank 0 only, a tied copy not at all, then summed over DP (ZeRO-1) and the model group; an
-expert buffer's over edp (ZeRO-1) and the ep group (each rank holds other experts).
+expert buffer's over edp × cp (ZeRO-1) and the ep group (each rank holds other experts).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from rlhf.parallel.mesh import ParallelMesh
 class GradBuffer:
     """fp32 grads of `params` in one flat buffer (allocated here, zeroed, kept for good);
     `scatter`: DP sums are reduce-scattered into the owned ranges (needs `part.shards > 1`);
-    `expert`: routed experts' params at ep > 1, synced over the edp group instead of dp."""
+    `expert`: routed experts' params at ep > 1, synced over edp × cp instead of dp × cp."""
 
     def __init__(self, params: Sequence[nn.Parameter], part: Partition, *,
                  device: torch.device, scatter: bool = False, expert: bool = False):
@@ -91,10 +92,10 @@ def scatters_grads(part: Partition, dp_group) -> bool:
 
 
 def sync_group(mesh: ParallelMesh, *, expert: bool):
-    """The group a parameter set's grads are summed and ZeRO-1 sharded over: edp for routed
-    experts, else dp × cp (the cp ranks of a replica ran different tokens of the same packs;
-    the dp group at cp = 1)."""
-    return mesh.edp_group if expert else mesh.dp_cp_group
+    """The group a parameter set's grads are summed and ZeRO-1 sharded over: edp × cp for routed
+    experts (at ep > 1), else dp × cp. The cp ranks of a replica ran different tokens of the
+    same packs; at cp = 1 these are the edp and dp groups."""
+    return mesh.edp_cp_group if expert else mesh.dp_cp_group
 
 
 def data_group(grads: GradBuffer, mesh: ParallelMesh):

@@ -36,7 +36,7 @@ from rlhf.engine.pipeline_order import (
     training_orders,
     units,
 )
-from rlhf.engine.rank_stream import RankStream, check_context_parallel, rank_stream, stream_outputs
+from rlhf.engine.rank_stream import RankStream, rank_stream, stream_outputs
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.outputs import check_outputs, check_tp_matches
 from rlhf.models.tp_sharding import TPState
@@ -64,7 +64,6 @@ class PipelineSchedule:
             raise ValueError("a pipelined schedule needs pp > 1 and a model built for one stage "
                              "(rlhf.models.build.build_model with plan.pp > 1)")
         check_tp_matches(tp, mesh)
-        check_context_parallel(model, mesh)
         self.model, self.mesh, self.device, self.chunks = model, mesh, device, chunks
         self.vpp, self.pp, self.rank = len(chunks), mesh.pp_size, mesh.pp_rank
         self.num_virtual = self.pp * self.vpp
@@ -220,7 +219,7 @@ class _Run:
         x = run.tokens if chunk.has_embedding else received.requires_grad_(
             torch.is_grad_enabled())
         # A stage sees its own layers only: their routes, never the pooled aux loss.
-        routing = micro_batch_routing(s.model, mb, self.output_names)
+        routing = micro_batch_routing(s.model, mb, self.output_names, run)
         hidden = s.model.model.run(x, run.position_ids, run.cu_seqlens, run.max_seqlen,
                                    layers=chunk.layer_names, embed=chunk.has_embedding,
                                    norm=chunk.has_head, prefix=run.prefix, layout=run.layout,
@@ -232,7 +231,8 @@ class _Run:
             return
         out = stream_outputs(s.model, s.model.head(hidden), run, mb, mesh=s.mesh,
                              outputs=self.output_names, temperature=self.temperature)
-        out.update(routing_outputs(s.model, routing, self.output_names, with_aux=False))
+        out.update(routing_outputs(s.model, routing, self.output_names, with_aux=False,
+                                   stream=run))
         if self.loss_fn is None:
             self.outputs[i] = out
             return

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -29,7 +28,6 @@ from torch.distributed import ProcessGroup
 from rlhf.data.packing import SharedPrefix
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.models.outputs import head_outputs, sp_pad
-from rlhf.models.transformer import CausalLM
 from rlhf.models.varlen_layout import VarlenLayout, context_layout
 from rlhf.parallel.context_parallel import (
     ContextShard,
@@ -89,11 +87,3 @@ def stream_outputs(model: nn.Module, out: Tensor, stream: RankStream, mb: MicroB
         out = out[:mb.num_tokens]  # sequence parallelism's padding rows dropped
     return head_outputs(model, out, mb.packed, mesh=mesh, outputs=outputs,
                         temperature=temperature, shard=stream.shard, cp_group=stream.cp_group)
-
-
-def check_context_parallel(model: nn.Module, mesh: ParallelMesh) -> None:
-    """ValueError when `mesh` has cp > 1 for a model the engine cannot run that way yet."""
-    if mesh.cp_size > 1 and cast(CausalLM, model).args.is_moe:
-        raise ValueError(f"cp={mesh.cp_size} with a mixture-of-experts model: the engine runs "
-                         "context parallelism on dense models only so far (routes and the "
-                         "router's aux loss are per rank); use cp=1")

@@ -2,7 +2,10 @@
 
 The schedules build one `rlhf.models.moe.Routing` per micro-batch of an MoE model (forced
 routes from `MicroBatch.tensors[ROUTES]` when present) and put into its outputs the routes
-(ROUTES, when asked for) and, in training, the load-balancing loss (AUX_KEY).
+(ROUTES, when asked for) and, in training, the load-balancing loss (AUX_KEY). At cp > 1 the
+router runs on this rank's shard of the pack: forced routes are sharded like the tokens, the
+recorded ones gathered back to the pack, and the aux loss's statistics summed over the cp
+group, so every cp rank computes the whole pack's aux loss (that of cp = 1).
 `with_router_aux` wraps a role's loss_fn: it takes the aux loss out of the outputs, adds
 coef * share * aux (share = the micro-batch's tokens / the tokens of the whole mini-batch over
 every DP rank, so the shares add up to 1 and a mini-batch of one micro-batch gets exactly
@@ -18,9 +21,11 @@ from torch import nn
 from rlhf.data.routes import ROUTES
 from rlhf.engine.loss_fn import LossFn, Outputs
 from rlhf.engine.micro_batch import MicroBatch
+from rlhf.engine.rank_stream import RankStream
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 from rlhf.models.moe import Routing, routing_for
+from rlhf.parallel.context_parallel import gather_tokens, shard_tokens
 
 AUX_KEY = "router_aux_loss"
 """Outputs key of a micro-batch's load-balancing loss (0-d), taken out by `with_router_aux`."""
@@ -43,23 +48,35 @@ def router_aux_coef(args: ModelArgs, coef: float | None, *, pp: int) -> float:
     return value
 
 
-def micro_batch_routing(model: nn.Module, mb: MicroBatch,
-                        outputs: Sequence[str]) -> Routing | None:
-    """The `Routing` of `mb` through an MoE `model` (None for a dense model)."""
+def micro_batch_routing(model: nn.Module, mb: MicroBatch, outputs: Sequence[str],
+                        stream: RankStream) -> Routing | None:
+    """The `Routing` of `mb` through an MoE `model` on this rank's `stream` (None for a dense
+    model). At cp > 1 the forced routes are the stream's shard of the pack's, padding rows
+    free, and the router statistics are summed over the cp group (`Routing.held`, `group`)."""
     if not model.args.is_moe:
         return None
-    return routing_for(mb.tensors, mb.num_tokens, record=ROUTES in outputs)
+    record = ROUTES in outputs
+    shard = stream.shard
+    if shard is None:
+        return routing_for(mb.tensors, mb.num_tokens, record=record)
+    forced = mb.tensors.get(ROUTES)
+    return Routing(num_tokens=shard.num_local, record=record,
+                   forced=None if forced is None else shard_tokens(forced, shard, fill=-1),
+                   held=shard.holds_token, group=stream.cp_group)
 
 
 def routing_outputs(model: nn.Module, routing: Routing | None, outputs: Sequence[str], *,
-                    with_aux: bool) -> Outputs:
-    """The routes (if asked for) and the aux loss (if `with_aux`) of a finished forward."""
+                    with_aux: bool, stream: RankStream) -> Outputs:
+    """The routes (if asked for; the whole pack's, in stream order) and the aux loss (if
+    `with_aux`) of a finished forward on `stream`."""
     if routing is None:
         return {}
     out = {}
     if ROUTES in outputs:
-        out[ROUTES] = routing.routes_tensor(model.args.num_layers,
-                                                model.args.num_experts_per_tok)
+        routes = routing.routes_tensor(model.args.num_layers, model.args.num_experts_per_tok)
+        if stream.shard is not None:
+            routes = gather_tokens(routes, stream.shard, group=stream.cp_group)
+        out[ROUTES] = routes
     aux = routing.aux_loss() if with_aux else None
     if aux is not None:
         out[AUX_KEY] = aux

@@ -35,7 +35,7 @@ from rlhf.engine.loss_fn import (
 )
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.engine.pipeline import Interleaved1F1B, OneFOneB
-from rlhf.engine.rank_stream import check_context_parallel, rank_stream, stream_outputs
+from rlhf.engine.rank_stream import rank_stream, stream_outputs
 from rlhf.engine.recompute import Recomputed
 from rlhf.engine.router_aux import micro_batch_routing, routing_outputs
 from rlhf.models.build import BuiltModel
@@ -67,7 +67,6 @@ class NoPipeline:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *, tp: TPState, device):
         check_tp_matches(tp, mesh)
-        check_context_parallel(model, mesh)
         self.model, self.mesh, self.device = model, mesh, device
         self._tp, self._sp = tp.tp, tp.sequence_parallel
 
@@ -77,12 +76,12 @@ class NoPipeline:
         if mb.num_tokens == 0:
             return self._padding_outputs(outputs)
         run = rank_stream(mb, self.mesh, tp=self._tp, sequence_parallel=self._sp)
-        routing = micro_batch_routing(self.model, mb, outputs)
+        routing = micro_batch_routing(self.model, mb, outputs, run)
         out = self.model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
                          prefix=run.prefix, layout=run.layout, routing=routing)
         return {**stream_outputs(self.model, out, run, mb, mesh=self.mesh, outputs=outputs,
                                  temperature=temperature),
-                **routing_outputs(self.model, routing, outputs, with_aux=training)}
+                **routing_outputs(self.model, routing, outputs, with_aux=training, stream=run)}
 
     def _padding_outputs(self, outputs: tuple[str, ...]) -> Outputs:
         """An empty micro-batch (expert parallelism pads the plan with them so every rank of an

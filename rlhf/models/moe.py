@@ -69,12 +69,18 @@ class Routing:
     """One micro-batch forward's routing: forced routes in, chosen routes and router stats out.
 
     `num_tokens`: the real tokens of the stream; rows past it (sequence-parallel padding) are
-    routed but left out of `routes` and of the aux loss.
+    routed but left out of `routes` and of the aux loss. Under context parallelism the stream
+    is this rank's shard of a pack: `held` (num_tokens,) bool marks the rows holding the pack's
+    tokens (the others pad a sequence: routed, recorded, but not counted), and the aux loss's
+    statistics are summed over `group`, the ranks holding the pack's other tokens, so it is
+    the whole pack's loss on every rank.
     """
 
     num_tokens: int
     forced: Tensor | None = None
     record: bool = False
+    held: Tensor | None = None
+    group: ProcessGroup | None = None
     routes: dict[int, Tensor] = field(default_factory=dict)
     # layer -> (tokens routed to each expert (E,), summed router probabilities (E,)); keyed by
     # layer so that a recomputed layer overwrites its own entry instead of adding one.
@@ -99,10 +105,17 @@ class Routing:
     def observe(self, layer: int, experts_TK: Tensor, probs_TE: Tensor) -> None:
         """Keep `layer`'s routes (if recording) and router statistics for the aux loss."""
         n = self.num_tokens
+        experts_TK, probs_TE = experts_TK[:n], probs_TE[:n]
         if self.record:
-            self.routes[layer] = experts_TK[:n].detach()
-        counts_E = torch.bincount(experts_TK[:n].reshape(-1), minlength=probs_TE.shape[1])
-        self.stats[layer] = (counts_E.float(), probs_TE[:n].sum(0))
+            self.routes[layer] = experts_TK.detach()
+        if self.held is None:
+            counts_E = torch.bincount(experts_TK.reshape(-1), minlength=probs_TE.shape[1])
+            self.stats[layer] = (counts_E.float(), probs_TE.sum(0))
+            return
+        held_T = self.held.to(probs_TE.device)
+        counts_E = torch.bincount(experts_TK.reshape(-1), minlength=probs_TE.shape[1],
+                                  weights=held_T.float().repeat_interleave(experts_TK.shape[1]))
+        self.stats[layer] = (counts_E.float(), (probs_TE * held_T[:, None]).sum(0))
 
     def aux_loss(self) -> Tensor | None:
         """transformers' load-balancing loss over the layers run: E * sum_e f_e * P_e, with f_e
@@ -112,8 +125,17 @@ class Routing:
             return None
         counts = torch.stack([c for c, _ in self.stats.values()]).sum(0)
         probs = torch.stack([p for _, p in self.stats.values()]).sum(0)
-        rows = len(self.stats) * self.num_tokens
-        return counts.shape[0] * torch.sum((counts / rows) * (probs / rows))
+        experts = counts.shape[0]
+        tokens = (counts.new_tensor([self.num_tokens]) if self.held is None
+                  else self.held.to(counts.device).sum(0, keepdim=True).float())
+        if group_size(self.group) > 1:
+            # Every rank of the group computes the same loss of the summed statistics; the
+            # sum's backward passes the grad through, so each rank's router gets its own
+            # tokens' share (summed over the group with the other grads).
+            stats = reduce_from_tp(torch.cat([counts, tokens, probs]), group=self.group)
+            counts, tokens, probs = stats[:experts], stats[experts], stats[experts + 1:]
+        rows = len(self.stats) * tokens
+        return experts * torch.sum((counts / rows) * (probs / rows))
 
     def routes_tensor(self, num_layers: int, top_k: int) -> Tensor:
         """(T, num_layers, top_k) int64 of the recorded routes, -1 for layers not recorded."""

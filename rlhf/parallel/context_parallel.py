@@ -56,6 +56,11 @@ class ContextShard:
         return int(self.source.shape[0])
 
     @property
+    def holds_token(self) -> Tensor:
+        """(T_local,) bool: the local rows holding a stream token (False on padding)."""
+        return self.source >= 0
+
+    @property
     def max_query(self) -> int:
         return max((b - a for a, b in zip(self.query_bounds[:-1], self.query_bounds[1:])),
                    default=0)
@@ -124,9 +129,8 @@ def plan_context_shard(seq_lens: Sequence[int], *, cp: int, rank: int,
 def shard_tokens(x_T: Tensor, shard: ContextShard, *, fill: float | bool = 0) -> Tensor:
     """This rank's local rows (T_local, ...) of a per-token tensor x_T (T, ...) of the whole
     stream; padding rows hold `fill`."""
-    source = shard.source.to(x_T.device)
-    local = x_T.index_select(0, source.clamp(min=0))
-    pad = (source < 0).view(-1, *([1] * (x_T.dim() - 1)))
+    local = x_T.index_select(0, shard.source.clamp(min=0).to(x_T.device))
+    pad = ~shard.holds_token.to(x_T.device).view(-1, *([1] * (x_T.dim() - 1)))
     return local.masked_fill(pad, fill)
 
 

@@ -10,6 +10,8 @@ keeps the number it had before cp existed.
 Expert parallelism is carved out of dp as in Megatron: ep_rank = dp_rank % ep and
 edp_rank = dp_rank // ep, so an expert-parallel group is ep consecutive dp ranks with the same
 (pp, cp, tp) and the expert-data-parallel group the dp / ep ranks holding the same experts.
+At cp > 1 the cp ranks of those ranks ran other tokens through the same experts: routed
+experts' grads are summed over edp × cp ("edp_cp"), as dense grads are over dp × cp.
 This class is the one place that order is written down: the mesh, the dispatcher, the memory
 planner and the rollout replica grouping all ask it. It is pure (no torch.distributed).
 """
@@ -23,6 +25,7 @@ AXES = ("dp", "pp", "cp", "tp")  # outermost to fastest-varying
 # grads are summed (cp ranks see different tokens of the same packs).
 GROUP_AXES = (*AXES, "mp", "embedding", "dp_cp")
 EXPERT_AXES = ("ep", "edp")  # expert-parallel and expert-data-parallel: both inside dp
+EXPERT_CP_AXIS = "edp_cp"  # the edp × cp ranks holding the same experts (expert grads summed)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,11 @@ class Layout:
         """Expert-data-parallel size: the dp ranks that hold the same experts."""
         return self.dp // self.ep
 
+    @property
+    def edp_cp(self) -> int:
+        """Ranks that hold the same routed experts and sum their grads: edp × cp."""
+        return self.edp * self.cp
+
     def expert_coordinate(self, rank: int) -> tuple[int, int]:
         """(ep_rank, edp_rank) of position `rank`: where its dp rank sits in its ep group and
         which ep group of its (pp, tp) line that is."""
@@ -114,14 +122,17 @@ class Layout:
     def mesh_axes(self) -> tuple[str, ...]:
         """The axes whose groups a mesh of this layout creates, in creation order: cp and dp_cp
         only at cp > 1 (else the cp groups are single ranks and dp_cp is dp), ep and edp only
-        at ep > 1 (else edp is dp). The memory planner counts communicators from the same."""
+        at ep > 1 (else edp is dp), edp_cp only at both (else it is edp, or dp_cp). The memory
+        planner counts communicators from the same."""
         axes = GROUP_AXES if self.cp > 1 else tuple(a for a in GROUP_AXES
                                                     if a not in ("cp", "dp_cp"))
-        return axes + (EXPERT_AXES if self.ep > 1 else ())
+        if self.ep == 1:
+            return axes
+        return axes + EXPERT_AXES + ((EXPERT_CP_AXIS,) if self.cp > 1 else ())
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along `axis` ("dp", "pp", "cp", "tp", "mp", "embedding", "dp_cp", "ep" or
-        "edp"), each in group-rank order; groups listed with the other coordinates in
+        """Every group along `axis` ("dp", "pp", "cp", "tp", "mp", "embedding", "dp_cp", "ep",
+        "edp" or "edp_cp"), each in group-rank order; groups listed with the other coordinates in
         (dp, pp, cp, tp) order, outer first.
 
         "mp" is the pp × tp ranks holding one model replica (a rollout replica is the mp group
@@ -129,7 +140,8 @@ class Layout:
         first and last stage of each (dp, cp, tp) line (the two copies of tied embeddings; none
         at pp=1); "dp_cp" the dp × cp ranks holding the same shard (grads are summed over it);
         "ep" the ep consecutive dp ranks of a (pp, cp, tp) line that split the experts; "edp"
-        the dp / ep ranks holding the same experts.
+        the dp / ep ranks holding the same experts; "edp_cp" those and their cp ranks (routed
+        experts' grads are summed over it), edp-major like dp_cp.
         """
         at = self.rank_at
         D, P, C, T = range(self.dp), range(self.pp), range(self.cp), range(self.tp)
@@ -159,7 +171,11 @@ class Layout:
         if axis == "edp":
             return [tuple(at(dp=g * self.ep + e, pp=p, cp=c, tp=t) for g in G)
                     for e in E for p in P for c in C for t in T]
-        raise ValueError(f"unknown axis {axis!r}; use one of {GROUP_AXES + EXPERT_AXES}")
+        if axis == EXPERT_CP_AXIS:
+            return [tuple(at(dp=g * self.ep + e, pp=p, cp=c, tp=t) for g in G for c in C)
+                    for e in E for p in P for t in T]
+        raise ValueError(f"unknown axis {axis!r}; use one of "
+                         f"{(*GROUP_AXES, *EXPERT_AXES, EXPERT_CP_AXIS)}")
 
     def output_ranks(self) -> list[int]:
         """Per DP group, in DP order, the rank whose result is collected: tp 0 and cp 0 of the

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from rlhf.parallel.layout import AXES, EXPERT_AXES, GROUP_AXES, Layout
+from rlhf.parallel.layout import AXES, EXPERT_AXES, EXPERT_CP_AXIS, GROUP_AXES, Layout
 from rlhf.parallel.memory_probes import GB, device_bytes_taken
 
 WORLD = "world"  # the default group's name in `ProcessGroupCache.communicators`
@@ -168,7 +168,8 @@ class ParallelMesh:
         # Same order on every process: every group of every axis the layout names. cp=1
         # creates no cp group (each would be one rank) and dp_cp is the dp group, so a layout
         # without context parallelism makes exactly the groups it made before cp; ep=1 creates
-        # nothing either: no expert group to talk to, and the edp group is the dp group.
+        # nothing either: no expert group to talk to, and the edp group is the dp group; the
+        # edp_cp group exists only at both, else it is the edp group (cp=1) or dp_cp (ep=1).
         for axis in self.layout.mesh_axes():
             for positions in self.layout.groups(axis):
                 self._add(axis, tuple(ranks[i] for i in positions), cache)
@@ -178,6 +179,10 @@ class ParallelMesh:
         if self.cp_size == 1 and "dp" in self._groups:
             self._groups["dp_cp"] = self._groups["dp"]
             self._group_ranks["dp_cp"] = self._group_ranks["dp"]
+        if EXPERT_CP_AXIS not in self._groups and "dp" in self._groups:
+            alias = "edp" if self.cp_size == 1 else "dp_cp"
+            self._groups[EXPERT_CP_AXIS] = self._groups[alias]
+            self._group_ranks[EXPERT_CP_AXIS] = self._group_ranks[alias]
 
     def _add(self, axis: str, group_ranks: tuple[int, ...], cache: ProcessGroupCache) -> None:
         group = cache.get(group_ranks)
@@ -265,6 +270,12 @@ class ParallelMesh:
         return self._group("edp")
 
     @property
+    def edp_cp_group(self) -> ProcessGroup:
+        """The edp × cp ranks holding the same routed experts: their grads are summed and their
+        ZeRO-1 state split over it (the edp group at cp=1, dp_cp at ep=1)."""
+        return self._group(EXPERT_CP_AXIS)
+
+    @property
     def ep_rank(self) -> int:
         """This process's rank in its expert-parallel group (0 at ep=1)."""
         return self.layout.expert_coordinate(self.ranks.index(self.rank))[0]
@@ -287,12 +298,12 @@ class ParallelMesh:
 
     def group_ranks(self, axis: str) -> tuple[int, ...]:
         """Global ranks of this process's group along `axis` ("dp", "pp", "tp", "mp", "edp",
-        "dp_cp", "embedding" only on the first and last stage of a pipeline, "ep" only at
+        "dp_cp", "edp_cp", "embedding" only on the first and last stage of a pipeline, "ep" only at
         ep > 1, "cp" only at cp > 1)."""
         self._require_member()
         if axis not in self._group_ranks:
             raise ValueError(f"unknown axis {axis!r} for rank {self.rank}; use one of "
-                             f"{GROUP_AXES + EXPERT_AXES}")
+                             f"{(*GROUP_AXES, *EXPERT_AXES, EXPERT_CP_AXIS)}")
         return self._group_ranks[axis]
 
     def _group(self, axis: str) -> ProcessGroup:

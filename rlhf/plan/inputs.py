@@ -52,7 +52,7 @@ class RoleSpec:
     shards: int  # ZeRO-1: ways the masters and moments are split (rlhf.engine.zero.num_shards)
     offload: OffloadConfig  # `<role>.offload`; all off for roles without the key
     lora: LoraConfig | None = None  # `<role>.lora` when on: a frozen base, adapters train
-    expert_shards: int = 1  # the same for routed experts at ep > 1: over the edp group
+    expert_shards: int = 1  # the same for routed experts at ep > 1: over edp × cp
 
     @property
     def layout(self) -> Layout:
@@ -147,7 +147,7 @@ def _spec(cfg, hw, name, role, head, args, trains) -> RoleSpec:
         shards=num_shards(data_ranks, getattr(optim, "distributed", None)) if trains else 1,
         offload=getattr(role, "offload", None) or OffloadConfig(),
         lora=lora if trains and lora is not None and lora.enabled else None,
-        expert_shards=(num_shards(layout.edp, getattr(optim, "distributed", None))
+        expert_shards=(num_shards(layout.edp_cp, getattr(optim, "distributed", None))
                        if trains else 1))
 
 

@@ -295,7 +295,7 @@ def stage_memory(spec: RoleSpec) -> list[StageMemory]:
 
 def _train_state(spec: RoleSpec, shapes, *, shards: int | None = None) -> dict[str, list[int]]:
     """A training rank's state tensors' bytes by kind, as the engine allocates them: at ep > 1
-    the routed experts in their own buffers, ZeRO-1 split over the edp group
+    the routed experts in their own buffers, ZeRO-1 split over edp × cp
     (`spec.expert_shards`), the rest over dp (`spec.shards`); `shards` forces both (1: the
     replicated state)."""
     split = spec.parallel.ep > 1
@@ -531,10 +531,10 @@ def communicators(members: list[RoleSpec], *, pool_size: int,
     creates its communicator at init and one for every later group at its creation, split
     from the world's, whether the group ever communicates or not. Every process builds every
     role's mesh over one `ProcessGroupCache`, which keys groups by their ranks: each distinct
-    group of every axis of every mesh (`Layout.mesh_axes`: dp, pp, tp, mp, embedding, and ep,
-    edp at ep > 1) is one communicator, a group over one rank included ("one-rank"). The
-    pipeline's send/recv are batched on the pp group, so they add no communicator. vLLM
-    initialises its own communicator for its tp group.
+    group of every axis of every mesh (`Layout.mesh_axes`: dp, pp, tp, mp, embedding; cp and
+    dp_cp at cp > 1; ep and edp at ep > 1; edp_cp at both) is one communicator, a group over one
+    rank included ("one-rank"). The pipeline's send/recv are batched on the pp group, so they
+    add no communicator. vLLM initialises its own communicator for its tp group.
     """
     groups: dict[tuple[int, ...], str] = {}
     for spec in members:

@@ -8,7 +8,15 @@ cp=1 (dp=4) engine's on the same micro-batches. Cases: cp=2 alone (dp=2), cp=4 o
 (2 KV heads), cp=2 with tp=2 and sequence parallelism on Qwen2 (qkv biases, tied embeddings),
 a critic at cp=2, and cp=2 with a two-stage pipeline, 1F1B and interleaved (vpp=2, a 4-layer
 Llama).
+
+Qwen3-MoE (4 experts, top-2) at cp=2 (dp=2) and cp=2 x ep=2 trains with the router aux loss
+on; its reference is the cp=1 (dp=4) engine's step on the same micro-batches (loss, aux loss,
+grad norm, synced grads, updated params). Its routes are recorded at cp=2 and must be the cp=1
+engine's; replayed, they give the recorded log-probs, and other forced routes give the cp=1
+engine's log-probs under the same forcing.
 """
+
+import dataclasses
 
 from pathlib import Path
 
@@ -16,6 +24,7 @@ import pytest
 import torch
 
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
+from rlhf.data.routes import ROUTES
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
 from rlhf.engine.engine import Head
@@ -44,8 +53,14 @@ CASES: dict[str, tuple[str, Head, ParallelConfig]] = {
     "cp2-critic": ("llama", "value", ParallelConfig(cp=2)),
     "cp2-pp2": ("llama", "lm", ParallelConfig(cp=2, pp=2)),
     "cp2-pp2-vpp2": ("llama4", "lm", ParallelConfig(cp=2, pp=2, vpp=2)),
+    "moe-cp2": ("moe", "lm", ParallelConfig(cp=2)),
+    "moe-cp2-ep2": ("moe", "lm", ParallelConfig(cp=2, ep=2)),
 }
 MODELS = {"llama": ("llama", False), "qwen2": ("qwen2", True), "llama4": ("llama", False)}
+MOE = TinyModelConfig(arch="qwen3_moe", tie_embeddings=False, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, **SMALL)
+COEF = 0.5  # the router aux loss's weight: large, so its share of the router grads shows
+REPLAYED = ("log_probs", ROUTES)
 
 
 def _micro_batches():
@@ -62,34 +77,72 @@ def _update(engine, mbs, mesh, head):
     return local, (actor_loss_fn if head == "lm" else critic_loss_fn)(tokens)
 
 
+def _forced(mbs, routes):
+    """`mbs` with `routes` (one (T, layers, top_k) tensor per micro-batch) forced."""
+    return [dataclasses.replace(mb, tensors={**mb.tensors, ROUTES: r})
+            for mb, r in zip(mbs, routes)]
+
+
+def _errors(outs, refs):
+    return max((max((out[k] - ref[k]).abs().max().item() for k in ref if k != ROUTES)
+                for out, ref in zip(outs, refs)), default=None)
+
+
 def _run(rank, world_size, folders):
     cache = ProcessGroupCache()
     mbs = _micro_batches()
-    plain, plain_grads = {}, {}  # cp=1, dp=4: forwards of every micro-batch, synced grads
+    # cp=1, dp=4: forwards of every micro-batch, synced grads; for the MoE model also its
+    # routes, a forward under other forced routes, and its step (the MoE cases' reference)
+    plain, plain_grads, plain_moe = {}, {}, {}
     for model, head in sorted({(model, head) for model, head, _ in CASES.values()}):
         mesh = ParallelMesh(list(range(world_size)), cache=cache)
+        moe = model == "moe"
         engine = TrainEngine.from_pretrained(folders[model], mesh=mesh, head=head, optim=OPTIM,
-                                             total_steps=10, device="cpu")
-        plain[model, head] = engine.forward(mbs)
-        engine.forward_backward(*_update(engine, mbs, mesh, head))
+                                             total_steps=10, device="cpu",
+                                             router_aux_loss_coef=COEF if moe else None)
+        plain[model, head] = engine.forward(mbs, outputs=("log_probs", "entropy", ROUTES)
+                                            if moe else None)
+        if moe:  # other experts than the free choice: (e + 1) mod E stays top-k distinct
+            other = [(out[ROUTES] + 1) % MOE.num_experts for out in plain[model, head]]
+            plain_moe["other"] = other
+            plain_moe["forced"] = engine.forward(_forced(mbs, other), outputs=REPLAYED)
+        metrics = engine.forward_backward(*_update(engine, mbs, mesh, head))
         plain_grads[model, head] = engine.full_grads()
+        if moe:
+            stats = engine.step()
+            plain_moe["step"] = {"params": exported(engine), "grad_norm": stats["grad_norm"],
+                                 "loss": metrics["loss"],
+                                 "router_aux_loss": metrics["router_aux_loss"]}
     results = {}
     for name, (model, head, parallel) in CASES.items():
         mesh = ParallelMesh(list(range(world_size)), tp=parallel.tp, pp=parallel.pp,
-                            cp=parallel.cp, cache=cache)
+                            cp=parallel.cp, ep=parallel.ep, cache=cache)
+        moe = model == "moe"
         engine = TrainEngine.from_pretrained(folders[model], mesh=mesh, parallel=parallel,
-                                             head=head, optim=OPTIM, total_steps=10, device="cpu")
-        outs = engine.forward(mbs)
-        errors = [max((out[k] - ref[k]).abs().max().item() for k in ref)
-                  for out, ref in zip(outs, plain[model, head])]
+                                             head=head, optim=OPTIM, total_steps=10, device="cpu",
+                                             router_aux_loss_coef=COEF if moe else None)
+        outs = engine.forward(mbs, outputs=("log_probs", "entropy", ROUTES) if moe else None)
+        result = {"output_error": _errors(outs, plain[model, head])}
+        if moe:
+            result["routes_equal"] = all(torch.equal(out[ROUTES], ref[ROUTES])
+                                         for out, ref in zip(outs, plain[model, head]))
+            replayed = engine.forward(_forced(mbs, [out[ROUTES] for out in outs]),
+                                      outputs=REPLAYED)
+            result["replay_error"] = _errors(replayed, [{"log_probs": o["log_probs"]}
+                                                        for o in outs])
+            forced = engine.forward(_forced(mbs, plain_moe["other"]), outputs=REPLAYED)
+            result["forced_error"] = _errors(forced, plain_moe["forced"])
+            result["forced_moves"] = _errors(forced, [{"log_probs": o["log_probs"]}
+                                                      for o in outs])
+            result["reference"] = plain_moe["step"]
         metrics = engine.forward_backward(*_update(engine, mbs, mesh, head))
         grads = engine.full_grads()  # reads the synced buffer, leaves it for the step
         grad_error = max((grads[n] - g).abs().max().item()
                          for n, g in plain_grads[model, head].items())
         stats = engine.step()
-        results[name] = {"params": exported(engine), "grad_norm": stats["grad_norm"],
-                         "loss": metrics["loss"], "output_error": max(errors, default=None),
-                         "grad_error": grad_error,
+        results[name] = {**result, "params": exported(engine), "grad_norm": stats["grad_norm"],
+                         "loss": metrics["loss"], "grad_error": grad_error,
+                         "router_aux_loss": metrics.get("router_aux_loss"),
                          "num_outputs": len(outs), "cp_rank": mesh.cp_rank}
     return results
 
@@ -102,9 +155,10 @@ def setup(tmp_path_factory):
     folders["llama4"] = str(make_tiny_model(
         TinyModelConfig(arch="llama", tie_embeddings=False, **{**SMALL, "num_layers": 4}),
         root / "llama4"))
+    folders["moe"] = str(make_tiny_model(MOE, root / "moe"))
     batch = make_batch(BATCH_SEED, n=N_SAMPLES)
     refs = {(model, head): reference_step(Path(folders[model]), batch, head=head)
-            for model, head, _ in CASES.values()}
+            for model, head, _ in CASES.values() if model != "moe"}
     return folders, refs
 
 
@@ -114,7 +168,10 @@ def four_ranks(setup):
     return run_distributed(_run, 4, folders, timeout_s=150)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+DENSE = [name for name, (model, _, _) in CASES.items() if model != "moe"]
+
+
+@pytest.mark.parametrize("name", DENSE)
 def test_cp_engine_equals_the_single_process_reference(four_ranks, setup, name):
     _, refs = setup
     model, head, parallel = CASES[name]
@@ -132,6 +189,24 @@ def test_cp_engine_equals_the_single_process_reference(four_ranks, setup, name):
     assert {r["cp_rank"] for r in with_outputs} == set(range(parallel.cp))
     for got in with_outputs:
         assert got["output_error"] < 1e-5, (name, got["output_error"])
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if name not in DENSE])
+def test_cp_moe_engine_equals_the_cp1_engine(four_ranks, name):
+    for rank, result in enumerate(four_ranks):
+        got = result[name]
+        ref = got["reference"]  # the cp=1, dp=4 engine's step, taken on this rank
+        assert ref["grad_norm"] > OPTIM.grad_clip  # the step is clipped
+        assert ref["router_aux_loss"] > 0.5  # the aux loss is on: E * sum f * P >= 1 / top_k
+        assert got["router_aux_loss"] == pytest.approx(ref["router_aux_loss"], abs=TOL)
+        assert got["loss"] == pytest.approx(ref["loss"], abs=TOL), (name, rank)
+        assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), (name, rank)
+        assert got["grad_error"] < 1e-6, (name, rank, got["grad_error"])
+        assert max_param_error(got["params"], ref["params"]) < TOL, (name, rank)
+        # routing replay on cp shards: the pack's routes, fed back, and other forced routes
+        assert got["output_error"] < 1e-5 and got["routes_equal"], (name, rank)
+        assert got["replay_error"] < 1e-6, (name, rank)
+        assert got["forced_error"] < 1e-5 < got["forced_moves"], (name, rank)
 
 
 def test_the_packs_are_sharded_not_replicated():

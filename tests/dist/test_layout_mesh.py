@@ -12,9 +12,9 @@ MESHES = [  # (ranks, tp, pp, ep, cp)
     ([3, 1, 2, 0], 2, 2, 1, 1), ([1, 3], 2, 1, 1, 1), ([2, 0], 1, 2, 1, 1),
     ([0, 1, 2, 3], 1, 1, 2, 1), ([3, 1, 2, 0], 1, 1, 4, 1), ([0, 1, 2, 3], 2, 1, 2, 1),
     ([0, 1, 2, 3], 2, 1, 1, 2), ([3, 1, 2, 0], 1, 2, 1, 2), ([0, 1, 2, 3], 1, 1, 2, 2),
-    ([2, 1], 1, 1, 1, 2),
+    ([2, 1], 1, 1, 1, 2), ([3, 1, 2, 0], 1, 1, 2, 2),
 ]
-AXES = ("dp", "pp", "cp", "tp", "mp", "embedding", "ep", "edp", "dp_cp")
+AXES = ("dp", "pp", "cp", "tp", "mp", "embedding", "ep", "edp", "dp_cp", "edp_cp")
 
 
 def _meshes(rank, world_size):
@@ -38,7 +38,9 @@ def _meshes(rank, world_size):
                     "expert": (mesh.ep_rank, mesh.edp_rank), "cp_rank": mesh.cp_rank,
                     "cp_group_none": mesh.cp_group is None,
                     "dp_cp_is_dp": mesh.dp_cp_group is mesh.dp_group,
-                    "edp_is_dp": mesh.edp_group is mesh.dp_group})
+                    "edp_is_dp": mesh.edp_group is mesh.dp_group,
+                    "edp_cp_alias": (mesh.edp_cp_group is mesh.edp_group,
+                                     mesh.edp_cp_group is mesh.dp_cp_group)})
     return out
 
 
@@ -57,6 +59,8 @@ def test_mesh_coordinates_and_groups_are_the_layouts():
             assert got["ep_group_none"] == (ep == 1) and got["edp_is_dp"] == (ep == 1)
             assert got["cp_rank"] == layout.cp_rank(position)
             assert got["cp_group_none"] == (cp == 1) and got["dp_cp_is_dp"] == (cp == 1)
+            # the experts' edp x cp group is edp at cp=1, dp_cp at ep=1, its own at both
+            assert got["edp_cp_alias"] == (cp == 1, ep == 1)
             for axis in AXES:
                 if (axis == "ep" and ep == 1) or (axis == "cp" and cp == 1):
                     assert got["groups"][axis] is None

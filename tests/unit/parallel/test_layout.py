@@ -214,7 +214,8 @@ def test_cp_layouts_follow_the_loop_nest_and_groups_partition(dp, pp, cp, tp, ep
         assert lay.coordinate(rank) == (d, p, t) and lay.cp_rank(rank) == c
         assert lay.rank_at(dp=d, pp=p, cp=c, tp=t) == rank
     for axis, size in (("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp), ("mp", pp * tp),
-                       ("dp_cp", dp * cp), ("ep", ep), ("edp", dp // ep)):
+                       ("dp_cp", dp * cp), ("ep", ep), ("edp", dp // ep),
+                       ("edp_cp", dp // ep * cp)):
         groups = lay.groups(axis)
         assert sorted(r for g in groups for r in g) == list(range(lay.world_size)), axis
         assert all(len(g) == size for g in groups), axis
@@ -235,7 +236,23 @@ def test_cp_1_leaves_every_rank_and_group_unchanged(dp, pp, tp, ep):
     assert with_cp.groups("mp") == [tuple(range(d * pp * tp, (d + 1) * pp * tp))
                                     for d in range(dp)]
     assert with_cp.groups("dp_cp") == with_cp.groups("dp")
+    assert with_cp.groups("edp_cp") == with_cp.groups("edp")
     assert with_cp.groups("cp") == [(r,) for r in range(n)]
+    assert "edp_cp" not in with_cp.mesh_axes()
+
+
+def test_routed_experts_sum_over_edp_and_cp_by_hand():
+    # dp=4 cp=2 ep=2 over 8 ranks: ep groups pair dp ranks (0, 1) and (2, 3) on each cp rank;
+    # the experts of ep rank 0 sit on dp ranks 0 and 2 at both cp ranks.
+    lay = Layout(dp=4, cp=2, ep=2)
+    assert lay.groups("ep")[:2] == [(0, 2), (1, 3)]
+    assert lay.groups("edp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert lay.groups("edp_cp") == [(0, 1, 4, 5), (2, 3, 6, 7)]
+    assert lay.edp_cp == 4 and lay.mesh_axes()[-3:] == ("ep", "edp", "edp_cp")
+    # ep=1: the experts' group is dp_cp, which the mesh already has (no axis of its own)
+    dense = Layout(dp=2, cp=2)
+    assert dense.groups("edp_cp") == dense.groups("dp_cp")
+    assert "edp_cp" not in dense.mesh_axes()
 
 
 def test_mesh_axes_create_cp_and_expert_groups_only_where_they_exist():
