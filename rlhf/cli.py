@@ -492,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(divides --nproc / (tp * pp) and the number of experts)")
     verify.add_argument("--cp", type=int, default=1,
                         help="context-parallel size: the ranks splitting every sequence's tokens "
-                             "(dense models; runs the engine's schedule, logits not compared)")
+                             "(MoE models too, with --ep; runs the engine's schedule, logits "
+                             "not compared)")
     verify.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: gloo processes; cuda: NCCL, one process per GPU, the "
                              "reference on the first GPU, fp32 without TF32")

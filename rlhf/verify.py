@@ -11,9 +11,10 @@ TP, pipeline ties, DP, ZeRO-1 when dp > 1), and measure their distance to the re
 gathered over the vocabulary for this check only, grads gathered to full.
 With pp > 1 the batch runs as micro-batches of two sequences through the engine's pipeline
 schedule (1F1B, or interleaved with vpp > 1); logits stay on the last stage, so log-probs,
-entropy and grads are compared and "logits" is left out of the report. With cp > 1 (dense
-models) the same micro-batches run through the engine's schedule on each cp rank's shard of
-their tokens (rlhf.engine.rank_stream), log-probs and entropy gathered back; no logits either.
+entropy and grads are compared and "logits" is left out of the report. With cp > 1 the same
+micro-batches (an MoE model: the one micro-batch below) run through the engine's schedule on
+each cp rank's shard of their tokens (rlhf.engine.rank_stream), log-probs and entropy gathered
+back; no logits either.
 
 The rule: fp32 rounding on a real checkpoint moves logits and grads far more than on a tiny
 random model, so no fixed tolerance fits both. Ours passes when, for each quantity (and for each
@@ -312,8 +313,10 @@ def _compare(folder: str, parallel: ParallelConfig, ref: dict, seqs: list[torch.
     # A training engine, for its grad buffer and sync; its optimizer never steps.
     engine = TrainEngine(built, mesh, optim=OptimizerConfig(), router_aux_loss_coef=aux_weight,
                          compile=compile)
-    if parallel.pp > 1 or parallel.cp > 1:
+    if parallel.pp > 1 or (parallel.cp > 1 and not model.args.is_moe):
         return _schedule_check(engine, seqs, ref)
+    if parallel.cp > 1:  # the aux loss pools one pack: the whole batch, on cp shards
+        return _moe_check(engine, seqs, ref)
     packed = _to_device(pack(seqs), device)
     with torch.no_grad():
         shard = vocab_shard(model, mesh)

@@ -1,5 +1,6 @@
 """`rlhf verify-model` on a tiny Qwen3-MoE, in this process (tp = 1): the routers' grads and the
-load-balancing loss are compared, and a wrong routing rule fails."""
+load-balancing loss are compared, and a wrong routing rule fails. Then in 4 gloo processes at
+cp = 2 x ep = 2: the engine on token shards, the aux loss pooled over the cp ranks."""
 
 import json
 import shutil
@@ -19,6 +20,7 @@ from rlhf.verify import (
     hf_reference,
     judge,
     random_batch,
+    verify_model,
 )
 
 SPEC = TinyModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, num_heads=2,
@@ -65,3 +67,12 @@ def test_a_wrong_routing_rule_fails(good, reference, tmp_path, single_process_wo
     (bad / "config.json").write_text(json.dumps(config))
     errors, _ = _report(bad, reference)
     assert not errors["logits"]["passed"] and not errors["grads"]["passed"]
+
+
+def test_cp2_ep2_passes_with_the_aux_loss_over_token_shards(good):
+    report = verify_model(good, tp=1, cp=2, ep=2, num_seqs=4, max_len=24, seed=0)
+    assert report["layout"] == {"tp": 1, "pp": 1, "dp": 2, "nproc": 4, "ep": 2, "cp": 2,
+                                "sequence_parallel": False}
+    errors = report["errors"]
+    assert report["passed"], errors
+    assert "logits" not in errors and errors["aux_loss"]["scale"] > 1.0
