@@ -13,7 +13,8 @@ Qwen3-MoE (4 experts, top-2) at cp=2 (dp=2) and cp=2 x ep=2 trains with the rout
 on; its reference is the cp=1 (dp=4) engine's step on the same micro-batches (loss, aux loss,
 grad norm, synced grads, updated params). Its routes are recorded at cp=2 and must be the cp=1
 engine's; replayed, they give the recorded log-probs, and other forced routes give the cp=1
-engine's log-probs under the same forcing.
+engine's log-probs under the same forcing. The cp=2 x ep=2 engine then saves a checkpoint
+(the experts' ZeRO-1 state split over edp x cp) and resumes from it, at cp=2 x ep=2 and at cp=1.
 """
 
 import dataclasses
@@ -61,6 +62,7 @@ MOE = TinyModelConfig(arch="qwen3_moe", tie_embeddings=False, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, **SMALL)
 COEF = 0.5  # the router aux loss's weight: large, so its share of the router grads shows
 REPLAYED = ("log_probs", ROUTES)
+CHECKPOINTED = "moe-cp2-ep2"  # saved after its step (experts' ZeRO-1 over edp x cp), resumed
 
 
 def _micro_batches():
@@ -86,6 +88,28 @@ def _forced(mbs, routes):
 def _errors(outs, refs):
     return max((max((out[k] - ref[k]).abs().max().item() for k in ref if k != ROUTES)
                 for out, ref in zip(outs, refs)), default=None)
+
+
+def _second_steps(engine, folders, mbs, cache):
+    """Save `engine` after its first step; the params after a second step of it, of a fresh
+    engine of its layout loading the save, and of one at cp=1 (dp=4, ep=2) loading it."""
+    engine.save_checkpoint(folders["checkpoint"])
+
+    def second(e):
+        e.forward_backward(*_update(e, mbs, e.mesh, "lm"))
+        e.step()
+        return exported(e)
+
+    out = {"uninterrupted": second(engine)}
+    for key, cp in (("resumed", 2), ("resumed_cp1", 1)):
+        parallel = ParallelConfig(cp=cp, ep=2)
+        mesh = ParallelMesh(list(range(4)), cp=cp, ep=2, cache=cache)
+        fresh = TrainEngine.from_pretrained(folders["moe"], mesh=mesh, parallel=parallel,
+                                            optim=OPTIM, total_steps=10, device="cpu",
+                                            router_aux_loss_coef=COEF)
+        fresh.load_checkpoint(folders["checkpoint"])
+        out[key] = second(fresh)
+    return out
 
 
 def _run(rank, world_size, folders):
@@ -144,6 +168,8 @@ def _run(rank, world_size, folders):
                          "loss": metrics["loss"], "grad_error": grad_error,
                          "router_aux_loss": metrics.get("router_aux_loss"),
                          "num_outputs": len(outs), "cp_rank": mesh.cp_rank}
+        if name == CHECKPOINTED:
+            results[name]["second"] = _second_steps(engine, folders, mbs, cache)
     return results
 
 
@@ -156,6 +182,7 @@ def setup(tmp_path_factory):
         TinyModelConfig(arch="llama", tie_embeddings=False, **{**SMALL, "num_layers": 4}),
         root / "llama4"))
     folders["moe"] = str(make_tiny_model(MOE, root / "moe"))
+    folders["checkpoint"] = str(root / "checkpoint")
     batch = make_batch(BATCH_SEED, n=N_SAMPLES)
     refs = {(model, head): reference_step(Path(folders[model]), batch, head=head)
             for model, head, _ in CASES.values() if model != "moe"}
@@ -207,6 +234,16 @@ def test_cp_moe_engine_equals_the_cp1_engine(four_ranks, name):
         assert got["output_error"] < 1e-5 and got["routes_equal"], (name, rank)
         assert got["replay_error"] < 1e-6, (name, rank)
         assert got["forced_error"] < 1e-5 < got["forced_moves"], (name, rank)
+
+
+def test_a_cp2_ep2_checkpoint_resumes_exactly_and_at_cp1(four_ranks):
+    """The experts' optimizer state, ZeRO-1 split over edp x cp, saves and loads: the resumed
+    engine's second step is the uninterrupted one's, at cp=2 x ep=2 and at cp=1 (dp=4)."""
+    for rank, result in enumerate(four_ranks):
+        second = result[CHECKPOINTED]["second"]
+        assert max_param_error(second["resumed"], second["uninterrupted"]) == 0.0, rank
+        assert max_param_error(second["resumed_cp1"], second["uninterrupted"]) < TOL, rank
+        assert max_param_error(second["uninterrupted"], result[CHECKPOINTED]["params"]) > TOL
 
 
 def test_the_packs_are_sharded_not_replicated():
