@@ -18,7 +18,6 @@ engine's log-probs under the same forcing. The cp=2 x ep=2 engine then saves a c
 """
 
 import dataclasses
-
 from pathlib import Path
 
 import pytest
