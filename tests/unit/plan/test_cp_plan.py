@@ -8,7 +8,7 @@ from pathlib import Path
 from rlhf.config import load_config
 from rlhf.plan.advice import plan_with_advice, with_overrides
 from rlhf.plan.inputs import hardware, role_specs
-from rlhf.plan.memory import layer_activation_bytes, plan_job, stage_memory
+from rlhf.plan.memory import communicators, layer_activation_bytes, plan_job, stage_memory
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 CP2 = ["actor.parallel.cp=2", "actor.share_prompts=false"]
@@ -25,6 +25,17 @@ def test_cp_splits_tokens_and_zero1_over_dp_times_cp():
     assert split.rank_tokens == plain.tokens // 2 and plain.rank_tokens == plain.tokens
     assert split.shards == plain.shards == 2  # dp x cp ranks either way
     assert stage_memory(split)[0].state == stage_memory(plain)[0].state  # weights unsplit
+
+
+def test_routed_experts_zero1_over_edp_times_cp_and_its_communicator():
+    moe = ["model.tiny.arch=qwen3_moe", "trainer.ranks_per_node=8", "actor.parallel.ep=2"]
+    plain, split = _actor(*moe), _actor(*moe, *CP2)
+    assert (plain.layout.edp, split.layout.edp, split.layout.cp) == (4, 2, 2)
+    assert split.expert_shards == plain.expert_shards == 4  # edp x cp ranks either way
+    # the engine's group of them is one more communicator per rank, only at ep > 1 and cp > 1
+    assert "edp_cp" in split.layout.mesh_axes() and "edp_cp" not in plain.layout.mesh_axes()
+    names = {c.name for c in communicators([split], pool_size=8)[0]}
+    assert "actor edp_cp" in names
 
 
 def test_activations_halve_plus_the_gathered_keys_and_values():
