@@ -62,7 +62,7 @@ def micro_batch_routing(model: nn.Module, mb: MicroBatch, outputs: Sequence[str]
     forced = mb.tensors.get(ROUTES)
     return Routing(num_tokens=shard.num_local, record=record,
                    forced=None if forced is None else shard_tokens(forced, shard, fill=-1),
-                   held=shard.holds_token, group=stream.cp_group)
+                   held=shard.holds_token.to(stream.tokens.device), group=stream.cp_group)
 
 
 def routing_outputs(model: nn.Module, routing: Routing | None, outputs: Sequence[str], *,
