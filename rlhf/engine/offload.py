@@ -30,15 +30,17 @@ each method, in GB.
 
 Moving a tensor keeps a host copy and replaces its `.data` by an empty tensor, so the device
 memory is really released; coming back assigns a fresh device copy to `.data`, so parameters,
-optimizer state and hooks keep their identity. The host copies of one kind of state live in
-one flat buffer, allocated once at the size `host_layout` gives (each copy a view starting at
-a multiple of `HOST_ALIGN`), and on CUDA pinned by registering exactly those bytes: PyTorch's
-pinned allocator would round every block up to a power of two, up to twice what the memory
-planner counts from the same `host_layout`. `take_memory_metrics` also reports
-`memory/pinned_gb` (what this role pinned) and `timing/pin_s` (seconds spent allocating and
-pinning its buffers, at start). On the CPU the same code runs with unpinned buffers: host and
-device are both the CPU, but the tensor really is emptied and restored, so a step with every
-switch on computes what it computes with none.
+optimizer state and hooks keep their identity. Tensors that were adjacent pieces of one
+storage when they left (the dense MLP's paired gate and up weights, `rlhf.models.gate_up`)
+come back as pieces of one fresh allocation, so the pairing survives a round trip. The host
+copies of one kind of state live in one flat buffer, allocated once at the size `host_layout`
+gives (each copy a view starting at a multiple of `HOST_ALIGN`), and on CUDA pinned by
+registering exactly those bytes: PyTorch's pinned allocator would round every block up to a
+power of two, up to twice what the memory planner counts from the same `host_layout`.
+`take_memory_metrics` also reports `memory/pinned_gb` (what this role pinned) and
+`timing/pin_s` (seconds spent allocating and pinning its buffers, at start). On the CPU the
+same code runs with unpinned buffers: host and device are both the CPU, but the tensor really
+is emptied and restored, so a step with every switch on computes what it computes with none.
 """
 
 from __future__ import annotations
@@ -188,6 +190,9 @@ class Offloader:
         self.phase: str | None = None
         self.memory: dict[str, dict[str, float]] = {}  # method -> worst report, until taken
         self._away: dict[int, tuple[Tensor, Tensor, torch.device]] = {}  # id -> (t, host, device)
+        # id -> (move serial, storage address, element offset) of a contiguous tensor as it left
+        self._storage: dict[int, tuple[int, int, int]] = {}
+        self._moves = 0  # counts `_enter` calls: storage addresses compare within one
         self._buffers: dict[str, _HostBuffer] = {}  # kind -> its host copies
         self.pin_seconds = 0.0  # spent allocating (and pinning) the buffers
         self.enter("idle")
@@ -225,11 +230,11 @@ class Offloader:
         to_host = [key for key in listed if host_ok[key] and key not in self._away]
         moved_bytes = (sum(_nbytes(self._away[key][1]) for key in to_device),
                        sum(_nbytes(listed[key]) for key in to_host))
-        for key in to_device:
-            t, host, device = self._away.pop(key)
-            t.data = host.to(device, non_blocking=True, copy=True)
+        self._to_device(to_device)
         for key in [key for key in self._away if key not in listed]:
             del self._away[key]  # the engine dropped it (a grad set to None) while on the host
+            self._storage.pop(key, None)
+        self._moves += 1
         for kind in {slot[key][0] for key in to_host}:
             self._ensure_buffer(kind, members[kind])
         for key in to_host:
@@ -279,10 +284,38 @@ class Offloader:
             self._buffers[kind] = _host_buffer(signature, pin=self.device_type == "cuda")
             self.pin_seconds += time.perf_counter() - start
 
+    def _to_device(self, keys: list[int]) -> None:
+        """Fresh device copies of the tensors `keys`; those that shared one storage when they
+        left (same move, same address, same dtype) share one allocation again, at the same
+        relative offsets."""
+        groups: dict[tuple[int, int, torch.dtype] | int, list[int]] = {}
+        for key in keys:
+            where = self._storage.get(key)
+            dtype = self._away[key][0].dtype
+            groups.setdefault(key if where is None else (*where[:2], dtype), []).append(key)
+        for members in groups.values():
+            if len(members) == 1:
+                t, host, device = self._away.pop(members[0])
+                self._storage.pop(members[0], None)
+                t.data = host.to(device, non_blocking=True, copy=True)
+                continue
+            offsets = [self._storage.pop(key)[2] for key in members]
+            moved = [self._away.pop(key) for key in members]
+            low = min(offsets)
+            high = max(off + host.numel() for off, (_, host, _) in zip(offsets, moved))
+            flat = torch.empty(high - low, dtype=moved[0][0].dtype, device=moved[0][2])
+            for off, (t, host, _) in zip(offsets, moved):
+                piece = flat[off - low:off - low + host.numel()].view(host.shape)
+                piece.copy_(host, non_blocking=True)
+                t.data = piece
+
     def _to_host(self, t: Tensor, kind: str, index: int) -> None:
         host = self._buffers[kind].views[index]
         host.copy_(t.detach(), non_blocking=True)
         self._away[id(t)] = (t, host, t.device)
+        if t.is_contiguous() and t.numel():
+            self._storage[id(t)] = (self._moves, t.untyped_storage().data_ptr(),
+                                    t.storage_offset())
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 

@@ -21,6 +21,7 @@ from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
 from rlhf.models.config import ACTIVATIONS, ModelArgs
 from rlhf.models.fused import add_rms_norm, gated, qk_rope, rms_norm
+from rlhf.models.gate_up import gate_up
 from rlhf.models.moe import Routing, SparseMoeBlock
 from rlhf.models.varlen_layout import VarlenLayout
 
@@ -138,8 +139,9 @@ class MLP(nn.Module):
         self.fused = False  # rlhf.models.fused.apply_compile
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        return self.down_proj(gated(self.fused, self.act, self.gate_proj(x_TH),
-                                    self.up_proj(x_TH)))
+        # One GEMM for both when their weights are paired (rlhf.models.gate_up), else two.
+        gate_TI, up_TI = gate_up(self.gate_proj, self.up_proj, x_TH)
+        return self.down_proj(gated(self.fused, self.act, gate_TI, up_TI))
 
 
 class DecoderLayer(nn.Module):

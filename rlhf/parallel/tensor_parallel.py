@@ -86,12 +86,15 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x_TH: Tensor) -> Tensor:
-        if self.sequence_parallel:
-            x_TH = gather_from_sequence(x_TH, group=self.group)  # (T/tp, H) -> (T, H)
-        else:
-            x_TH = copy_to_tp(x_TH, group=self.group)
-        out_TO = self.local_linear(x_TH)  # (T, O/tp)
+        out_TO = self.local_linear(self.gather_input(x_TH))  # (T, O/tp)
         return gather_from_tp(out_TO, group=self.group) if self.gather_output else out_TO
+
+    def gather_input(self, x_TH: Tensor) -> Tensor:
+        """The full input every rank multiplies by its rows: all-gathered over the sequence
+        under SP (T/tp, H) -> (T, H), else the input with its grad all-reduced in backward."""
+        if self.sequence_parallel:
+            return gather_from_sequence(x_TH, group=self.group)
+        return copy_to_tp(x_TH, group=self.group)
 
     def local_linear(self, x_TH: Tensor) -> Tensor:
         """This rank's output columns from the full (gathered) input; an adapter adds to it."""
