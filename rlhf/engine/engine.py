@@ -70,9 +70,8 @@ from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
 from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_full_grads
 from rlhf.models.fused import apply_compile
-from rlhf.models.gate_up import pair_gate_up
 from rlhf.models.param_table import ParamTable
-from rlhf.models.transformer import ValueModel
+from rlhf.models.transformer import ValueModel, pair_gate_up
 from rlhf.parallel.collectives import group_rank, group_size
 from rlhf.parallel.expert_parallel import timed_all_to_all
 from rlhf.parallel.fusion import compile_enabled

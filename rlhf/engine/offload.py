@@ -315,7 +315,7 @@ class Offloader:
         self._away[id(t)] = (t, host, t.device)
         if t.is_contiguous() and t.numel():
             self._storage[id(t)] = (self._moves, t.untyped_storage().data_ptr(),
-                                    t.storage_offset())
+                                    int(t.storage_offset()))
         t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 

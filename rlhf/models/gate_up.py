@@ -1,15 +1,15 @@
 """The dense MLP's gate and up projections as one GEMM, the parameters staying two.
 
 `gate_proj.weight` and `up_proj.weight` stay two parameters with their own names, TP split,
-checkpoint entries, export and weight sync. `pair_gate_up` (run once the engine holds the
-placed model) makes them the two row halves of one contiguous (2*I_local, H) tensor, gate
-rows first. While they are (`paired_weight` checks, cheaply, at every forward), `GateUpMatmul`
-views the pair as one weight without a copy: one GEMM forward, one for the input's grad and
-one for the pair's grad, returned as its two halves. The optimizer updates parameters in
-place, a DCP load copies into them, and offloading restores the shared storage
-(`rlhf.engine.offload`), so the pairing lasts; whatever breaks it (a `.data` swap, LoRA,
-a bias) makes the forward run the two linears as before: never other numbers, only the
-slower path.
+checkpoint entries, export and weight sync. `pair_linears` (through
+`rlhf.models.transformer.pair_gate_up`, run once the engine holds the placed model) makes them
+the two row halves of one contiguous (2*I_local, H) tensor, gate rows first. While they are
+(`paired_weight` checks, cheaply, at every forward), `GateUpMatmul` views the pair as one
+weight without a copy: one GEMM forward, one for the input's grad and one for the pair's grad,
+returned as its two halves. The optimizer updates parameters in place, a DCP load copies into
+them, and offloading restores the shared storage (`rlhf.engine.offload`), so the pairing
+lasts; whatever breaks it (a `.data` swap, LoRA, a bias) makes the forward run the two linears
+as before: never other numbers, only the slower path.
 
 Biases (`mlp_bias` models) are not paired: such MLPs keep the two linears.
 """
@@ -31,6 +31,12 @@ def _plain(linear: nn.Module) -> bool:
     if type(linear) is ColumnParallelLinear:
         return linear.bias is None and not linear.gather_output
     return False
+
+
+def _weight(linear: nn.Module) -> Tensor:
+    weight = linear.weight
+    assert isinstance(weight, Tensor)
+    return weight
 
 
 def _same_input(gate: nn.Module, up: nn.Module) -> bool:
@@ -65,7 +71,8 @@ class GateUpMatmul(torch.autograd.Function):
         return F.linear(x, weight)
 
     @staticmethod
-    def backward(ctx, grad_out: Tensor):
+    def backward(ctx, *grad_outputs: Tensor):
+        grad_out = grad_outputs[0]
         x, gate_w, up_w = ctx.saved_tensors
         weight = paired_weight(gate_w, up_w)
         assert weight is not None
@@ -79,39 +86,30 @@ class GateUpMatmul(torch.autograd.Function):
 
 def gate_up(gate: nn.Module, up: nn.Module, x_TH: Tensor) -> tuple[Tensor, Tensor]:
     """(gate(x), up(x)): one GEMM when the two weights are paired, else the two linears."""
-    weight_ok = (_plain(gate) and _plain(up) and _same_input(gate, up)
-                 and paired_weight(gate.weight, up.weight) is not None)
-    if not weight_ok:
+    if not (_plain(gate) and _plain(up) and _same_input(gate, up)
+            and paired_weight(_weight(gate), _weight(up)) is not None):
         return gate(x_TH), up(x_TH)
     if isinstance(gate, ColumnParallelLinear):
         x_TH = gate.gather_input(x_TH)
-    out = GateUpMatmul.apply(x_TH, gate.weight, up.weight)
-    return out.chunk(2, dim=-1)
+    gate_TI, up_TI = GateUpMatmul.apply(x_TH, _weight(gate), _weight(up)).chunk(2, dim=-1)
+    return gate_TI, up_TI
 
 
 @torch.no_grad()
-def pair_gate_up(model: nn.Module) -> int:
-    """Make each dense MLP's gate and up weights the halves of one (2I, H) tensor (values
-    kept); returns how many MLPs are paired. MLPs with LoRA, a bias or meta weights are
-    left alone (they run the two linears)."""
-    from rlhf.models.transformer import MLP  # the model file imports this one
-
-    paired = 0
-    for module in model.modules():
-        if not isinstance(module, MLP):
-            continue
-        gate, up = module.gate_proj, module.up_proj
-        if not (_plain(gate) and _plain(up) and _same_input(gate, up)):
-            continue
-        gate_w, up_w = gate.weight, up.weight
-        if (gate_w.device.type == "meta" or gate_w.shape != up_w.shape
-                or gate_w.dtype != up_w.dtype or gate_w.device != up_w.device):
-            continue
-        if paired_weight(gate_w, up_w) is None:
-            pair = torch.empty((2 * gate_w.shape[0], gate_w.shape[1]), dtype=gate_w.dtype,
-                               device=gate_w.device)
-            pair[:gate_w.shape[0]].copy_(gate_w)
-            pair[gate_w.shape[0]:].copy_(up_w)
-            gate_w.data, up_w.data = pair[:gate_w.shape[0]], pair[gate_w.shape[0]:]
-        paired += 1
-    return paired
+def pair_linears(gate: nn.Module, up: nn.Module) -> bool:
+    """Make `gate` and `up`'s weights the halves of one (2I, H) tensor (values kept; nothing
+    moves when they already are); whether they are paired. Linears with LoRA, a bias or meta
+    weights are left alone (they run apart)."""
+    if not (_plain(gate) and _plain(up) and _same_input(gate, up)):
+        return False
+    gate_w, up_w = _weight(gate), _weight(up)
+    if (gate_w.device.type == "meta" or gate_w.shape != up_w.shape
+            or gate_w.dtype != up_w.dtype or gate_w.device != up_w.device):
+        return False
+    if paired_weight(gate_w, up_w) is None:
+        rows = gate_w.shape[0]
+        pair = torch.empty((2 * rows, gate_w.shape[1]), dtype=gate_w.dtype, device=gate_w.device)
+        pair[:rows].copy_(gate_w)
+        pair[rows:].copy_(up_w)
+        gate_w.data, up_w.data = pair[:rows], pair[rows:]
+    return True

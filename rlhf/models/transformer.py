@@ -21,7 +21,7 @@ from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
 from rlhf.models.config import ACTIVATIONS, ModelArgs
 from rlhf.models.fused import add_rms_norm, gated, qk_rope, rms_norm
-from rlhf.models.gate_up import gate_up
+from rlhf.models.gate_up import gate_up, pair_linears
 from rlhf.models.moe import Routing, SparseMoeBlock
 from rlhf.models.varlen_layout import VarlenLayout
 
@@ -142,6 +142,13 @@ class MLP(nn.Module):
         # One GEMM for both when their weights are paired (rlhf.models.gate_up), else two.
         gate_TI, up_TI = gate_up(self.gate_proj, self.up_proj, x_TH)
         return self.down_proj(gated(self.fused, self.act, gate_TI, up_TI))
+
+
+def pair_gate_up(model: nn.Module) -> int:
+    """Pair each dense MLP's gate and up weights for one GEMM (`rlhf.models.gate_up`; MoE
+    experts have their own grouped GEMMs); returns how many MLPs are paired."""
+    return sum(pair_linears(m.gate_proj, m.up_proj) for m in model.modules()
+               if isinstance(m, MLP))
 
 
 class DecoderLayer(nn.Module):

@@ -20,15 +20,17 @@ from rlhf.errors import ConfigError
 from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
 from rlhf.models.export import export_full_hf_weights
+from rlhf.models.gate_up import paired_weight
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import forward_packed, model_outputs, sp_pad, vocab_shard
 from rlhf.models.tp_sharding import apply_tp, check_tp_compatible
-from rlhf.models.transformer import CausalLM, ValueModel
+from rlhf.models.transformer import MLP, CausalLM, ValueModel
 from rlhf.parallel import collectives as C
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 
 TOL = 1e-5
+FLAGS = ("local_shapes_ok", "gate_up_paired")  # checks every rank must pass (not errors)
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, intermediate_size=96,
              max_position_embeddings=64)
 # name -> (arch, tied, kv heads, vocab). kv=2 allows tp <= 2; vocab 515 divides by neither 2 nor 4.
@@ -156,6 +158,9 @@ def _check_lm(folder, seqs, ref, mesh, sp, seed):
     e["grads"] = max((grads[n] - ref["grads"][n]).abs().max().item() for n in grads)
     e["export_exact"] = _export_errors(engine, folder)
     e["local_shapes_ok"] = _local_shapes_ok(engine, mesh.tp_size)
+    # The checks above ran the dense MLPs' one-GEMM path (rlhf.models.gate_up) on each TP shard.
+    e["gate_up_paired"] = all(paired_weight(m.gate_proj.weight, m.up_proj.weight) is not None
+                              for m in model.modules() if isinstance(m, MLP))
     return e
 
 
@@ -200,8 +205,8 @@ def matrix(cases):
         for key, errors in results.items():
             slot = merged.setdefault(key, {})
             for check, value in errors.items():
-                slot[check] = max(slot.get(check, 0), value) if check != "local_shapes_ok" \
-                    else slot.get(check, True) and value
+                slot[check] = (slot.get(check, True) and value if check in FLAGS
+                               else max(slot.get(check, 0), value))
     return merged
 
 
@@ -217,6 +222,7 @@ def test_model_matches_hf_in_every_layout(matrix, key):
         assert errors[check] < TOL, (check, errors)
     assert errors["export_exact"] == 0, errors
     assert errors["local_shapes_ok"], errors
+    assert errors["gate_up_paired"], errors
 
 
 def test_matrix_covers_tp4_sequence_parallel_and_padded_vocab(matrix):

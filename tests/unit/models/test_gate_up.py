@@ -7,23 +7,20 @@ import pytest
 import torch
 
 from rlhf.config import LoraConfig
-from rlhf.config.schema import TinyModelConfig
 from rlhf.data.packing import pack
-from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models import lora as L
-from rlhf.models.gate_up import pair_gate_up, paired_weight
-from rlhf.models.transformer import MLP, CausalLM
-from tests.unit.engine.reference import SMALL, load_plain
+from rlhf.models.gate_up import paired_weight
+from rlhf.models.transformer import MLP, CausalLM, pair_gate_up
+from tests.unit.engine.reference import SMALL, load_plain, tiny_folder
 
-TOL = dict(rtol=1e-6, atol=1e-6)
+RTOL = ATOL = 1e-6
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("gate_up")
     # qwen2: biases in attention only, so its MLPs pair too.
-    return {arch: make_tiny_model(TinyModelConfig(arch=arch, **SMALL), root / arch)
-            for arch in ("llama", "qwen2")}
+    return {arch: tiny_folder(root, arch=arch) for arch in ("llama", "qwen2")}
 
 
 def _mlps(model):
@@ -56,10 +53,10 @@ def test_one_gemm_computes_what_the_two_linears_compute(folders, arch):
     assert all(torch.equal(got[k], want[k]) for k in want)
     logits_s, grads_s = _run(separate)
     logits_m, grads_m = _run(merged)
-    torch.testing.assert_close(logits_m, logits_s, **TOL)
+    torch.testing.assert_close(logits_m, logits_s, rtol=RTOL, atol=ATOL)
     assert grads_m.keys() == grads_s.keys()
     for name in grads_s:
-        torch.testing.assert_close(grads_m[name], grads_s[name], **TOL, msg=name)
+        torch.testing.assert_close(grads_m[name], grads_s[name], rtol=RTOL, atol=ATOL, msg=name)
     # A second pairing finds them paired and moves nothing.
     before = _mlps(merged)[0].gate_proj.weight.data_ptr()
     assert pair_gate_up(merged) == SMALL["num_layers"]
@@ -74,9 +71,9 @@ def test_a_broken_pairing_falls_back_to_the_two_linears(folders):
     assert _paired(merged) == [False, True]
     logits_s, grads_s = _run(separate)
     logits_m, grads_m = _run(merged)
-    torch.testing.assert_close(logits_m, logits_s, **TOL)
+    torch.testing.assert_close(logits_m, logits_s, rtol=RTOL, atol=ATOL)
     for name in grads_s:
-        torch.testing.assert_close(grads_m[name], grads_s[name], **TOL, msg=name)
+        torch.testing.assert_close(grads_m[name], grads_s[name], rtol=RTOL, atol=ATOL, msg=name)
 
 
 def test_lora_and_mlp_bias_keep_the_two_linears(folders):
@@ -84,7 +81,7 @@ def test_lora_and_mlp_bias_keep_the_two_linears(folders):
     L.apply_lora(lora, LoraConfig(r=4, lora_alpha=8.0, target_modules=("gate_proj",)), seed=3)
     assert pair_gate_up(lora) == 0 and not any(_paired(lora))
     reference = load_plain(folders["qwen2"])
-    torch.testing.assert_close(_run(lora)[0], _run(reference)[0], **TOL)  # B = 0: a no-op
+    torch.testing.assert_close(_run(lora)[0], _run(reference)[0], rtol=RTOL, atol=ATOL)  # B = 0: a no-op
     args = dataclasses.replace(lora.args, mlp_bias=True)
     biased = CausalLM(args)
     assert pair_gate_up(biased) == 0 and not any(_paired(biased))
