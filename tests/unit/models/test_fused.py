@@ -17,7 +17,7 @@ from rlhf.models.config import ModelArgs
 from rlhf.models.fused import apply_compile, is_fused
 from rlhf.models.hf_io import load_hf_weights
 from rlhf.models.outputs import model_outputs
-from rlhf.models.transformer import CausalLM
+from rlhf.models.transformer import CausalLM, pair_gate_up
 from rlhf.parallel.fusion import compile_enabled
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 
@@ -34,7 +34,7 @@ def _packed(seed, lengths):
 
 @pytest.fixture(scope="module", params=["qwen3", "gemma"])
 def models(request, tmp_path_factory, single_process_world):
-    """(eager, fused, transformers) copies of one tiny model."""
+    """(eager, fused and paired, transformers) copies of one tiny model."""
     from transformers import AutoModelForCausalLM
 
     folder = make_tiny_model(TinyModelConfig(arch=request.param, tie_embeddings=True, **SMALL),
@@ -43,6 +43,9 @@ def models(request, tmp_path_factory, single_process_world):
     for model in (eager, fused):
         load_hf_weights(model, folder)
     apply_compile(fused, True)
+    # As the engine runs it: gate and up as one GEMM (rlhf.models.gate_up), feeding the
+    # compiled activation their strided halves; the eager copy keeps the two linears.
+    assert pair_gate_up(fused) == SMALL["num_layers"]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return eager, fused, hf
 
