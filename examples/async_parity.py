@@ -7,6 +7,10 @@ Prints one JSON line: each arm's val/accuracy before and after, final train rewa
 wall time and token staleness, and each async arm's accuracy gap to sync against --tolerance.
 
     PYTHONPATH=$PWD python examples/async_parity.py [--steps 100] [--arms off streaming one_step]
+
+The quickstart's responses are a few tokens (max_new_tokens 8), under the default 64-token
+stream segment, so plain streaming finishes every sample in its first segment; an arm
+streaming:2 (2-token segments) continues samples in flight under new weights.
 """
 from __future__ import annotations
 
@@ -64,13 +68,17 @@ def mean_staleness(record: dict) -> float:
     return sum(s * share for s, share in shares.items())
 
 
-def run_arm(mode: str, steps: int, out: Path, paths: list[str]) -> dict:
-    run_dir = out / f"run_{mode}"
+def run_arm(arm_name: str, steps: int, out: Path, paths: list[str]) -> dict:
+    """One PPO run; `arm_name` is an async_mode, or streaming:N for N-token segments."""
+    mode, _, segment = arm_name.partition(":")
+    run_dir = out / f"run_{arm_name.replace(':', '_seg')}"
     args = [*paths, *SAME_RANKS, f"trainer.output_dir={run_dir}", f"trainer.total_steps={steps}",
             f"trainer.val_every={max(steps // 4, 1)}", f"trainer.save_every={steps}",
-            f"trainer.async_mode={mode}", f"trainer.experiment_name=parity_{mode}"]
+            f"trainer.async_mode={mode}", f"trainer.experiment_name={run_dir.name}"]
+    if segment:
+        args.append(f"trainer.stream_segment_tokens={segment}")
     t0 = time.perf_counter()
-    rlhf("train", CONFIG, *args, log=out / f"train_{mode}.log")
+    rlhf("train", CONFIG, *args, log=out / f"train_{run_dir.name}.log")
     wall = time.perf_counter() - t0
     records = read_metrics(run_dir)
     vals = [(r["step"], r["val/accuracy"]) for r in records if "val/accuracy" in r]
@@ -94,11 +102,17 @@ def main() -> None:
         description="Learning parity of trainer.async_mode against sync on the quickstart task.")
     parser.add_argument("--steps", type=int, default=100, help="PPO steps per arm")
     parser.add_argument("--arms", nargs="+", default=["off", "streaming", "one_step"],
-                        choices=["off", "one_step", "bounded", "streaming"])
+                        help="async_mode values (off is sync), or streaming:N for streaming "
+                        "with N-token segments, so samples continue under new weights")
     parser.add_argument("--out", type=Path, default=Path("outputs/parity"))
     parser.add_argument("--tolerance", type=float, default=0.05,
                         help="largest allowed drop of final val/accuracy below sync (absolute)")
     a = parser.parse_args()
+    for arm in a.arms:
+        mode, _, segment = arm.partition(":")
+        if mode not in ("off", "one_step", "bounded", "streaming") or (
+                segment and (mode != "streaming" or not segment.isdigit())):
+            parser.error(f"arm {arm!r}: use off, one_step, bounded, streaming or streaming:N")
     paths = prepare(a.out)
     arms = {}
     for mode in a.arms:
