@@ -61,11 +61,14 @@ def prepare(out: Path) -> list[str]:
     return paths
 
 
-def mean_staleness(record: dict) -> float:
-    """Mean versions-old of a step's trained tokens, from its async/token_staleness_<s> shares."""
+def staleness(record: dict) -> tuple[float, float]:
+    """(mean, max) versions-old of a step's trained data: streaming reports it per token
+    (async/token_staleness_<s> shares), one_step and bounded per sample (async/staleness_*)."""
+    if "async/staleness_mean" in record:
+        return record["async/staleness_mean"], record["async/staleness_max"]
     shares = {int(m.group(1)): v for k, v in record.items()
               if (m := re.fullmatch(r"async/token_staleness_(\d+)", k))}
-    return sum(s * share for s, share in shares.items())
+    return sum(s * share for s, share in shares.items()), record["async/token_staleness_p100"]
 
 
 def run_arm(arm_name: str, steps: int, out: Path, paths: list[str]) -> dict:
@@ -89,9 +92,9 @@ def run_arm(arm_name: str, steps: int, out: Path, paths: list[str]) -> dict:
            "reward_last10_mean": sum(r["reward/mean"] for r in last) / len(last),
            "steps": len(trained), "wall_s": round(wall, 1)}
     if mode != "off":
-        arm["mean_token_staleness"] = sum(map(mean_staleness, trained)) / len(trained)
-        arm["token_staleness_p100_max"] = max(r.get("async/token_staleness_p100", 0.0)
-                                              for r in trained)
+        stale = [staleness(r) for r in trained]
+        arm["staleness_mean"] = sum(mean for mean, _ in stale) / len(stale)
+        arm["staleness_max"] = max(most for _, most in stale)
         for key in ("interrupted_samples", "regenerated_samples", "dropped_samples"):
             arm[key] = sum(r.get(f"async/{key}", 0.0) for r in trained)
     return arm
