@@ -53,6 +53,11 @@ class ColocatedWorker:
     def adopt(self, job_name: str, roles: Mapping[str, tuple[type, dict]], *,
               name: str, num_threads: int, use_gpu: bool) -> None:
         """Become rank `name` of a new group: what the constructor does, for a kept process."""
+        fixed = self.fixed_threads()
+        if fixed not in (None, num_threads):
+            raise RuntimeError(f"this process is held to {fixed} torch threads by the vLLM "
+                               f"engine it hosted, not {num_threads}; start a new one "
+                               "(rlhf.controller.warm takes only processes that fit)")
         torch.set_num_threads(num_threads)  # the rank owns exactly its bundle's CPUs
         self._job_name, self._name = job_name, name
         self._specs = dict(roles)
@@ -83,9 +88,6 @@ class ColocatedWorker:
         envs = sys.modules.get("vllm.envs")
         if envs is not None:  # the engine core cached its environment: the next one reads anew
             envs.disable_envs_cache()
-        # vLLM's CPU worker replaces torch.set_num_threads with a no-op for the rest of the
-        # process; the next group's `adopt` must be able to set its bundle's threads again.
-        torch.set_num_threads = _TORCH_SET_NUM_THREADS
         if dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
@@ -155,6 +157,16 @@ class ColocatedWorker:
         with RECORDER.role_call(role, method):  # a span on the step timeline when tracing
             result = getattr(self._roles[role], method)(*args, **kwargs)
         return result if keep else None  # unused results stay on the worker, not in transit
+
+    def fixed_threads(self) -> int | None:
+        """The torch thread count this process is held to, None when a new group may set its
+        own. vLLM's CPU worker makes torch.set_num_threads a no-op for the rest of the process;
+        undoing that and changing the count made a later vLLM engine in the process compute
+        wrong log-probs (off by a KL of 0.02 from the trainer's), so the count stays and only
+        a group whose ranks use it adopts the process."""
+        if torch.set_num_threads is _TORCH_SET_NUM_THREADS:
+            return None
+        return torch.get_num_threads()
 
     def trace_clock(self) -> int:
         """This process's clock (µs), for the driver's clock-offset pings (rlhf.trace)."""

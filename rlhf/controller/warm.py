@@ -8,7 +8,9 @@ placement group (removing that group would kill it), so it holds no resources of
 (num_cpus=0) while the pool's bundles keep the reservation, and only on one node is the
 process where the bundle is. Such ranks are unnamed in Ray (a name cannot change), and a
 process is kept only when its group shut down cleanly and `ColocatedWorker.release` found
-nothing left of the roles; any other is killed, as without warm ranks.
+nothing left of the roles; any other is killed, as without warm ranks. A process that hosted
+a vLLM CPU engine keeps that engine's torch thread count (`ColocatedWorker.fixed_threads`) and
+serves only groups whose ranks use as many threads.
 """
 
 from __future__ import annotations
@@ -42,16 +44,26 @@ class WarmRanks:
             return False
         return sum(1 for n in ray.nodes() if n.get("Alive")) == 1
 
-    def take(self, n: int) -> list[ray.actor.ActorHandle]:
-        """`n` rank processes: idle ones that still answer first, the last given back first,
-        then new ones (unnamed, no resources)."""
-        keep = max(0, len(self._idle) - n)
-        taken, self._idle = self._idle[keep:][::-1], self._idle[:keep]
-        taken = [actor for actor in taken if _answers(actor)]
+    def take(self, n: int, *, threads: int) -> list[ray.actor.ActorHandle]:
+        """`n` rank processes for ranks of `threads` torch threads: idle ones that still
+        answer and can run that many threads first (`ColocatedWorker.fixed_threads`), the
+        last given back first, then new ones (unnamed, no resources). Idle processes held to
+        another thread count stay idle for a later group."""
+        taken: list[ray.actor.ActorHandle] = []
+        left: list[ray.actor.ActorHandle] = []
+        for actor in reversed(self._idle):
+            if len(taken) == n:
+                left.append(actor)
+                continue
+            fixed = _fixed_threads(actor)
+            if fixed is _DEAD:
+                continue
+            (taken if fixed in (None, threads) else left).append(actor)
+        self._idle = left[::-1]
         remote_cls = ray.remote(ColocatedWorker)
         while len(taken) < n:
             taken.append(remote_cls.options(num_cpus=0).remote(
-                "", {}, name="warm rank", num_threads=1, use_gpu=False))
+                "", {}, name="warm rank", num_threads=threads, use_gpu=False))
         return taken
 
     def give_back(self, actors: list[ray.actor.ActorHandle]) -> None:
@@ -80,13 +92,16 @@ class WarmRanks:
         self._idle = []
 
 
-def _answers(actor: ray.actor.ActorHandle) -> bool:
+_DEAD = object()
+
+
+def _fixed_threads(actor: ray.actor.ActorHandle) -> object:
+    """The idle process's `fixed_threads`, or _DEAD (then killed) when it does not answer."""
     try:
-        ray.get(actor.trace_clock.remote(), timeout=RELEASE_TIMEOUT_S)
-        return True
+        return ray.get(actor.fixed_threads.remote(), timeout=RELEASE_TIMEOUT_S)
     except Exception:  # died while idle (killed, out of memory): start another
         _kill(actor)
-        return False
+        return _DEAD
 
 
 def _kill(actor: ray.actor.ActorHandle) -> None:

@@ -159,10 +159,11 @@ class WorkerGroup:
 
     def _start_actors(self) -> None:
         if self._warm:
-            self._actors = WARM.take(self.pool.world_size)
+            threads = int(self.pool.bundle["CPU"])
+            self._actors = WARM.take(self.pool.world_size, threads=threads)
             self._wait({rank: actor.adopt.remote(
                 self.job_name, self._specs, name=self._actor_name(rank),
-                num_threads=int(self.pool.bundle["CPU"]), use_gpu=False)
+                num_threads=threads, use_gpu=False)
                 for rank, actor in enumerate(self._actors)}, self._label, "adopt")
             return
         remote_cls = ray.remote(ColocatedWorker)

@@ -55,9 +55,8 @@ class CountingRole(Worker):
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
     def pin_threads(self):
-        """What vLLM's CPU worker does at start: set the threads, then make
-        torch.set_num_threads a no-op for the rest of the process."""
-        torch.set_num_threads(2)
+        """What vLLM's CPU worker does once it has started: make torch.set_num_threads a
+        no-op for the rest of the process, holding it to its present thread count."""
         torch.set_num_threads = lambda n: None
 
     @register(dispatch=Dispatch.ONE_TO_ALL)
@@ -65,8 +64,9 @@ class CountingRole(Worker):
         os._exit(3)
 
 
-def group(name: str, ranks: int = 2) -> WorkerGroup:
-    pool = ResourcePool(f"warm-{name}", ranks_per_node=ranks, use_gpu=False)
+def group(name: str, ranks: int = 2, cpus_per_rank: int = 1) -> WorkerGroup:
+    pool = ResourcePool(f"warm-{name}", ranks_per_node=ranks, use_gpu=False,
+                        cpus_per_rank=cpus_per_rank)
     return WorkerGroup(pool, {"count": CountingRole}, job_name=f"warm-{name}")
 
 
@@ -89,15 +89,19 @@ def test_a_later_group_runs_in_the_processes_of_an_earlier_one_from_scratch(ray_
     assert {s["threads"] for s in seen} == {1}
 
 
-def test_a_later_group_sets_its_threads_though_an_engine_pinned_them(ray_cluster):
-    with group("pinned") as first:
+def test_a_process_held_to_its_threads_serves_only_groups_of_that_many(ray_cluster):
+    # Three threads: no earlier group of the session ran at that count, so these processes
+    # are new or free ones, which pin_threads then holds to 3 as a vLLM CPU engine would.
+    with group("pinned", cpus_per_rank=3) as first:
         first.pin_threads()
-        before = {s["pid"]: s["threads"] for s in first.visit()}
-        assert set(before.values()) == {2}
-    with group("after-pinned") as second:
+        pinned = {s["pid"]: s["threads"] for s in first.visit()}
+        assert set(pinned.values()) == {3}
+    with group("one-thread") as second:  # other processes: the pinned ones stay idle
         seen = second.visit()
-    assert {s["pid"] for s in seen} == set(before)  # the same processes, kept warm
+    assert not {s["pid"] for s in seen} & set(pinned)
     assert {s["threads"] for s in seen} == {1}
+    with group("three-threads", cpus_per_rank=3) as third:
+        assert {s["threads"] for s in third.visit()} == {3}
 
 
 @pytest.mark.parametrize("spoil", ["die", "leave_a_thread"])
