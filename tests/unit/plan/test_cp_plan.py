@@ -12,10 +12,12 @@ from rlhf.plan.memory import communicators, layer_activation_bytes, plan_job, st
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
 CP2 = ["actor.parallel.cp=2", "actor.share_prompts=false"]
+# model.tiny's shapes, never a model a quickstart run wrote under outputs/ (CI runs one first)
+TINY = f"model.path={Path(__file__).resolve().parent / 'no-model-here'}"
 
 
 def _actor(*overrides):
-    cfg = load_config(QUICKSTART, list(overrides))
+    cfg = load_config(QUICKSTART, [TINY, *overrides])
     return next(s for s in role_specs(cfg, hardware(cfg)) if s.name == "actor")
 
 
@@ -54,10 +56,10 @@ def test_activations_halve_plus_the_gathered_keys_and_values():
 
 
 def test_advice_for_a_long_sequence_that_does_not_fit_names_cp_with_unshared_prompts():
-    cfg = load_config(QUICKSTART, ["actor.max_tokens_per_micro_batch=65536",
+    cfg = load_config(QUICKSTART, [TINY, "actor.max_tokens_per_micro_batch=65536",
                                    "critic.max_tokens_per_micro_batch=2048"])
     plan = plan_job(cfg)
-    tight = load_config(QUICKSTART, ["actor.max_tokens_per_micro_batch=65536",
+    tight = load_config(QUICKSTART, [TINY, "actor.max_tokens_per_micro_batch=65536",
                                      "critic.max_tokens_per_micro_batch=2048",
                                      f"trainer.device_memory_gb={plan.peak * 0.9 / 2**30:.3f}"])
     plan, advice = plan_with_advice(tight)
