@@ -54,7 +54,7 @@ class ColocatedWorker:
               name: str, num_threads: int, use_gpu: bool) -> None:
         """Become rank `name` of a new group: what the constructor does, for a kept process."""
         fixed = self.fixed_threads()
-        if fixed not in (None, num_threads):
+        if not runs_threads(fixed, num_threads):
             raise RuntimeError(f"this process is held to {fixed} torch threads by the vLLM "
                                f"engine it hosted, not {num_threads}; start a new one "
                                "(rlhf.controller.warm takes only processes that fit)")
@@ -177,6 +177,12 @@ class ColocatedWorker:
         spans = RECORDER.take()
         RECORDER.on = record
         return spans
+
+
+def runs_threads(fixed: int | None, threads: int) -> bool:
+    """Whether a process held to `fixed` torch threads (`ColocatedWorker.fixed_threads`; None:
+    not held) can host ranks of `threads` threads."""
+    return fixed is None or fixed == threads
 
 
 _ACTOR_NAME_MARKER = ":actor_name:"  # ray._private.ray_constants.LOG_PREFIX_ACTOR_NAME

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import ray
 from ray.exceptions import RayError
 
-from rlhf.controller.colocate import ColocatedWorker
+from rlhf.controller.colocate import ColocatedWorker, runs_threads
 from rlhf.controller.resource_pool import ResourcePool
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class WarmRanks:
             fixed = _fixed_threads(actor)
             if fixed is _DEAD:
                 continue
-            (taken if fixed in (None, threads) else left).append(actor)
+            (taken if runs_threads(fixed, threads) else left).append(actor)
         self._idle = left[::-1]
         remote_cls = ray.remote(ColocatedWorker)
         while len(taken) < n:
