@@ -16,6 +16,7 @@ from rlhf.errors import ConfigError
 from rlhf.preflight import pool_problems, preflight
 from rlhf.trainer.checkpoint import CheckpointManager, layout_differences
 from rlhf.trainer.run_folder import move_old_run_aside, restart_line, write_run_identity
+from tests.ray_echo import ray_echo_muted
 from tests.unit.trainer.jobs import TINY, make_assets
 
 REWARD_OK = "def score(*, prompt, response, ground_truth, extra):\n    return 1.0\n"
@@ -71,7 +72,7 @@ def show(config_file, *overrides) -> tuple[int, str, str]:
     from contextlib import redirect_stderr, redirect_stdout
 
     out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
+    with ray_echo_muted(), redirect_stdout(out), redirect_stderr(err):
         code = main(["config", "show", str(config_file), *overrides])
     return code, out.getvalue(), err.getvalue()
 

@@ -12,6 +12,7 @@ from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.demo.tiny_tokenizer import ROLE_TOKENS, train_tiny_tokenizer
 from rlhf.errors import RLHFError
 from rlhf.families import FAMILIES, model_family
+from tests.ray_echo import ray_echo_muted
 
 ARCHS = [f.name for f in FAMILIES if not f.is_moe]  # MoE folders: tests/unit/models/test_moe.py
 # Head size 16 is fine for transformers; only vLLM on CPU needs >= 32.
@@ -131,11 +132,12 @@ def test_failure_leaves_previous_folder_untouched(tmp_path, monkeypatch):
 
 def test_warns_about_head_sizes_vllm_cpu_lacks(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tiny_model, "_write_model", lambda spec, folder: None)  # only the check
-    make_tiny_model(TinyModelConfig(**SMALL), tmp_path / "a")
-    assert "head size 16" in capsys.readouterr().err
-    head_32 = TinyModelConfig(**{**SMALL, "num_heads": 2, "num_kv_heads": 1})
-    make_tiny_model(head_32, tmp_path / "b")
-    assert capsys.readouterr().err == ""
+    with ray_echo_muted():
+        make_tiny_model(TinyModelConfig(**SMALL), tmp_path / "a")
+        assert "head size 16" in capsys.readouterr().err
+        head_32 = TinyModelConfig(**{**SMALL, "num_heads": 2, "num_kv_heads": 1})
+        make_tiny_model(head_32, tmp_path / "b")
+        assert capsys.readouterr().err == ""
 
 
 @settings(max_examples=150, deadline=None)
