@@ -325,8 +325,8 @@ class ParallelConfig:
     model's number of experts; each rank holds num_experts / ep experts."""
     cp: int = 1
     """Context-parallel size: the cp ranks of a model replica split every packed micro-batch's
-    tokens (a long sequence spans them all) and gather keys and values in attention; needs
-    share_prompts false (docs/guides/context-parallelism.md)."""
+    tokens (a long sequence spans them all) and gather keys and values in attention
+    (docs/guides/context-parallelism.md)."""
 
     def __post_init__(self):
         require_min(self, 1, "tp", "pp", "vpp", "ep", "cp")
@@ -481,10 +481,6 @@ class ForwardRoleConfig:
     def __post_init__(self):
         require_min(self, 1, "max_tokens_per_micro_batch")
         require_placement(self)
-        if self.parallel.cp > 1 and self.share_prompts:
-            raise ConfigError(f"parallel.cp={self.parallel.cp} splits each sequence into chunks "
-                              "over the cp ranks, which a prompt shared by several samples "
-                              "does not fit; set share_prompts=false")
 
 
 @dataclass(frozen=True, kw_only=True)

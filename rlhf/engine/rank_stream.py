@@ -5,7 +5,8 @@ group). Without context parallelism a rank runs the whole pack (padded to a mult
 under sequence parallelism). With cp > 1 it runs its `ContextShard` of the pack
 (rlhf.parallel.context_parallel: two mirrored chunks of every sequence, so a long sequence
 spans the cp ranks and short ones cost at most 2 * cp - 1 pad tokens), its attention gathering
-keys and values over the cp group.
+keys and values over the cp group; a shared prompt's keys are rows of that gathered stream too,
+so packs with shared prompts run at any cp.
 
 The head's per-token outputs (log-probs, entropy, values) are computed on the local rows and
 all-gathered back to the whole pack, in stream order, before the loss: every cp rank then
@@ -65,12 +66,11 @@ def rank_stream(mb: MicroBatch, mesh: ParallelMesh, *, tp: int, sequence_paralle
         run = sp_pad(mb.packed, tp) if sequence_parallel else mb.packed
         return RankStream(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
                           run.prefix, mb.layout.padded(run.tokens.shape[0]))
-    if mb.packed.prefix is not None:
-        raise ValueError(f"cp={mesh.cp_size} splits every sequence over the cp ranks, which a "
-                         "shared prompt does not fit; pack micro-batches with share_prompts=False")
-    device = mb.packed.tokens.device
-    shard = plan_context_shard(mb.packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank,
-                               multiple=tp if sequence_parallel else 1)
+    device, host = mb.packed.tokens.device, mb.layout  # host ints: nothing read back
+    shard = plan_context_shard([b - a for a, b in zip(host.bounds[:-1], host.bounds[1:])],
+                               cp=mesh.cp_size, rank=mesh.cp_rank,
+                               multiple=tp if sequence_parallel else 1,
+                               prefix_starts=host.prefix_starts, prefix_lens=host.prefix_lens)
     bounds = torch.tensor(shard.query_bounds, dtype=torch.int32)
     return RankStream(shard_tokens(mb.packed.tokens, shard), to_device(shard.positions, device),
                       to_device(bounds, device), shard.max_query, None,

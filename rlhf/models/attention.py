@@ -17,7 +17,8 @@ flash-attn's convention for unequal query and key lengths.
 
 Context parallelism: when `layout` is a cp rank's shard (`varlen_layout.context_layout`), the
 keys and values are first all-gathered over its cp group (rlhf.parallel.context_parallel) and
-each local query run attends to its rows of them, bottom-right causal, through the same kernels.
+each local query run attends to its rows of them, bottom-right causal, through the same kernels;
+a shared prompt's keys are rows of the gathered stream too, first among its sequence's keys.
 
 What the kernels need on the host (sequence bounds, prefix runs, flash-attn's key bounds and
 longest key run) is a `VarlenLayout` (rlhf.models.varlen_layout), built once per micro-batch
@@ -71,9 +72,10 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
     if prefix is not None and not causal:
         raise ValueError("a shared prefix needs causal attention")
     if layout is not None and layout.context is not None:
-        if prefix is not None or not causal:
-            raise ValueError("context parallelism runs causal attention without shared "
-                             "prompts; pack without share_prompts when cp > 1")
+        if not causal:
+            raise ValueError("context parallelism runs causal attention; pass causal=True")
+        # a shard's shared prompts are already rows of its keys (plan_context_shard)
+        assert prefix is None, "pass a context-parallel shard's stream without its prefix"
         k_THD = gather_keys_values(k_THD, group=layout.context.group)
         v_THD = gather_keys_values(v_THD, group=layout.context.group)
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"

@@ -15,6 +15,12 @@ cp may exceed them (GQA with 2 or 4 KV heads). Each local chunk is then a query 
 are the first (chunk + 1) * chunk_len tokens of its sequence, causal aligned to the bottom
 right: `ContextShard.key_rows` says where those keys sit in the gathered stream.
 
+Shared prompts (rlhf.data.packing.SharedPrefix): a later sample of a prompt holds only the
+prompt's last token and reads the rest from the first sample's tokens. After the gather every
+rank holds every key, so each of its query runs' keys are those prefix tokens' gathered rows,
+then its own sequence's as above; the bottom-right causal alignment lets every query see the
+whole prefix. Its position ids continue from the prompt, as packing numbers them.
+
 Labels are shifted on the whole stream before it is sharded (a chunk's last position predicts
 a token that another rank holds): shard `shifted_targets` with `shard_tokens`.
 """
@@ -39,13 +45,13 @@ class ContextShard:
     be a multiple of `multiple` tokens, for sequence parallelism) a tail of pad tokens that
     attends only to itself. Its query runs are `query_bounds`; run j's keys are rows
     `key_rows[key_bounds[j]:key_bounds[j + 1]]` of the gathered stream (every rank's local
-    stream, in cp-rank order), causal aligned to the bottom right.
+    stream, in cp-rank order; a shared prompt's rows first), causal aligned to the bottom right.
     """
 
     cp: int
     rank: int
     source: Tensor  # (T_local,) int64: the stream token each local row holds, -1 on padding
-    positions: Tensor  # (T_local,) int64: position ids (padding continues its sequence)
+    positions: Tensor  # (T_local,) int64: position ids, the packing's (padding continues them)
     query_bounds: tuple[int, ...]  # (runs + 1,) bounds of the local query runs
     key_rows: Tensor  # (K,) int64 rows of the gathered stream: every run's keys in turn
     key_bounds: tuple[int, ...]  # (runs + 1,) bounds of each run's keys in key_rows
@@ -70,11 +76,13 @@ class ContextShard:
         return max((b - a for a, b in zip(self.key_bounds[:-1], self.key_bounds[1:])), default=0)
 
 
-def plan_context_shard(seq_lens: Sequence[int], *, cp: int, rank: int,
-                       multiple: int = 1) -> ContextShard:
+def plan_context_shard(seq_lens: Sequence[int], *, cp: int, rank: int, multiple: int = 1,
+                       prefix_starts: Sequence[int] | None = None,
+                       prefix_lens: Sequence[int] | None = None) -> ContextShard:
     """Rank `rank`'s `ContextShard` of a stream of sequences of `seq_lens` tokens split over
     `cp` ranks; `multiple`: the local stream's token count is padded to a multiple of it (the
-    tp size under sequence parallelism)."""
+    tp size under sequence parallelism); `prefix_starts`/`prefix_lens`: the shared prompts'
+    runs of stream tokens (`SharedPrefix`, as host ints; None: nothing shared)."""
     if cp < 1 or not 0 <= rank < cp:
         raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
     if multiple < 1:
@@ -82,6 +90,16 @@ def plan_context_shard(seq_lens: Sequence[int], *, cp: int, rank: int,
     lens = [int(n) for n in seq_lens]
     if any(n < 0 for n in lens):
         raise ValueError(f"sequence lengths must be non-negative, got {lens}")
+    if (prefix_starts is None) != (prefix_lens is None):
+        raise ValueError("pass prefix_starts and prefix_lens together, or neither")
+    shared = [0] * len(lens) if prefix_lens is None else [int(p) for p in prefix_lens]
+    leaders = [0] * len(lens) if prefix_starts is None else [int(s) for s in prefix_starts]
+    if len(shared) != len(lens) or len(leaders) != len(lens):
+        raise ValueError(f"{len(lens)} sequences but {len(leaders)} prefix starts and "
+                         f"{len(shared)} prefix lengths; pass one of each per sequence")
+    if any(p < 0 or s < 0 or (p and s + p > sum(lens)) for s, p in zip(leaders, shared)):
+        raise ValueError(f"prefix runs (starts {leaders}, lengths {shared}) must lie inside "
+                         f"the stream of {sum(lens)} tokens")
     pieces = 2 * cp
     chunk = [-(-n // pieces) for n in lens]  # each sequence padded to pieces * chunk tokens
     starts = [0] * len(lens)  # of each sequence in the stream
@@ -103,23 +121,24 @@ def plan_context_shard(seq_lens: Sequence[int], *, cp: int, rank: int,
             c = chunk[i]
             gathered[i][k * c:(k + 1) * c] = torch.arange(row, row + c)
             row += c
+    empty = torch.empty(0, dtype=torch.int64)
+    token_rows = torch.cat([g[:n] for g, n in zip(gathered, lens)] or [empty])
     source, positions, query_bounds, keys, key_bounds = [], [], [0], [], [0]
     for i, k in chunks_of(rank):
-        c = chunk[i]
+        c, p = chunk[i], shared[i]
         pos = torch.arange(k * c, (k + 1) * c)
-        positions.append(pos)
+        positions.append(pos + p)  # a sharing sequence's positions continue its prompt's
         source.append(torch.where(pos < lens[i], starts[i] + pos, -1))
         query_bounds.append(query_bounds[-1] + c)
-        keys.append(gathered[i][:(k + 1) * c])
-        key_bounds.append(key_bounds[-1] + (k + 1) * c)
+        # the shared prompt's gathered rows, then the sequence up to this chunk
+        keys += [token_rows[leaders[i]:leaders[i] + p], gathered[i][:(k + 1) * c]]
+        key_bounds.append(key_bounds[-1] + p + (k + 1) * c)
     if tail:
         positions.append(torch.arange(tail))
         source.append(torch.full((tail,), -1, dtype=torch.int64))
         query_bounds.append(query_bounds[-1] + tail)
         keys.append(torch.arange(rank * num_local + body, (rank + 1) * num_local))
         key_bounds.append(key_bounds[-1] + tail)
-    empty = torch.empty(0, dtype=torch.int64)
-    token_rows = torch.cat([g[:n] for g, n in zip(gathered, lens)] or [empty])
     return ContextShard(cp=cp, rank=rank, source=torch.cat(source or [empty]),
                         positions=torch.cat(positions or [empty]),
                         query_bounds=tuple(query_bounds), key_rows=torch.cat(keys or [empty]),

@@ -11,10 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlhf.algorithms import algorithm_needs
 from rlhf.config import JobConfig, config_from_dict, config_to_dict
 from rlhf.config.loader import apply_override
-from rlhf.config.roles import job_roles
 from rlhf.errors import RLHFError
 from rlhf.plan.inputs import RoleSpec
 from rlhf.plan.memory import MemoryPlan, plan_job
@@ -51,7 +49,6 @@ def candidates(cfg: JobConfig, plan: MemoryPlan) -> list[tuple[str, ...]]:
         if spec.dp > 1 and not spec.zero1:
             out.append((f"{spec.name}.optim.distributed=true",))
     on_cuda = plan.hardware.device_type == "cuda"
-    roles = job_roles(cfg, algorithm_needs(cfg))
     if on_cuda:
         single = [c for spec in plan.roles.values() for c in _offload(spec)]
         out += single
@@ -63,11 +60,7 @@ def candidates(cfg: JobConfig, plan: MemoryPlan) -> list[tuple[str, ...]]:
         for axis in ("tp", "cp", "pp"):
             size = getattr(spec.parallel, axis)
             if world % (model_parallel * 2) == 0:
-                change = (f"{spec.name}.parallel.{axis}={size * 2}",)
-                if axis == "cp" and getattr(roles[spec.name], "share_prompts", False):
-                    # the config's rule: cp splits sequences, which a shared prompt cannot be
-                    change += (f"{spec.name}.share_prompts=false",)
-                out.append(change)
+                out.append((f"{spec.name}.parallel.{axis}={size * 2}",))
         if spec.trains and spec.recompute != "full":
             nxt = "attention_block" if spec.recompute == "none" else "full"
             out.append((f"{spec.name}.recompute={nxt}",))

@@ -10,7 +10,11 @@ CausalLM's and ValueModel's on the whole pack (computed here, in the pytest proc
 - a tiny Qwen3-MoE at cp=2 with ep=2 (its tokens reach their experts by all-to-all over the
   ep group of their cp rank; every dp replica runs the whole pack with 1/dp of the loss);
 - Llama at cp=2 with a two-stage pipeline (the stages of one cp rank pass its shard's
-  hidden states and their grads).
+  hidden states and their grads);
+- Llama on a GRPO-like pack with shared prompts (several prompts x n samples, one long
+  response) at cp=2, cp=4 and cp=2 with tp=2 and sequence parallelism: its reference is the
+  unsharded model on the same samples packed whole (each shared-pack token's row of it), and
+  a cp=1 forward of the shared pack must match that reference too.
 """
 
 import pytest
@@ -18,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.config.schema import ParallelConfig, TinyModelConfig
-from rlhf.data.packing import pack, shifted_targets
+from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.models.build import build_model
 from rlhf.models.config import ModelArgs
@@ -36,6 +40,7 @@ from rlhf.parallel.context_parallel import (
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from rlhf.parallel.vocab_parallel import vocab_parallel_log_probs_entropy
+from tests.unit.data.test_shared_prompts import grouped
 
 TOL = 1e-5
 SMALL = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=96,
@@ -46,7 +51,10 @@ MODELS = {"llama": dict(arch="llama", tie_embeddings=False),
           "qwen3_moe": dict(arch="qwen3_moe", tie_embeddings=False, **MOE)}
 LENGTHS = [45, 3, 1, 7, 2, 10]  # one long sequence, several short; 68 tokens
 DENSE = [(2, 1, 1), (4, 1, 1), (2, 2, 1)]  # (cp, tp, ep); tp=2 with sequence parallelism
-LAYOUTS = {"llama": DENSE, "qwen2": DENSE, "qwen3_moe": [(2, 1, 2)]}
+# (prompt length, response lengths) of the shared-prompts pack: runs of n samples, one long
+# response, an empty one, a 1-token prompt (nothing to share)
+GRPO = [(6, [3, 40, 1, 0]), (9, [5, 2, 6]), (1, [2, 2]), (5, [12, 3])]
+LAYOUTS = {"llama": DENSE, "qwen2": DENSE, "qwen3_moe": [(2, 1, 2)], "shared": DENSE}
 CASES = [(name, *layout) for name, layouts in LAYOUTS.items() for layout in layouts]
 
 
@@ -56,28 +64,48 @@ def _loss_terms(log_probs_T, entropy_T, valid_T, real_T, w1_T, w2_T, num_valid, 
             + (w2_T * entropy_T * real_T).sum() / num_tokens)
 
 
-def _reference(folder, seqs):
+def _reference(folder, packed, whole):
+    """The unsharded models on the `whole` pack, read at the row of every token of `packed`
+    (the same pack, or its shared-prompts packing), the loss's grads of those rows."""
     model = CausalLM(ModelArgs.from_pretrained(folder))
     load_hf_weights(model, folder)
-    packed = pack(seqs)
-    logits_TV = model(packed.tokens, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
-    targets_T, valid_T = shifted_targets(packed)
-    logp_TV = torch.log_softmax(logits_TV, -1)
-    log_probs_T = logp_TV.gather(-1, targets_T[:, None])[:, 0] * valid_T
-    entropy_T = -(logp_TV.exp() * logp_TV).sum(-1)
+    seq_T = torch.repeat_interleave(torch.arange(packed.num_seqs), packed.seq_lens)
+    rows = whole.cu_seqlens.long()[seq_T] + packed.position_ids  # positions count the prompt
+    logits_WV = model(whole.tokens, whole.position_ids, whole.cu_seqlens, whole.max_seqlen)
+    targets_W, _ = shifted_targets(whole)
+    _, valid_T = shifted_targets(packed)
+    logp_WV = torch.log_softmax(logits_WV, -1)
+    log_probs_T = logp_WV.gather(-1, targets_W[:, None])[:, 0][rows] * valid_T
+    entropy_T = -(logp_WV.exp() * logp_WV).sum(-1)[rows]
     gen = torch.Generator().manual_seed(3)
     w1_T, w2_T = (torch.randn(valid_T.numel(), generator=gen) for _ in range(2))
     _loss_terms(log_probs_T, entropy_T, valid_T, torch.ones_like(valid_T), w1_T, w2_T,
                 valid_T.sum(), valid_T.numel()).backward()
     critic = ValueModel(ModelArgs.from_pretrained(folder))
     load_hf_weights(critic, folder, value_head_seed=7)
-    values_T = critic(packed.tokens, packed.position_ids, packed.cu_seqlens, packed.max_seqlen)
-    (w1_T * values_T).sum().backward()
-    return dict(logits=logits_TV.detach(), log_probs=log_probs_T.detach(),
+    values_T = critic(whole.tokens, whole.position_ids, whole.cu_seqlens, whole.max_seqlen)[rows]
+    ((w1_T * values_T).sum() / valid_T.numel()).backward()  # grads ~1: fp32 error ~1e-7
+    return dict(logits=logits_WV.detach()[rows], log_probs=log_probs_T.detach(),
                 entropy=entropy_T.detach(), w1=w1_T, w2=w2_T,
                 grads={n: p.grad.clone() for n, p in model.named_parameters()},
                 values=values_T.detach(),
                 value_grads={n: p.grad.clone() for n, p in critic.named_parameters()})
+
+
+def _grpo_packs():
+    """The GRPO-like samples packed with shared prompts, and whole."""
+    prompts, responses = grouped(GRPO, seed=1)
+    return (pack_prompt_response(prompts, responses, share_prompts=True),
+            pack_prompt_response(prompts, responses))
+
+
+def _plan(packed, mesh, *, multiple=1):
+    """This rank's cp shard of `packed`, its shared prompts' runs included."""
+    prefix = packed.prefix
+    return plan_context_shard(packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank,
+                              multiple=multiple,
+                              prefix_starts=None if prefix is None else prefix.starts.tolist(),
+                              prefix_lens=None if prefix is None else prefix.lens.tolist())
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +116,12 @@ def cases(tmp_path_factory):
     out = {}
     for index, (name, kw) in enumerate(MODELS.items()):
         folder = str(make_tiny_model(TinyModelConfig(seed=index, **kw, **SMALL), root / name))
-        out[name] = dict(folder=folder, seqs=seqs, ref=_reference(folder, seqs))
+        packed = pack(seqs)
+        out[name] = dict(folder=folder, packed=packed, ref=_reference(folder, packed, packed))
+    shared, whole = _grpo_packs()
+    assert shared.prefix is not None and shared.tokens.shape[0] < whole.tokens.shape[0]
+    out["shared"] = dict(folder=out["llama"]["folder"], packed=shared,
+                         ref=_reference(out["llama"]["folder"], shared, whole))
     return out
 
 
@@ -98,9 +131,8 @@ def _check(case, mesh):
     built = build_model(case["folder"], mesh=mesh, head="lm", parallel=ParallelConfig(
         tp=tp, sequence_parallel=tp > 1, ep=mesh.ep_size))
     model, ref, group = built.model, case["ref"], mesh.cp_group
-    packed = pack(case["seqs"])
-    shard = plan_context_shard(packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank,
-                               multiple=tp)
+    packed = case["packed"]
+    shard = _plan(packed, mesh, multiple=tp)
     layout = context_layout(shard, group=group, device="cpu")
     logits_local = model(shard_tokens(packed.tokens, shard), shard.positions,
                          torch.tensor(shard.query_bounds, dtype=torch.int32), shard.max_query,
@@ -136,7 +168,7 @@ def _check(case, mesh):
         errors["values"] = (gather_tokens(values_local.detach(), shard, group=group)
                             - ref["values"]).abs().max().item()
         w_local = shard_tokens(ref["w1"], shard) * real
-        ((w_local * values_local).sum() / dp).backward()
+        ((w_local * values_local).sum() / (dp * packed.tokens.shape[0])).backward()
         errors["value_grads"] = _grad_error(critic, mesh, ref["value_grads"])
     return errors
 
@@ -163,8 +195,8 @@ def _check_pipeline(case, mesh):
     grads go between the two stages of one cp rank. Max error of each stage's grads."""
     built = build_model(case["folder"], mesh=mesh, head="lm", parallel=ParallelConfig(pp=2))
     model, ref, group = built.model, case["ref"], mesh.cp_group
-    packed = pack(case["seqs"])
-    shard = plan_context_shard(packed.seq_lens.tolist(), cp=mesh.cp_size, rank=mesh.cp_rank)
+    packed = case["packed"]
+    shard = _plan(packed, mesh)
     layout = context_layout(shard, group=group, device="cpu")
     bounds = torch.tensor(shard.query_bounds, dtype=torch.int32)
     other = mesh.rank_at(dp=mesh.dp_rank, pp=1 - mesh.pp_rank, tp=0)  # same cp rank
@@ -227,7 +259,8 @@ def test_cp_matches_the_unsharded_model(matrix, name, cp, tp, ep):
         for check in checks:
             assert errors[check] < TOL, (rank, check, errors)
         # every cp rank holds an equal share: the pack padded per sequence to 2 * cp chunks
-        padded = sum(-(-n // (2 * cp)) * 2 * cp for n in LENGTHS)
+        lens = _grpo_packs()[0].seq_lens.tolist() if name == "shared" else LENGTHS
+        padded = sum(-(-n // (2 * cp)) * 2 * cp for n in lens)
         assert errors["local_tokens"] == padded // cp + (-(padded // cp) % tp)
 
 
@@ -239,3 +272,16 @@ def test_cp_with_a_two_stage_pipeline_matches_the_unsharded_model(matrix):
         if "pp_log_probs" in errors:
             assert errors["pp_log_probs"] < TOL, (rank, errors)
     assert sum("pp_log_probs" in results["pipeline"] for results in matrix) == 2
+
+
+def test_the_shared_pack_at_cp1_matches_the_whole_pack(cases):
+    """The shared-prompts reference closes the loop: the unsharded model on the shared pack
+    (cp=1) gives the whole pack's logits at every token it holds."""
+    case = cases["shared"]
+    model = CausalLM(ModelArgs.from_pretrained(case["folder"]))
+    load_hf_weights(model, case["folder"])
+    packed = case["packed"]
+    with torch.no_grad():
+        logits_TV = model(packed.tokens, packed.position_ids, packed.cu_seqlens,
+                          packed.max_seqlen, prefix=packed.prefix)
+    assert (logits_TV - case["ref"]["logits"]).abs().max().item() < TOL

@@ -7,7 +7,9 @@ grads and the per-token outputs of a forward pass (log-probs, entropy, values) m
 cp=1 (dp=4) engine's on the same micro-batches. Cases: cp=2 alone (dp=2), cp=4 on Qwen2
 (2 KV heads), cp=2 with tp=2 and sequence parallelism on Qwen2 (qkv biases, tied embeddings),
 a critic at cp=2, and cp=2 with a two-stage pipeline, 1F1B and interleaved (vpp=2, a 4-layer
-Llama).
+Llama). The "-shared" cases pack a batch of 4 prompts x 3 samples with shared prompts (the
+default of every role): the actor and the critic at cp=2 against the reference step on the
+same samples and a cp=1 engine on the same shared packs.
 
 Qwen3-MoE (4 experts, top-2) at cp=2 (dp=2) and cp=2 x ep=2 trains with the router aux loss
 on; its reference is the cp=1 (dp=4) engine's step on the same micro-batches (loss, aux loss,
@@ -53,6 +55,8 @@ CASES: dict[str, tuple[str, Head, ParallelConfig]] = {
     "cp2-critic": ("llama", "value", ParallelConfig(cp=2)),
     "cp2-pp2": ("llama", "lm", ParallelConfig(cp=2, pp=2)),
     "cp2-pp2-vpp2": ("llama4", "lm", ParallelConfig(cp=2, pp=2, vpp=2)),
+    "cp2-shared": ("llama", "lm", ParallelConfig(cp=2)),
+    "cp2-critic-shared": ("llama", "value", ParallelConfig(cp=2)),
     "moe-cp2": ("moe", "lm", ParallelConfig(cp=2)),
     "moe-cp2-ep2": ("moe", "lm", ParallelConfig(cp=2, ep=2)),
 }
@@ -62,12 +66,22 @@ MOE = TinyModelConfig(arch="qwen3_moe", tie_embeddings=False, num_experts=4,
 COEF = 0.5  # the router aux loss's weight: large, so its share of the router grads shows
 REPLAYED = ("log_probs", ROUTES)
 CHECKPOINTED = "moe-cp2-ep2"  # saved after its step (experts' ZeRO-1 over edp x cp), resumed
+SHARED_SAMPLES, GROUP = 12, 3  # the shared cases' batch: 4 prompts x 3 samples
 
 
-def _micro_batches():
-    batch = make_batch(BATCH_SEED, n=N_SAMPLES)
+def _shared(name: str) -> bool:
+    return name.endswith("-shared")
+
+
+def _batch(shared: bool = False):
+    return (make_batch(BATCH_SEED, n=SHARED_SAMPLES, group=GROUP) if shared
+            else make_batch(BATCH_SEED, n=N_SAMPLES))
+
+
+def _micro_batches(shared: bool = False):
+    batch = _batch(shared)
     return make_micro_batches(batch.prompts, batch.responses, batch.per_token,
-                              max_tokens=MAX_TOKENS)
+                              max_tokens=MAX_TOKENS, share_prompts=shared)
 
 
 def _update(engine, mbs, mesh, head):
@@ -113,24 +127,24 @@ def _second_steps(engine, folders, mbs, cache):
 
 def _run(rank, world_size, folders):
     cache = ProcessGroupCache()
-    mbs = _micro_batches()
     # cp=1, dp=4: forwards of every micro-batch, synced grads; for the MoE model also its
     # routes, a forward under other forced routes, and its step (the MoE cases' reference)
     plain, plain_grads, plain_moe = {}, {}, {}
-    for model, head in sorted({(model, head) for model, head, _ in CASES.values()}):
+    for model, head, shared in sorted({(model, head, _shared(name))
+                                       for name, (model, head, _) in CASES.items()}):
         mesh = ParallelMesh(list(range(world_size)), cache=cache)
-        moe = model == "moe"
+        moe, mbs = model == "moe", _micro_batches(shared)
         engine = TrainEngine.from_pretrained(folders[model], mesh=mesh, head=head, optim=OPTIM,
                                              total_steps=10, device="cpu",
                                              router_aux_loss_coef=COEF if moe else None)
-        plain[model, head] = engine.forward(mbs, outputs=("log_probs", "entropy", ROUTES)
-                                            if moe else None)
+        plain[model, head, shared] = engine.forward(
+            mbs, outputs=("log_probs", "entropy", ROUTES) if moe else None)
         if moe:  # other experts than the free choice: (e + 1) mod E stays top-k distinct
-            other = [(out[ROUTES] + 1) % MOE.num_experts for out in plain[model, head]]
+            other = [(out[ROUTES] + 1) % MOE.num_experts for out in plain[model, head, shared]]
             plain_moe["other"] = other
             plain_moe["forced"] = engine.forward(_forced(mbs, other), outputs=REPLAYED)
         metrics = engine.forward_backward(*_update(engine, mbs, mesh, head))
-        plain_grads[model, head] = engine.full_grads()
+        plain_grads[model, head, shared] = engine.full_grads()
         if moe:
             stats = engine.step()
             plain_moe["step"] = {"params": exported(engine), "grad_norm": stats["grad_norm"],
@@ -140,15 +154,15 @@ def _run(rank, world_size, folders):
     for name, (model, head, parallel) in CASES.items():
         mesh = ParallelMesh(list(range(world_size)), tp=parallel.tp, pp=parallel.pp,
                             cp=parallel.cp, ep=parallel.ep, cache=cache)
-        moe = model == "moe"
+        moe, shared, mbs = model == "moe", _shared(name), _micro_batches(_shared(name))
         engine = TrainEngine.from_pretrained(folders[model], mesh=mesh, parallel=parallel,
                                              head=head, optim=OPTIM, total_steps=10, device="cpu",
                                              router_aux_loss_coef=COEF if moe else None)
         outs = engine.forward(mbs, outputs=("log_probs", "entropy", ROUTES) if moe else None)
-        result = {"output_error": _errors(outs, plain[model, head])}
+        result = {"output_error": _errors(outs, plain[model, head, shared])}
         if moe:
             result["routes_equal"] = all(torch.equal(out[ROUTES], ref[ROUTES])
-                                         for out, ref in zip(outs, plain[model, head]))
+                                         for out, ref in zip(outs, plain[model, head, shared]))
             replayed = engine.forward(_forced(mbs, [out[ROUTES] for out in outs]),
                                       outputs=REPLAYED)
             result["replay_error"] = _errors(replayed, [{"log_probs": o["log_probs"]}
@@ -161,7 +175,7 @@ def _run(rank, world_size, folders):
         metrics = engine.forward_backward(*_update(engine, mbs, mesh, head))
         grads = engine.full_grads()  # reads the synced buffer, leaves it for the step
         grad_error = max((grads[n] - g).abs().max().item()
-                         for n, g in plain_grads[model, head].items())
+                         for n, g in plain_grads[model, head, shared].items())
         stats = engine.step()
         results[name] = {**result, "params": exported(engine), "grad_norm": stats["grad_norm"],
                          "loss": metrics["loss"], "grad_error": grad_error,
@@ -182,9 +196,9 @@ def setup(tmp_path_factory):
         root / "llama4"))
     folders["moe"] = str(make_tiny_model(MOE, root / "moe"))
     folders["checkpoint"] = str(root / "checkpoint")
-    batch = make_batch(BATCH_SEED, n=N_SAMPLES)
-    refs = {(model, head): reference_step(Path(folders[model]), batch, head=head)
-            for model, head, _ in CASES.values() if model != "moe"}
+    refs = {(model, head, _shared(name)): reference_step(Path(folders[model]),
+                                                         _batch(_shared(name)), head=head)
+            for name, (model, head, _) in CASES.items() if model != "moe"}
     return folders, refs
 
 
@@ -201,7 +215,13 @@ DENSE = [name for name, (model, _, _) in CASES.items() if model != "moe"]
 def test_cp_engine_equals_the_single_process_reference(four_ranks, setup, name):
     _, refs = setup
     model, head, parallel = CASES[name]
-    ref = refs[model, head]
+    ref = refs[model, head, _shared(name)]
+    if _shared(name):  # the packs did share: fewer tokens than the same samples packed whole
+        mbs = _micro_batches(shared=True)
+        assert any(mb.packed.prefix is not None for mb in mbs)
+        assert sum(mb.num_tokens for mb in mbs) < sum(
+            mb.num_tokens for mb in make_micro_batches(
+                _batch(True).prompts, _batch(True).responses, max_tokens=MAX_TOKENS))
     assert ref["grad_norm"] > OPTIM.grad_clip  # the step is clipped
     for rank, result in enumerate(four_ranks):
         got = result[name]

@@ -58,10 +58,8 @@ BAD = {
     "cost-model-vs-ep": (["model.tiny.arch=qwen3_moe", "actor.parallel.ep=2",
                           "trainer.micro_batching=cost_model"], "which trainer.micro_batching"),
     "cp-positive": (["actor.parallel.cp=0"], "actor.parallel.cp"),
-    "cp-vs-pool": (["actor.parallel.cp=3", "actor.share_prompts=false"],
+    "cp-vs-pool": (["actor.parallel.cp=3"],
                    "actor.parallel.tp * actor.parallel.cp * actor.parallel.pp = 3"),
-    "cp-vs-shared-prompts": (["critic.parallel.cp=2"], "critic.share_prompts"),
-    "sft-cp-vs-shared-prompts": (["sft.parallel.cp=2"], "sft.share_prompts"),
     "vpp-stages-vs-layers": (["actor.parallel.pp=2", "actor.parallel.vpp=4"], "actor.parallel.vpp"),
     "layers-per-stage-length": (["actor.parallel.pp=2", "actor.parallel.layers_per_stage=[4]"],
                                 "actor.parallel.layers_per_stage"),
@@ -184,8 +182,15 @@ def test_context_parallel_with_experts_is_accepted(ranks, ep, no_model_folder):
     # summed over edp x cp (docs/guides/context-parallelism.md).
     cfg = load_checked(no_model_folder + [
         "model.tiny.arch=qwen3_moe", f"trainer.ranks_per_node={ranks}", "actor.parallel.cp=2",
-        f"actor.parallel.ep={ep}", "actor.share_prompts=false"])
+        f"actor.parallel.ep={ep}"])
     assert (cfg.actor.parallel.cp, cfg.actor.parallel.ep) == (2, ep)
+
+
+@pytest.mark.parametrize("role", ["actor", "critic", "sft"])
+def test_context_parallel_keeps_shared_prompts(role, no_model_folder):
+    # a shard's shared prompts are rows of the gathered keys (docs/guides/context-parallelism.md)
+    cfg = load_checked(no_model_folder + [f"{role}.parallel.cp=2"])
+    assert getattr(cfg, role).share_prompts and getattr(cfg, role).parallel.cp == 2
 
 
 def test_unused_roles_are_not_checked(no_model_folder):

@@ -11,7 +11,7 @@ from rlhf.plan.inputs import hardware, role_specs
 from rlhf.plan.memory import communicators, layer_activation_bytes, plan_job, stage_memory
 
 QUICKSTART = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
-CP2 = ["actor.parallel.cp=2", "actor.share_prompts=false"]
+CP2 = ["actor.parallel.cp=2"]  # with shared prompts, the default
 # model.tiny's shapes, never a model a quickstart run wrote under outputs/ (CI runs one first)
 TINY = f"model.path={Path(__file__).resolve().parent / 'no-model-here'}"
 
@@ -55,7 +55,7 @@ def test_activations_halve_plus_the_gathered_keys_and_values():
     assert two.logits == stage_memory(head)[0].logits  # the head runs the local tokens only
 
 
-def test_advice_for_a_long_sequence_that_does_not_fit_names_cp_with_unshared_prompts():
+def test_advice_for_a_long_sequence_that_does_not_fit_names_cp():
     cfg = load_config(QUICKSTART, [TINY, "actor.max_tokens_per_micro_batch=65536",
                                    "critic.max_tokens_per_micro_batch=2048"])
     plan = plan_job(cfg)
@@ -65,7 +65,7 @@ def test_advice_for_a_long_sequence_that_does_not_fit_names_cp_with_unshared_pro
     plan, advice = plan_with_advice(tight)
     assert not plan.fits
     by_change = {a.overrides: a for a in advice}
-    cp = by_change[("actor.parallel.cp=2", "actor.share_prompts=false")]  # else it is refused
+    cp = by_change[("actor.parallel.cp=2",)]  # shared prompts stay on
     assert cp.fits and cp.peak < plan.peak
     assert with_overrides(tight, cp.overrides).actor.parallel.cp == 2
 
