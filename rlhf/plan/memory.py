@@ -232,7 +232,8 @@ def _layer_parts(spec: RoleSpec) -> tuple[float, float, float, float]:
 def context_key_ratio(cp: int) -> float:
     """Keys (and values) attention holds per local token at cp > 1: a rank's two chunks of a
     sequence, c tokens each, read the first (r + 1) c and (2 cp - r) c keys of the gathered
-    sequence (rlhf.parallel.context_parallel), (2 cp + 1) c keys for 2 c queries."""
+    sequence (rlhf.parallel.context_parallel), (2 cp + 1) c keys for 2 c queries. A shared
+    prompt's keys, which each chunk of a sharing sample also reads, are left out as at cp = 1."""
     return (2 * cp + 1) / 2
 
 

@@ -1,8 +1,9 @@
 """Roles keep their own plans with context parallelism: a PPO job (GAE critic, KL in the
 reward) on 2 ranks with the actor at cp=2 (dp=1) and the critic and reference at cp=1 (dp=2)
-takes real steps. The trainer's log-probs of the sampled tokens, computed on cp shards and
-gathered back, match the ones vLLM sampled with (the policy synced into vLLM from the cp=2
-engine), and both roles train."""
+takes real steps, the actor sharing each prompt between its samples (the default). The
+trainer's log-probs of the sampled tokens, computed on cp shards and gathered back, match the
+ones vLLM sampled with (the policy synced into vLLM from the cp=2 engine), and both roles
+train."""
 
 import math
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.timeout(400)
 def test_ppo_with_the_actor_at_cp2_and_the_critic_at_cp1(ray_cluster, tmp_path):
     assets = make_assets(tmp_path)
     cfg = job_config(assets, tmp_path / "cp-run",
-                     actor={"parallel": {"cp": 2}, "share_prompts": False},
+                     actor={"parallel": {"cp": 2}},  # shared prompts on: rollout.n=2
                      trainer={"total_steps": 2, "save_every": 0, "val_every": 0})
     assert (cfg.actor.parallel.cp, cfg.critic.parallel.cp) == (2, 1)
     roles, role_configs = job_workers(cfg)
