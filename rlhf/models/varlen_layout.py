@@ -11,7 +11,9 @@ tokens, then its own (`prefix_kv_rows`, the one rule of what a sequence attends 
 
 Context parallelism (`context_layout`, rlhf.parallel.context_parallel): the stream is one cp
 rank's query runs, and each run's keys are rows of the keys all-gathered over the cp group
-(`ContextKeys`), causal aligned to the bottom right as with a prefix.
+(`ContextKeys`), causal aligned to the bottom right as with a prefix; a sharing sequence's runs
+read its prefix's gathered rows first (`plan_context_shard` places them, the same rule as
+`prefix_kv_rows`: prefix, then own), so the layout itself carries no prefix.
 """
 
 from __future__ import annotations
@@ -91,7 +93,8 @@ class VarlenLayout:
 def context_layout(shard: ContextShard, *, group: ProcessGroup | None,
                    device: torch.device | str) -> VarlenLayout:
     """The `VarlenLayout` of one cp rank's shard: its query runs, and the gathered-stream rows
-    of their keys on `device`; attention gathers the keys over `group`."""
+    of their keys (a shared prompt's first) on `device`; attention gathers the keys over
+    `group`."""
     kv_cu = torch.tensor(shard.key_bounds, dtype=torch.int32)
     return VarlenLayout(shard.query_bounds, None, None, to_device(shard.key_rows, device),
                         to_device(kv_cu, device), shard.max_key,
