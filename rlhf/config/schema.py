@@ -294,6 +294,21 @@ RECOMPUTE_MODES: tuple[str, ...] = get_args(Recompute)
 Compile = Literal["auto", "on", "off"]
 COMPILE_CHOICES: tuple[str, ...] = get_args(Compile)
 
+# How attention spans the cp ranks (rlhf.parallel.context_parallel / rlhf.parallel.ulysses).
+CpAttention = Literal["all_gather", "ulysses"]
+CP_ATTENTION_METHODS: tuple[str, ...] = get_args(CpAttention)
+
+
+def ulysses_heads_problem(num_heads: int, num_kv_heads: int, cp: int) -> str | None:
+    """Why Ulysses cannot split these (tp-local) head counts over `cp` ranks; None if it can."""
+    if num_heads % cp:
+        return f"{num_heads} query heads (per tp rank) do not split over cp={cp} ranks"
+    if num_kv_heads % cp and cp % num_kv_heads:
+        return (f"{num_kv_heads} KV heads (per tp rank) neither split over cp={cp} ranks nor "
+                f"divide it (to be copied to cp / KV heads ranks each)")
+    return None
+
+
 # "pkg.module:function" or "path/to/file.py:function"
 _MODULE_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -327,6 +342,10 @@ class ParallelConfig:
     """Context-parallel size: the cp ranks of a model replica split every packed micro-batch's
     tokens (a long sequence spans them all) and gather keys and values in attention
     (docs/guides/context-parallelism.md)."""
+    cp_attention: CpAttention = "all_gather"
+    """How attention spans the cp ranks when cp > 1: all_gather (every rank gathers the keys
+    and values; any number of heads) or ulysses (an all-to-all over heads; needs the tp-local
+    query heads divisible by cp and the KV heads divisible by cp or dividing it)."""
 
     def __post_init__(self):
         require_min(self, 1, "tp", "pp", "vpp", "ep", "cp")

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from rlhf.config.schema import CpAttention
 from rlhf.engine.loss_fn import (
     FinalBackward,
     LossFn,
@@ -59,7 +60,8 @@ class PipelineSchedule:
     """The executor shared by the pipelined schedules; subclasses give the training order."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *,
-                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device):
+                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device,
+                 cp_attention: CpAttention = "all_gather"):
         if chunks is None or mesh.pp_size < 2:
             raise ValueError("a pipelined schedule needs pp > 1 and a model built for one stage "
                              "(rlhf.models.build.build_model with plan.pp > 1)")
@@ -71,6 +73,7 @@ class PipelineSchedule:
         self._last_wait = Stopwatch("cpu")
         self.tagged = True  # False: untagged messages, matched in posting order as under NCCL
         self._tp, self._sp = tp.tp, tp.sequence_parallel
+        self._cp_attention: CpAttention = cp_attention
         self._dtype = next(model.parameters()).dtype
 
     def training_order(self, num_micro_batches: int) -> tuple[list[Step], bool]:
@@ -123,8 +126,10 @@ class OneFOneB(PipelineSchedule):
     """1F1B (one model chunk per rank): a stage holds at most pp - stage micro-batches."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, *,
-                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device):
-        super().__init__(model, mesh, chunks=chunks, tp=tp, device=device)
+                 chunks: tuple[StageChunk, ...] | None, tp: TPState, device,
+                 cp_attention: CpAttention = "all_gather"):
+        super().__init__(model, mesh, chunks=chunks, tp=tp, device=device,
+                         cp_attention=cp_attention)
         if self.vpp != 1:
             raise ValueError(f"1F1B runs one model chunk per rank but this model has {self.vpp} "
                              "(vpp > 1); use Interleaved1F1B")
@@ -209,7 +214,8 @@ class _Run:
         """Micro-batch i's stream on this rank (its cp shard at cp > 1), built once per run."""
         if i not in self.streams:
             self.streams[i] = rank_stream(self.mbs[i], self.s.mesh, tp=self.s._tp,
-                                          sequence_parallel=self.s._sp)
+                                          sequence_parallel=self.s._sp,
+                                          cp_attention=self.s._cp_attention)
         return self.streams[i]
 
     def forward_step(self, i: int, k: int, received: Tensor | None) -> None:

@@ -5,8 +5,9 @@ group). Without context parallelism a rank runs the whole pack (padded to a mult
 under sequence parallelism). With cp > 1 it runs its `ContextShard` of the pack
 (rlhf.parallel.context_parallel: two mirrored chunks of every sequence, so a long sequence
 spans the cp ranks and short ones cost at most 2 * cp - 1 pad tokens), its attention gathering
-keys and values over the cp group; a shared prompt's keys are rows of that gathered stream too,
-so packs with shared prompts run at any cp.
+keys and values over the cp group (a shared prompt's keys are rows of that gathered stream too,
+so packs with shared prompts run at any cp), or with `cp_attention="ulysses"` exchanging heads
+with it (rlhf.parallel.ulysses).
 
 The head's per-token outputs (log-probs, entropy, values) are computed on the local rows and
 all-gathered back to the whole pack, in stream order, before the loss: every cp rank then
@@ -26,10 +27,11 @@ import torch
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from rlhf.config.schema import CpAttention
 from rlhf.data.packing import SharedPrefix
 from rlhf.engine.micro_batch import MicroBatch
 from rlhf.models.outputs import head_outputs, sp_pad
-from rlhf.models.varlen_layout import VarlenLayout, context_layout
+from rlhf.models.varlen_layout import VarlenLayout, context_layout, ulysses_layout
 from rlhf.parallel.context_parallel import (
     ContextShard,
     plan_context_shard,
@@ -59,9 +61,10 @@ class RankStream:
         return int(self.tokens.shape[0])
 
 
-def rank_stream(mb: MicroBatch, mesh: ParallelMesh, *, tp: int, sequence_parallel: bool
-                ) -> RankStream:
-    """This rank's stream of `mb` (already on the engine's device)."""
+def rank_stream(mb: MicroBatch, mesh: ParallelMesh, *, tp: int, sequence_parallel: bool,
+                cp_attention: CpAttention = "all_gather") -> RankStream:
+    """This rank's stream of `mb` (already on the engine's device); `cp_attention`: how its
+    attention spans the cp ranks (parallel.cp_attention)."""
     if mesh.cp_size == 1:
         run = sp_pad(mb.packed, tp) if sequence_parallel else mb.packed
         return RankStream(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
@@ -72,9 +75,13 @@ def rank_stream(mb: MicroBatch, mesh: ParallelMesh, *, tp: int, sequence_paralle
                                multiple=tp if sequence_parallel else 1,
                                prefix_starts=host.prefix_starts, prefix_lens=host.prefix_lens)
     bounds = torch.tensor(shard.query_bounds, dtype=torch.int32)
+    if cp_attention == "ulysses":
+        layout = ulysses_layout(shard, host, mb.packed.prefix, group=mesh.cp_group,
+                                device=device)
+    else:
+        layout = context_layout(shard, group=mesh.cp_group, device=device)
     return RankStream(shard_tokens(mb.packed.tokens, shard), to_device(shard.positions, device),
-                      to_device(bounds, device), shard.max_query, None,
-                      context_layout(shard, group=mesh.cp_group, device=device), shard,
+                      to_device(bounds, device), shard.max_query, None, layout, shard,
                       mesh.cp_group)
 
 

@@ -24,6 +24,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from rlhf.config.schema import CpAttention
 from rlhf.data.routes import ROUTES
 from rlhf.engine.loss_fn import (
     FinalBackward,
@@ -65,17 +66,20 @@ class Schedule(Protocol):
 class NoPipeline:
     """pp = 1: each micro-batch runs the whole model; backward right after its forward."""
 
-    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, tp: TPState, device):
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, *, tp: TPState, device,
+                 cp_attention: CpAttention = "all_gather"):
         check_tp_matches(tp, mesh)
         self.model, self.mesh, self.device = model, mesh, device
         self._tp, self._sp = tp.tp, tp.sequence_parallel
+        self._cp_attention: CpAttention = cp_attention
 
     def _outputs(self, mb: MicroBatch, outputs: tuple[str, ...], temperature: float, *,
                  training: bool = False) -> Outputs:
         # model_outputs' steps, with the micro-batch's host layout passed to every layer
         if mb.num_tokens == 0:
             return self._padding_outputs(outputs)
-        run = rank_stream(mb, self.mesh, tp=self._tp, sequence_parallel=self._sp)
+        run = rank_stream(mb, self.mesh, tp=self._tp, sequence_parallel=self._sp,
+                          cp_attention=self._cp_attention)
         routing = micro_batch_routing(self.model, mb, outputs, run)
         out = self.model(run.tokens, run.position_ids, run.cu_seqlens, run.max_seqlen,
                          prefix=run.prefix, layout=run.layout, routing=routing)
@@ -132,6 +136,8 @@ def make_schedule(built: BuiltModel, mesh: ParallelMesh, *, device) -> Schedule:
     """The schedule for this mesh: a plain loop at pp = 1, else 1F1B (one chunk per rank) or
     interleaved 1F1B (several: vpp > 1), from `rlhf.engine.pipeline`."""
     if mesh.pp_size == 1:
-        return NoPipeline(built.model, mesh, tp=built.tp, device=device)
+        return NoPipeline(built.model, mesh, tp=built.tp, device=device,
+                          cp_attention=built.cp_attention)
     cls = Interleaved1F1B if built.chunks is not None and len(built.chunks) > 1 else OneFOneB
-    return cls(built.model, mesh, chunks=built.chunks, tp=built.tp, device=device)
+    return cls(built.model, mesh, chunks=built.chunks, tp=built.tp, device=device,
+               cp_attention=built.cp_attention)

@@ -19,6 +19,9 @@ Context parallelism: when `layout` is a cp rank's shard (`varlen_layout.context_
 keys and values are first all-gathered over its cp group (rlhf.parallel.context_parallel) and
 each local query run attends to its rows of them, bottom-right causal, through the same kernels;
 a shared prompt's keys are rows of the gathered stream too, first among its sequence's keys.
+With Ulysses (`varlen_layout.ulysses_layout`, rlhf.parallel.ulysses) q, k and v are instead
+exchanged over heads, and these kernels run on whole sequences (and their shared prompts) for
+a share of the heads.
 
 What the kernels need on the host (sequence bounds, prefix runs, flash-attn's key bounds and
 longest key run) is a `VarlenLayout` (rlhf.models.varlen_layout), built once per micro-batch
@@ -46,12 +49,14 @@ from torch import Tensor
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.varlen_kernels import torch_varlen, torch_varlen_fn
 from rlhf.models.varlen_layout import (
+    ContextHeads,
     VarlenLayout,
     bottom_right_causal,
     flash_style_keys,
     varlen_layout,
 )
 from rlhf.parallel.context_parallel import gather_keys_values
+from rlhf.parallel.ulysses import ulysses_attention
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_INSTALL_HINT = "pip install flash-attn --no-build-isolation"
@@ -74,8 +79,16 @@ def varlen_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *, cu_seqlens:
     if layout is not None and layout.context is not None:
         if not causal:
             raise ValueError("context parallelism runs causal attention; pass causal=True")
-        # a shard's shared prompts are already rows of its keys (plan_context_shard)
+        # a shard's shared prompts are already rows of its keys (plan_context_shard), or of
+        # the whole stream's layout (Ulysses)
         assert prefix is None, "pass a context-parallel shard's stream without its prefix"
+        if isinstance(layout.context, ContextHeads):  # Ulysses: all-to-all over heads
+            heads = layout.context
+            return ulysses_attention(
+                q_THD, k_THD, v_THD, group=heads.group, token_rows=heads.token_rows,
+                attend=lambda q, k, v: varlen_attention(
+                    q, k, v, cu_seqlens=heads.cu_seqlens, max_seqlen=heads.max_seqlen,
+                    scale=scale, prefix=heads.prefix, layout=heads.stream))
         k_THD = gather_keys_values(k_THD, group=layout.context.group)
         v_THD = gather_keys_values(v_THD, group=layout.context.group)
     assert q_THD.shape[1] % k_THD.shape[1] == 0, "query heads must be a multiple of kv heads"

@@ -2,8 +2,9 @@
 
 `build_model` returns a `BuiltModel`: the model beside what the build computed about it, its
 `ParamTable` (one entry per local parameter: HF name, TP split, partial grads, pipeline ties),
-its `TPState` and, with pp > 1, its pipeline chunks. The engine, its schedules, the HF export
-and `rlhf verify-model` read these from the `BuiltModel`, never from the module.
+its `TPState`, with pp > 1 its pipeline chunks, and how its attention spans cp ranks. The
+engine, its schedules, the HF export and `rlhf verify-model` read these from the
+`BuiltModel`, never from the module.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Literal
 
 import torch
 
-from rlhf.config.schema import LoraConfig, ParallelConfig
+from rlhf.config.schema import CpAttention, LoraConfig, ParallelConfig, ulysses_heads_problem
+from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 from rlhf.models.expert_sharding import apply_ep
 from rlhf.models.hf_io import SliceSpec, load_hf_weights
@@ -35,6 +37,7 @@ class BuiltModel:
     table: ParamTable
     tp: TPState = TPState()
     chunks: tuple[StageChunk, ...] | None = None
+    cp_attention: CpAttention = "all_gather"  # parallel.cp_attention, checked against the heads
 
     @classmethod
     def unsharded(cls, model: Model) -> BuiltModel:
@@ -64,6 +67,13 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     if model_cls is None:
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
     args = ModelArgs.from_pretrained(path)
+    if parallel.cp_attention == "ulysses" and mesh.cp_size > 1 and not (
+            args.num_heads % parallel.tp or args.num_kv_heads % parallel.tp):
+        problem = ulysses_heads_problem(args.num_heads // parallel.tp,
+                                        args.num_kv_heads // parallel.tp, mesh.cp_size)
+        if problem is not None:
+            raise ConfigError(f"parallel.cp_attention=ulysses: the model's {problem}; set "
+                              "parallel.cp_attention=all_gather (any number of heads)")
     chunks, stage = None, {}
     if parallel.pp > 1:
         chunks = rank_chunks(args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=mesh.pp_rank,
@@ -86,7 +96,7 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     load_hf_weights(model, path, shard_fn=_shard_fn(table, mesh), value_head_seed=value_head_seed)
     if lora is not None and lora.enabled:
         init_lora_(model, seed=value_head_seed)
-    return BuiltModel(model, table, tp, chunks)
+    return BuiltModel(model, table, tp, chunks, parallel.cp_attention)
 
 
 def _shard_fn(table: ParamTable, mesh: ParallelMesh):

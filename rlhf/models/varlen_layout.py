@@ -13,7 +13,10 @@ Context parallelism (`context_layout`, rlhf.parallel.context_parallel): the stre
 rank's query runs, and each run's keys are rows of the keys all-gathered over the cp group
 (`ContextKeys`), causal aligned to the bottom right as with a prefix; a sharing sequence's runs
 read its prefix's gathered rows first (`plan_context_shard` places them, the same rule as
-`prefix_kv_rows`: prefix, then own), so the layout itself carries no prefix.
+`prefix_kv_rows`: prefix, then own), so the layout itself carries no prefix. With Ulysses
+(`ulysses_layout`, rlhf.parallel.ulysses) the heads travel instead (`ContextHeads`): attention
+runs on the whole stream, for a share of the heads, under the pack's own unsharded layout
+(shared prompts included).
 """
 
 from __future__ import annotations
@@ -40,6 +43,21 @@ class ContextKeys:
 
 
 @dataclass(frozen=True)
+class ContextHeads:
+    """A context-parallel stream whose heads are exchanged over `group` (Ulysses): attention
+    runs on the whole pack (`cu_seqlens`, `max_seqlen`, `stream`: its unsharded layout, and
+    `prefix`: its shared prompts), whose tokens sit at rows `token_rows` of the gathered
+    stream."""
+
+    group: ProcessGroup | None
+    token_rows: Tensor  # (T,) int64 on the device
+    cu_seqlens: Tensor  # (n+1,) int32 on the device
+    max_seqlen: int
+    stream: VarlenLayout
+    prefix: SharedPrefix | None = None
+
+
+@dataclass(frozen=True)
 class VarlenLayout:
     """Where each sequence of one packed stream and its shared prefix sit, as host ints, plus
     flash-attn's key rows and key bounds on the device: built once per micro-batch on the host
@@ -56,7 +74,7 @@ class VarlenLayout:
     # sdpa_split's grouping per device (`sdpa_groups`): kept with the layout, so every layer
     # and the recomputed forward share it and it is freed with the micro-batch.
     _sdpa_groups: dict = field(default_factory=dict, compare=False, repr=False)
-    context: ContextKeys | None = None  # None: keys are the stream's own (no cp)
+    context: ContextKeys | ContextHeads | None = None  # None: keys are the stream's own (no cp)
 
     def to(self, device: torch.device | str) -> VarlenLayout:
         if self.source_K is None:
@@ -101,10 +119,26 @@ def context_layout(shard: ContextShard, *, group: ProcessGroup | None,
                         context=ContextKeys(group, shard.key_bounds))
 
 
+def ulysses_layout(shard: ContextShard, stream: VarlenLayout, prefix: SharedPrefix | None, *,
+                   group: ProcessGroup | None, device: torch.device | str) -> VarlenLayout:
+    """The `VarlenLayout` of one cp rank's shard of a pack when attention exchanges heads over
+    `group` (rlhf.parallel.ulysses): its query runs, and the whole pack's own layout `stream`
+    (with its shared prompts, `prefix`) that attention runs under."""
+    if stream.context is not None:
+        raise ValueError("ulysses_layout takes the whole pack's layout, not a cp shard's")
+    cu = torch.tensor(stream.bounds, dtype=torch.int32)
+    lens = [b - a for a, b in zip(stream.bounds[:-1], stream.bounds[1:])]
+    heads = ContextHeads(group, to_device(shard.token_rows, device), to_device(cu, device),
+                         max(lens, default=0), stream.to(device),
+                         None if prefix is None else prefix.to(device))
+    return VarlenLayout(shard.query_bounds, None, None, None, None, shard.max_query,
+                        context=heads)
+
+
 def _context_sdpa_groups(layout: VarlenLayout, device: str) -> SdpaGroups | None:
     """sdpa_split's grouping of a context-parallel shard: query runs of one (length, key
     length) batched together, their key rows taken from the gathered stream."""
-    assert layout.context is not None and layout.source_K is not None
+    assert isinstance(layout.context, ContextKeys) and layout.source_K is not None
     bounds, key_bounds = layout.bounds, layout.context.key_bounds
     runs: dict[tuple[int, int], list[int]] = {}
     for j in range(len(bounds) - 1):

@@ -60,6 +60,11 @@ BAD = {
     "cp-positive": (["actor.parallel.cp=0"], "actor.parallel.cp"),
     "cp-vs-pool": (["actor.parallel.cp=3"],
                    "actor.parallel.tp * actor.parallel.cp * actor.parallel.pp = 3"),
+    "cp-attention-literal": (["actor.parallel.cp_attention=ring"], "actor.parallel.cp_attention"),
+    "ulysses-vs-heads": (["model.tiny.num_heads=6", "model.tiny.hidden_size=192",
+                          "trainer.ranks_per_node=4", "rollout.n=2", "actor.parallel.cp=4",
+                          "actor.parallel.cp_attention=ulysses"],
+                         "actor.parallel.cp_attention=all_gather"),
     "vpp-stages-vs-layers": (["actor.parallel.pp=2", "actor.parallel.vpp=4"], "actor.parallel.vpp"),
     "layers-per-stage-length": (["actor.parallel.pp=2", "actor.parallel.layers_per_stage=[4]"],
                                 "actor.parallel.layers_per_stage"),
@@ -191,6 +196,15 @@ def test_context_parallel_keeps_shared_prompts(role, no_model_folder):
     # a shard's shared prompts are rows of the gathered keys (docs/guides/context-parallelism.md)
     cfg = load_checked(no_model_folder + [f"{role}.parallel.cp=2"])
     assert getattr(cfg, role).share_prompts and getattr(cfg, role).parallel.cp == 2
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ulysses_is_accepted_where_kv_heads_split_or_are_copied(ranks, no_model_folder):
+    # 2 KV heads: split over cp=2, each copied to 2 ranks at cp=4 (rlhf.parallel.ulysses)
+    cfg = load_checked(no_model_folder + [
+        f"trainer.ranks_per_node={ranks}", f"actor.parallel.cp={ranks}", "rollout.n=2",
+        "actor.parallel.cp_attention=ulysses"])
+    assert cfg.actor.parallel.cp_attention == "ulysses"
 
 
 def test_unused_roles_are_not_checked(no_model_folder):
