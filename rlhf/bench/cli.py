@@ -14,7 +14,8 @@ BENCHMARKS: dict[str, str] = {"pipeline": "pipeline", "sync": "sync", "rollout":
                                "engine": "engine", "attention": "attention",
                                "step": "step", "fixed-memory": "fixed_memory", "gap": "gap",
                                "data": "data", "cost-model": "cost_model",
-                               "experts": "experts", "checkpoint": "checkpoint"}
+                               "experts": "experts", "checkpoint": "checkpoint",
+                               "cp-attention": "cp_attention"}
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
