@@ -9,7 +9,7 @@ from rlhf import report as run_report
 from rlhf.bench import cli as bench_cli
 from rlhf.bench import first_run
 from rlhf.config.loader import add_job_arguments
-from rlhf.config.schema import COMPILE_CHOICES
+from rlhf.config.schema import COMPILE_CHOICES, CP_ATTENTION_METHODS
 from rlhf.errors import RLHFError
 from rlhf.families import FAMILIES, FAMILY_NAMES
 from rlhf.plan import report as plan_report
@@ -350,7 +350,7 @@ def _verify_model(args) -> int:
         report = verify_model(
             args.model_dir, tp=args.tp, pp=args.pp, vpp=args.vpp,
             sequence_parallel=args.sequence_parallel, ep=args.ep, cp=args.cp,
-            nproc=args.nproc, factor=args.factor, floor=args.floor,
+            cp_attention=args.cp_attention, nproc=args.nproc, factor=args.factor, floor=args.floor,
             reference=args.reference, seed=args.seed, num_seqs=args.num_seqs,
             max_len=args.max_len, timeout_s=args.timeout, device=args.device,
             compile=args.compile)
@@ -494,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="context-parallel size: the ranks splitting every sequence's tokens "
                              "(MoE models too, with --ep; runs the engine's schedule, logits "
                              "not compared)")
+    verify.add_argument("--cp-attention", choices=CP_ATTENTION_METHODS, default="all_gather",
+                        help="how attention spans the cp ranks (parallel.cp_attention)")
     verify.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: gloo processes; cuda: NCCL, one process per GPU, the "
                              "reference on the first GPU, fp32 without TF32")

@@ -42,7 +42,13 @@ from pathlib import Path
 
 import torch
 
-from rlhf.config.schema import COMPILE_CHOICES, Compile, OptimizerConfig, ParallelConfig
+from rlhf.config.schema import (
+    COMPILE_CHOICES,
+    Compile,
+    CpAttention,
+    OptimizerConfig,
+    ParallelConfig,
+)
 from rlhf.data.packing import pack, pack_prompt_response, shifted_targets
 from rlhf.engine.engine import TrainEngine
 from rlhf.engine.micro_batch import MicroBatch
@@ -72,7 +78,7 @@ DEFAULT_FLOOR = {"cpu": 1e-6, "cuda": 1e-5}
 
 def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
                  sequence_parallel: bool = False, ep: int = 1, cp: int = 1,
-                 nproc: int | None = None,
+                 cp_attention: CpAttention = "all_gather", nproc: int | None = None,
                  factor: float = DEFAULT_FACTOR, floor: float | None = None,
                  reference: str | Path | None = None, seed: int = 0, num_seqs: int = 6,
                  max_len: int = 48, timeout_s: float = 600.0, device: str = "cpu",
@@ -95,7 +101,7 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
     parallel, nproc, args = _check_inputs(folder, tp=tp, pp=pp, vpp=vpp,
                                           sequence_parallel=sequence_parallel, nproc=nproc,
                                           num_seqs=num_seqs, max_len=max_len, device=device,
-                                          ep=ep, cp=cp)
+                                          ep=ep, cp=cp, cp_attention=cp_attention)
     if reference != folder:
         _check_inputs(reference, tp=1, pp=1, vpp=1, sequence_parallel=False, nproc=1,
                       num_seqs=num_seqs, max_len=max_len, device="cpu")
@@ -120,7 +126,8 @@ def verify_model(folder: str | Path, *, tp: int, pp: int = 1, vpp: int = 1,
         **({"reference": str(reference)} if reference != folder else {}),
         "layout": {"tp": tp, "pp": pp, "dp": nproc // (tp * cp * pp), "nproc": nproc,
                    "sequence_parallel": sequence_parallel, **({"vpp": vpp} if vpp > 1 else {}),
-                   **({"ep": ep} if ep > 1 else {}), **({"cp": cp} if cp > 1 else {})},
+                   **({"ep": ep} if ep > 1 else {}),
+                   **({"cp": cp, "cp_attention": cp_attention} if cp > 1 else {})},
         "num_seqs": len(seqs), "num_tokens": sum(len(s) for s in seqs), "seed": seed,
         "device": per_rank[0]["device"], "tf32": per_rank[0]["tf32"],
         "compiled": per_rank[0]["compiled"],
@@ -175,9 +182,9 @@ def _row(ours: float, theirs: float, scale: float, *, factor: float, floor: floa
 
 
 def _check_inputs(folder: Path, *, tp, pp, vpp, sequence_parallel, nproc, num_seqs, max_len,
-                  device="cpu", ep=1, cp=1):
+                  device="cpu", ep=1, cp=1, cp_attention: CpAttention = "all_gather"):
     parallel = ParallelConfig(tp=tp, pp=pp, vpp=vpp, sequence_parallel=sequence_parallel, ep=ep,
-                              cp=cp)
+                              cp=cp, cp_attention=cp_attention)
     if not folder.is_dir():
         raise RLHFError(f"{folder} is not a folder; pass a Hugging Face model folder")
     args = ModelArgs.from_pretrained(folder)

@@ -102,14 +102,16 @@ def test_a_real_bug_fails_clearly(good, tmp_path, break_it, tp, failing):
     assert not report["errors"]["grads"]["passed"]
 
 
-@pytest.mark.parametrize("break_it", [None, dict(config=_theta)], ids=["intact", "rope_theta"])
-def test_cp2_checks_the_engine_schedule_on_token_shards(good, tmp_path, break_it):
+@pytest.mark.parametrize("break_it,cp_attention", [
+    (None, "all_gather"), (dict(config=_theta), "all_gather"), (None, "ulysses"),
+], ids=["intact", "rope_theta", "intact-ulysses"])
+def test_cp2_checks_the_engine_schedule_on_token_shards(good, tmp_path, break_it, cp_attention):
     """--cp 2: log-probs, entropy and grads of the engine on cp shards (no logits), against
-    transformers; a wrong RoPE base still fails there."""
+    transformers, with either cp attention; a wrong RoPE base still fails there."""
     folder = _broken_copy(good, tmp_path, **(break_it or {}))
-    report = verify_model(folder, reference=good, tp=1, cp=2, **SMALL)
+    report = verify_model(folder, reference=good, tp=1, cp=2, cp_attention=cp_attention, **SMALL)
     assert report["layout"] == {"tp": 1, "pp": 1, "dp": 1, "nproc": 2, "cp": 2,
-                                "sequence_parallel": False}
+                                "cp_attention": cp_attention, "sequence_parallel": False}
     assert "logits" not in report["errors"]
     if break_it is None:
         assert report["passed"], report["errors"]
