@@ -1,0 +1,51 @@
+"""Ulysses' head rule and byte counts (pure), and its attention on one rank (cp=1, no group)
+against plain varlen attention; tests/dist/test_ulysses.py runs it over cp ranks."""
+
+import pytest
+import torch
+
+from rlhf.config.schema import ulysses_heads_problem
+from rlhf.data.packing import SharedPrefix
+from rlhf.models.attention import varlen_attention
+from rlhf.models.varlen_layout import ulysses_layout
+from rlhf.parallel.context_parallel import plan_context_shard, shard_tokens
+from rlhf.parallel.ulysses import bytes_sent
+
+
+@pytest.mark.parametrize("heads,kv,cp,ok", [
+    (8, 8, 2, True), (8, 2, 2, True), (8, 2, 4, True),  # KV heads split, or copied (2 -> 4)
+    (4, 1, 4, True), (32, 8, 8, True),
+    (6, 2, 4, False),  # query heads do not split
+    (12, 3, 4, False),  # 3 KV heads neither split over 4 nor divide it
+])
+def test_heads_rule(heads, kv, cp, ok):
+    problem = ulysses_heads_problem(heads, kv, cp)
+    assert (problem is None) == ok, problem
+
+
+def test_bytes_sent_follow_the_formulas():
+    # all_gather: 2 (cp - 1) T_local H_kv D; ulysses: (2 H + 2 max(H_kv, cp)) T_local D (cp-1)/cp
+    sent = bytes_sent(cp=4, tokens_local=1000, heads=8, kv_heads=2, head_dim=64, element_size=2)
+    assert sent["all_gather"] == 2 * 3 * 1000 * 2 * 64 * 2
+    assert sent["ulysses"] == (16 + 8) * 1000 * 64 * 3 // 4 * 2
+
+
+def test_one_rank_equals_plain_attention_and_refuses_a_shared_prompt():
+    lens = [9, 1, 4]
+    shard = plan_context_shard(lens, cp=1, rank=0)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
+    cu = torch.tensor([0, 9, 10, 14], dtype=torch.int32)
+    want = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3)
+    layout = ulysses_layout(shard, lens, group=None, device="cpu")
+    local = [shard_tokens(x, shard) for x in (q, k, v)]
+    got = varlen_attention(*local, cu_seqlens=torch.tensor(shard.query_bounds,
+                                                           dtype=torch.int32),
+                           max_seqlen=shard.max_query, scale=0.3, layout=layout)
+    real = shard.holds_token
+    torch.testing.assert_close(got[real], want[shard.source[real]])
+    assert (got[~real] == 0).all()  # padding rows: zeros, seen by no real token
+    prefix = SharedPrefix(torch.zeros(3, dtype=torch.int64), torch.tensor([0, 2, 0]))
+    with pytest.raises(ValueError, match="share_prompts"):
+        varlen_attention(*local, cu_seqlens=cu, max_seqlen=9, scale=0.3, prefix=prefix,
+                         layout=layout)
