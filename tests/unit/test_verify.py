@@ -5,6 +5,7 @@ compared with the intact folder as the reference."""
 
 import json
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from rlhf.config.schema import TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.verify import judge, verify_model
 
-SMALL = dict(num_seqs=3, max_len=16, seed=1)
+SMALL: dict[str, Any] = dict(num_seqs=3, max_len=16, seed=1)
 
 
 def _scalars(value):
