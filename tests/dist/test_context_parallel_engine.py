@@ -7,9 +7,11 @@ grads and the per-token outputs of a forward pass (log-probs, entropy, values) m
 cp=1 (dp=4) engine's on the same micro-batches. Cases: cp=2 alone (dp=2), cp=4 on Qwen2
 (2 KV heads), cp=2 with tp=2 and sequence parallelism on Qwen2 (qkv biases, tied embeddings),
 a critic at cp=2, and cp=2 with a two-stage pipeline, 1F1B and interleaved (vpp=2, a 4-layer
-Llama). The "-shared" cases pack a batch of 4 prompts x 3 samples with shared prompts (the
-default of every role): the actor and the critic at cp=2 against the reference step on the
-same samples and a cp=1 engine on the same shared packs.
+Llama); with `cp_attention=ulysses`, cp=4 on Qwen2 (each KV head copied to 2 ranks) and cp=2
+with a two-stage pipeline (the schedules pass the method to every stage's stream). The
+"-shared" cases pack a batch of 4 prompts x 3 samples with shared prompts (the default of every
+role): the actor and the critic at cp=2, and the actor at cp=2 with Ulysses, against the
+reference step on the same samples and a cp=1 engine on the same shared packs.
 
 Qwen3-MoE (4 experts, top-2) at cp=2 (dp=2) and cp=2 x ep=2 trains with the router aux loss
 on; its reference is the cp=1 (dp=4) engine's step on the same micro-batches (loss, aux loss,
@@ -57,6 +59,9 @@ CASES: dict[str, tuple[str, Head, ParallelConfig]] = {
     "cp2-pp2-vpp2": ("llama4", "lm", ParallelConfig(cp=2, pp=2, vpp=2)),
     "cp2-shared": ("llama", "lm", ParallelConfig(cp=2)),
     "cp2-critic-shared": ("llama", "value", ParallelConfig(cp=2)),
+    "cp4-ulysses": ("qwen2", "lm", ParallelConfig(cp=4, cp_attention="ulysses")),
+    "cp2-pp2-ulysses": ("llama", "lm", ParallelConfig(cp=2, pp=2, cp_attention="ulysses")),
+    "cp2-ulysses-shared": ("llama", "lm", ParallelConfig(cp=2, cp_attention="ulysses")),
     "moe-cp2": ("moe", "lm", ParallelConfig(cp=2)),
     "moe-cp2-ep2": ("moe", "lm", ParallelConfig(cp=2, ep=2)),
 }
