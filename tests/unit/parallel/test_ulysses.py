@@ -7,7 +7,7 @@ import torch
 from rlhf.config.schema import ulysses_heads_problem
 from rlhf.data.packing import SharedPrefix
 from rlhf.models.attention import varlen_attention
-from rlhf.models.varlen_layout import ulysses_layout
+from rlhf.models.varlen_layout import ulysses_layout, varlen_layout
 from rlhf.parallel.context_parallel import plan_context_shard, shard_tokens
 from rlhf.parallel.ulysses import bytes_sent
 
@@ -30,14 +30,14 @@ def test_bytes_sent_follow_the_formulas():
     assert sent["ulysses"] == (16 + 8) * 1000 * 64 * 3 // 4 * 2
 
 
-def test_one_rank_equals_plain_attention_and_refuses_a_shared_prompt():
+def test_one_rank_equals_plain_attention():
     lens = [9, 1, 4]
     shard = plan_context_shard(lens, cp=1, rank=0)
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
     cu = torch.tensor([0, 9, 10, 14], dtype=torch.int32)
     want = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3)
-    layout = ulysses_layout(shard, lens, group=None, device="cpu")
+    layout = ulysses_layout(shard, varlen_layout(cu, None), None, group=None, device="cpu")
     local = [shard_tokens(x, shard) for x in (q, k, v)]
     got = varlen_attention(*local, cu_seqlens=torch.tensor(shard.query_bounds,
                                                            dtype=torch.int32),
@@ -45,7 +45,24 @@ def test_one_rank_equals_plain_attention_and_refuses_a_shared_prompt():
     real = shard.holds_token
     torch.testing.assert_close(got[real], want[shard.source[real]])
     assert (got[~real] == 0).all()  # padding rows: zeros, seen by no real token
-    prefix = SharedPrefix(torch.zeros(3, dtype=torch.int64), torch.tensor([0, 2, 0]))
-    with pytest.raises(ValueError, match="share_prompts"):
-        varlen_attention(*local, cu_seqlens=cu, max_seqlen=9, scale=0.3, prefix=prefix,
-                         layout=layout)
+
+
+def test_one_rank_with_a_shared_prompt_equals_plain_attention():
+    # sequence 2 reads sequence 0's first 3 tokens as its prompt (packing's SharedPrefix)
+    lens = [9, 1, 4]
+    prefix = SharedPrefix(torch.tensor([0, 0, 0]), torch.tensor([0, 0, 3]))
+    cu = torch.tensor([0, 9, 10, 14], dtype=torch.int32)
+    shard = plan_context_shard(lens, cp=1, rank=0, prefix_starts=[0, 0, 0],
+                               prefix_lens=[0, 0, 3])
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
+    want = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3, prefix=prefix)
+    layout = ulysses_layout(shard, varlen_layout(cu, prefix), prefix, group=None, device="cpu")
+    local = [shard_tokens(x, shard) for x in (q, k, v)]
+    got = varlen_attention(*local, cu_seqlens=torch.tensor(shard.query_bounds,
+                                                           dtype=torch.int32),
+                           max_seqlen=shard.max_query, scale=0.3, layout=layout)
+    real = shard.holds_token
+    torch.testing.assert_close(got[real], want[shard.source[real]])
+    plain = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3)
+    assert not torch.allclose(want[10:], plain[10:])  # the prompt changed sequence 2's output
