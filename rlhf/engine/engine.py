@@ -70,6 +70,7 @@ from rlhf.engine.zero import BUCKET_NUMEL, num_shards, partition
 from rlhf.models.build import BuiltModel, build_model
 from rlhf.models.export import export_full_hf_weights, export_nbytes, gather_full_grads
 from rlhf.models.fused import apply_compile
+from rlhf.models.moe import stack_experts
 from rlhf.models.param_table import ParamTable
 from rlhf.models.transformer import ValueModel, pair_gate_up
 from rlhf.parallel.collectives import group_rank, group_size
@@ -129,8 +130,11 @@ class TrainEngine:
         apply_recompute(model, recompute)
         apply_compile(model, compile_enabled(compile, self.device))
         # The model is sharded, cast and placed: each dense MLP's gate and up weights become
-        # halves of one tensor, for one GEMM (rlhf.models.gate_up); values and names unchanged.
+        # halves of one tensor, for one GEMM (rlhf.models.gate_up), and each MoE layer's local
+        # experts blocks of two stacks, for grouped GEMMs without copies (rlhf.models.moe);
+        # values and names unchanged.
         pair_gate_up(model)
+        stack_experts(model)
         # The one list of what trains: [dense] or, at ep > 1, [dense, experts]; [] forward only.
         self._sets: list[_ParamSet] = []
         self._grads_synced = False

@@ -32,13 +32,20 @@ the whole stream on every rank, and leaves once (reduce-scatter or all-reduce of
 sums). `compute_experts` is the seam where expert parallelism dispatches tokens.
 
 On CUDA the experts run as grouped GEMMs (`grouped_experts`): the token copies sorted by
-expert go through torch's `_grouped_mm` over the experts' weights stacked (gate and up as one
-GEMM), so no Python loop over experts and no host read of the per-expert counts (a stream
-sync per layer). On the CPU they run one at a time (`runs_grouped` says why). The weights
-stay one `Expert` module per expert (the checkpoint's names, the TP and EP splits). The stack
-is a copy of the layer's expert weights, so it is never saved for backward (`_GroupedLinear`
-stacks again there): saved, every MoE layer's copy would be held from its forward to its
-backward, as much memory again as the experts themselves.
+expert go through torch's `_grouped_mm` over the experts' weights as one (E, 2I, H) gate-up
+stack (expert e's gate rows, then its up rows: one GEMM) and one (E, H, I) down stack, so no
+Python loop over experts and no host read of the per-expert counts (a stream sync per layer).
+On the CPU they run one at a time (`runs_grouped` says why). The weights stay one `Expert`
+module per expert (the checkpoint's names, the TP and EP splits, checkpoints, export, weight
+sync). `stack_experts` (run by the engine once the model is placed, beside the dense MLP's
+`pair_gate_up`) makes each layer's local experts' weights the blocks of those two stacks;
+while they are (`stacked_weights` checks, cheaply, at every pass), the grouped GEMMs read the
+stacks as views and return the weight grads as per-expert slices of one grad tensor: no copy
+either way. The optimizer updates parameters in place, a DCP load copies into them, and
+offloading restores the shared storage (`rlhf.engine.offload`), so the stacks last; whatever
+breaks one (a `.data` swap) makes the grouped GEMMs stack a copy per pass instead, same
+numbers. That copy is never saved for backward (`_GroupedLinear` stacks again there): saved,
+every MoE layer's copy would be held from its forward to its backward.
 """
 
 from __future__ import annotations
@@ -203,25 +210,25 @@ class Expert(nn.Module):
 def grouped_experts(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor, *,
                     fused: bool = False) -> Tensor:
     """Rows of `x_NH`, grouped by expert (`counts_E[e]` rows for `experts[e]`, in order),
-    through their experts: grouped GEMMs over the stacked weights with no host read where
+    through their experts: grouped GEMMs over the stacked weights (views when
+    `stack_expert_weights` stacked them, else a copy per pass) with no host read where
     `runs_grouped` says so, else one expert at a time. `fused`: SwiGLU between the grouped
     GEMMs as one compiled kernel (`rlhf.models.fused`)."""
     gate = experts[0].gate_proj.weight if experts else None
     if gate is None or x_NH.shape[0] == 0 or not runs_grouped(x_NH, gate):
         return _expert_loop(experts, x_NH, counts_E)
     offs_E = counts_E.cumsum(0).to(torch.int32)  # each group's end row
-    gate_up_N2I = _GroupedLinear.apply(x_NH, offs_E, 2, *[e.gate_proj.weight for e in experts],
-                                       *[e.up_proj.weight for e in experts])
+    gate_up_N2I = _GroupedLinear.apply(x_NH, offs_E, 2, *_gate_up_weights(experts))
     gate_NI, up_NI = gate_up_N2I.chunk(2, dim=-1)
     hidden_NI = gated(fused, F.silu, gate_NI, up_NI)
-    return _GroupedLinear.apply(hidden_NI, offs_E, 1, *[e.down_proj.weight for e in experts])
+    return _GroupedLinear.apply(hidden_NI, offs_E, 1, *_down_weights(experts))
 
 
 def runs_grouped(x_NH: Tensor, weight_IH: Tensor) -> bool:
     """Whether the experts run as grouped GEMMs: on CUDA in bfloat16 (the grouped kernel's
     dtype there) with every row stride a multiple of 16 bytes. Not on the CPU: reading the
-    counts is no device sync there, and the loop beat the stacking copies (`rlhf bench
-    experts`)."""
+    counts is no device sync there, and the loop beat the grouped GEMMs, stacked weights or
+    not (`rlhf bench experts`)."""
     if not hasattr(torch, "_grouped_mm") or x_NH.device.type != "cuda":
         return False
     if x_NH.dtype != torch.bfloat16 or weight_IH.dtype != torch.bfloat16:
@@ -236,19 +243,101 @@ def _expert_loop(experts: Sequence[Expert], x_NH: Tensor, counts_E: Tensor) -> T
     return torch.cat(outs) if outs else x_NH
 
 
+def _gate_up_weights(experts: Sequence[Expert]) -> list[Tensor]:
+    """Every expert's gate weight, then every expert's up weight: a 2-part stack's order."""
+    return [*[e.gate_proj.weight for e in experts], *[e.up_proj.weight for e in experts]]
+
+
+def _down_weights(experts: Sequence[Expert]) -> list[Tensor]:
+    return [e.down_proj.weight for e in experts]
+
+
+def stacked_weights(weights: Sequence[Tensor], parts: int) -> Tensor | None:
+    """The (E, parts * O, I) stack of the experts' (O, I) weights (listed part by part, E
+    each; expert e's parts one above the other) as a view of the one tensor they are the
+    blocks of, or None when they are not (then `_stacked` copies them). The one test of
+    whether a layer's experts are stacked: pointer arithmetic, no tensor read."""
+    first = weights[0]
+    if first.dim() != 2 or first.device.type == "meta":
+        return None
+    rows, cols = first.shape
+    per_part = len(weights) // parts
+    block = rows * cols * first.element_size()
+    base = first.data_ptr()
+    for i, w in enumerate(weights):
+        part, e = divmod(i, per_part)
+        if (w.data_ptr() != base + (e * parts + part) * block or w.shape != first.shape
+                or w.stride() != (cols, 1) or w.dtype != first.dtype
+                or w.device != first.device):
+            return None
+    end = (first.storage_offset() + len(weights) * rows * cols) * first.element_size()
+    if end > first.untyped_storage().nbytes():
+        return None  # the blocks would run past the first one's storage
+    return torch.as_strided(first, (per_part, parts * rows, cols), (parts * rows * cols, cols, 1))
+
+
 def _stacked(weights: Sequence[Tensor], parts: int) -> Tensor:
     """(E, parts * O, I): expert e's `parts` weights (listed part by part, E each) one above
-    the other, e.g. gate over up."""
+    the other, e.g. gate over up: a view when they are stacked in memory, else a copy."""
+    view = stacked_weights(weights, parts)
+    if view is not None:
+        return view
     per_part = len(weights) // parts
     return torch.cat([torch.stack(weights[p * per_part:(p + 1) * per_part])
                       for p in range(parts)], dim=1)
 
 
+@torch.no_grad()
+def stack_expert_weights(experts: Sequence[Expert]) -> bool:
+    """Make the experts' gate and up weights the blocks of one (E, 2I, H) tensor (expert e's
+    gate rows, then its up rows) and their down weights the blocks of one (E, H, I) tensor,
+    values kept (nothing moves when they already are); whether they are stacked. Meta weights
+    or experts of unequal shapes are left alone (the grouped GEMMs copy them per pass)."""
+    if not experts:
+        return False
+    groups = [(2, [_weight_param(e.gate_proj) for e in experts]
+               + [_weight_param(e.up_proj) for e in experts]),
+              (1, [_weight_param(e.down_proj) for e in experts])]
+    for _, weights in groups:
+        first = weights[0]
+        if first.device.type == "meta" or any(
+                w.shape != first.shape or w.dtype != first.dtype or w.device != first.device
+                for w in weights):
+            return False
+    for parts, weights in groups:
+        if stacked_weights(weights, parts) is not None:
+            continue
+        rows, cols = weights[0].shape
+        stack = torch.empty((len(experts), parts * rows, cols), dtype=weights[0].dtype,
+                            device=weights[0].device)
+        for i, w in enumerate(weights):
+            part, e = divmod(i, len(experts))
+            block = stack[e, part * rows:(part + 1) * rows]
+            block.copy_(w)
+            w.data = block
+    return True
+
+
+def stack_experts(model: nn.Module) -> int:
+    """Stack each MoE layer's local experts' weights (`stack_expert_weights`) so that the
+    grouped GEMMs copy nothing; returns how many layers are stacked."""
+    return sum(stack_expert_weights(list(m.experts.values())) for m in model.modules()
+               if isinstance(m, SparseMoeBlock))
+
+
+def _weight_param(linear: nn.Module) -> Tensor:
+    weight = linear.weight
+    assert isinstance(weight, Tensor)
+    return weight
+
+
 class _GroupedLinear(torch.autograd.Function):
     """y[rows of e] = x[rows of e] @ W_e^T for row groups ending at `offs_E`, W_e the experts'
     weights stacked (`parts` per expert, concatenated on the output dim). Saves `x` and the
-    weights themselves, never their stacked copy: backward stacks again. The backward GEMMs
-    take the operand layouts torch's own grouped-GEMM backward uses."""
+    weights themselves, never a stacked copy: backward stacks again (or views the stored
+    stack). The weight grads come out as one (E, parts * O, I) tensor, returned as its
+    per-expert blocks (no copy). The backward GEMMs take the operand layouts torch's own
+    grouped-GEMM backward uses."""
 
     @staticmethod
     def forward(ctx, x_NI, offs_E, parts, *weights):
@@ -265,9 +354,13 @@ class _GroupedLinear(torch.autograd.Function):
             grad_x = torch._grouped_mm(grad_NO, _stacked(weights, ctx.parts), offs=offs_E)
         if not any(ctx.needs_input_grad[3:]):  # frozen experts (a LoRA run)
             return grad_x, None, None, *[None] * len(weights)
-        grad_EIO = torch._grouped_mm(x_NI.transpose(0, 1), grad_NO, offs=offs_E)
-        grad_w = [g.transpose(0, 1).contiguous()  # (O, I) per expert and part
-                  for part in grad_EIO.chunk(ctx.parts, dim=2) for g in part.unbind(0)]
+        # (E, O, I) in the weights' own layout: a column-major times a row-major operand, as
+        # torch's backward takes them (there x^T then grad, giving the transpose).
+        grad_EOI = torch._grouped_mm(grad_NO.transpose(0, 1), x_NI, offs=offs_E)
+        rows = grad_EOI.shape[1] // ctx.parts
+        per_part = len(weights) // ctx.parts
+        grad_w = [grad_EOI[e, part * rows:(part + 1) * rows]
+                  for part in range(ctx.parts) for e in range(per_part)]
         return grad_x, None, None, *grad_w
 
 

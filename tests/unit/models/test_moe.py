@@ -345,3 +345,72 @@ def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch, fused):
     assert calls == 6
     for got, want in zip([*grouped[:2], *grouped[2]], [*looped[:2], *looped[2]]):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """The aten ops run under it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_stacked_experts_run_on_views_and_equal_the_loop(monkeypatch):
+    """Experts whose weights are blocks of two stacks (`stack_expert_weights`, as the engine
+    leaves them) run the grouped GEMMs on views of the stacks, forward and backward, with the
+    loop's numbers; a weight moved out of its stack makes them stack a copy, same numbers."""
+    from rlhf.models.moe import (
+        Expert,
+        _down_weights,
+        _gate_up_weights,
+        grouped_experts,
+        stack_expert_weights,
+        stacked_weights,
+    )
+
+    torch.manual_seed(0)
+    experts = [Expert(64, 32) for _ in range(4)]
+    before = [p.detach().clone() for e in experts for p in e.parameters()]
+    assert stacked_weights(_gate_up_weights(experts), 2) is None
+    assert stack_expert_weights(experts)
+    assert all(torch.equal(p, b) for p, b in zip((p for e in experts for p in e.parameters()),
+                                                 before))  # values kept
+    gate_up = stacked_weights(_gate_up_weights(experts), 2)
+    down = stacked_weights(_down_weights(experts), 1)
+    assert gate_up is not None and down is not None
+    assert gate_up.shape == (4, 64, 64) and down.shape == (4, 64, 32)
+    assert torch.equal(gate_up[2, :32], experts[2].gate_proj.weight)
+    assert torch.equal(gate_up[2, 32:], experts[2].up_proj.weight)
+    assert torch.equal(down[3], experts[3].down_proj.weight)
+    assert stack_expert_weights(experts)  # already stacked: nothing moves
+    assert stacked_weights(_gate_up_weights(experts), 2).data_ptr() == gate_up.data_ptr()
+
+    counts = torch.tensor([3, 0, 6, 2])
+    x = torch.randn(int(counts.sum()), 64)
+    with _Ops() as ops:  # the grouped path, forward and backward, on the stored stacks
+        monkeypatch.setattr("rlhf.models.moe.runs_grouped", lambda x, w: True)
+        grouped_experts(experts, x.requires_grad_(), counts).square().sum().backward()
+    assert ops.names.count("_grouped_mm.default") == 6
+    assert "stack.default" not in ops.names  # no copy of the stacks (the copy stacks)
+    for e in experts:
+        e.zero_grad(set_to_none=True)
+    _, stacked, looped = _experts_against_the_loop(experts, x, counts, frozen=False,
+                                                   monkeypatch=monkeypatch)
+    for got, want in zip([*stacked[:2], *stacked[2]], [*looped[:2], *looped[2]]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+    with torch.no_grad():  # one weight moved out: the stack is broken, the path copies
+        experts[1].up_proj.weight.data = experts[1].up_proj.weight.clone()
+    assert stacked_weights(_gate_up_weights(experts), 2) is None
+    assert stacked_weights(_down_weights(experts), 1) is not None
+    with _Ops() as ops:
+        grouped_experts(experts, x, counts)
+    assert "stack.default" in ops.names
+    _, copied, _ = _experts_against_the_loop(experts, x, counts, frozen=False,
+                                             monkeypatch=monkeypatch)
+    for got, want in zip([*copied[:2], *copied[2]], [*stacked[:2], *stacked[2]]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
