@@ -4,7 +4,9 @@ sequence parallelism, ep=2 x pp=2. Every dp replica runs the whole batch with 1/
 (as verify-model does); log-probs, routes, every grad (routers and experts, gathered over ep)
 and the load-balancing loss must equal transformers'. At ep=2 alone the batch is cut into two
 micro-batches on even ranks and one plus an empty padding micro-batch on odd ranks: the
-padding one still serves the other rank's tokens to its experts.
+padding one still serves the other rank's tokens to its experts. Every rank's local experts are
+stacked (`rlhf.models.moe.stack_experts`); at ep=2 x tp=2 they run as grouped GEMMs over the
+stacks (CUDA's path, forced here), the other layouts through the CPU's expert loop.
 
 The same launch checkpoints at ep=2: a ZeRO-1 engine (dp=4, so experts shard over edp=2) takes
 a step, saves, and a fresh engine loads and takes the second step, which must equal the
@@ -13,6 +15,7 @@ optimizer reshards) must match it too, and so must the same checkpoint loaded at
 every rank holds every expert, their optimizer state sharded over dp with the dense one)."""
 
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -22,6 +25,7 @@ from rlhf.data.packing import pack_prompt_response
 from rlhf.data.routes import ROUTES
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches
+from rlhf.models.moe import SparseMoeBlock, _down_weights, _gate_up_weights, stacked_weights
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.dist.test_moe_parallel import COEF, SPEC, _reference, _seqs, _weights
@@ -32,6 +36,15 @@ WORLD = 4
 # (tp, pp, sequence_parallel, ep, aux coefficient): pp=2 trains without the aux loss
 # (the aux loss pools a micro-batch's tokens: the cut batch of ep=2 alone trains without it)
 LAYOUTS = [(1, 1, False, 2, 0.0), (2, 1, True, 2, COEF), (1, 2, False, 2, 0.0)]
+GROUPED = (2, 1, True, 2)  # the layout whose experts run as grouped GEMMs
+
+
+def _stacked(model) -> bool:
+    """Whether every MoE layer's local experts are stacked (views for the grouped GEMMs)."""
+    return all(stacked_weights(_gate_up_weights(experts), 2) is not None
+               and stacked_weights(_down_weights(experts), 1) is not None
+               for experts in (list(m.experts.values()) for m in model.modules()
+                               if isinstance(m, SparseMoeBlock)))
 
 
 def _micro_batches(seqs, *, cut, rank):
@@ -57,23 +70,24 @@ def _run(rank, world, folder, seqs):
             folder, mesh=mesh, optim=OptimizerConfig(), router_aux_loss_coef=coef,
             parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sp, ep=ep))
         held = {name for name in dict(engine.model.named_parameters()) if ".experts." in name}
-        outs = engine.forward(mbs, outputs=("log_probs", ROUTES))
         dp = mesh.dp_size
-
         total = sum(len(s) for s in seqs)
         # where each micro-batch's tokens start in the whole batch (its token counts differ)
         head = sum(len(s) for s in seqs[:3])
         start = {total: 0, head: 0, total - head: head}
 
-        def loss_fn(out, mb):
+        def loss_fn(out, mb, total=total, start=start, dp=dp):
             logp_T = out["log_probs"]
             w_T = _weights(total)[start[len(logp_T)]:][:len(logp_T)]
             return (w_T * logp_T).sum() / dp, {}
 
-        metrics = engine.forward_backward(mbs, loss_fn)
+        grouped = (tp, pp, sp, ep) == GROUPED
+        with mock.patch("rlhf.models.moe.runs_grouped", lambda x, w, on=grouped: on):
+            outs = engine.forward(mbs, outputs=("log_probs", ROUTES))
+            metrics = engine.forward_backward(mbs, loss_fn)
         out = {k: torch.cat([o[k] for o in outs]) for k in outs[0]} if outs else None
         results[tp, pp, sp, ep] = dict(out=out, metrics=metrics, grads=engine.full_grads(),
-                                       held=held)
+                                       held=held, stacked=_stacked(engine.model))
     results["checkpoint"] = _checkpointed(rank, world, folder, seqs, cache)
     return results
 
@@ -142,6 +156,7 @@ def test_expert_parallel_layout_matches_transformers(runs, layout):
             assert (grad - want[name]).abs().max() < TOL, (layout, rank, name)
         experts = {n.split(".experts.")[1].split(".")[0] for n in got["held"]}
         assert len(experts) == SPEC.num_experts // ep, experts  # each rank holds E / ep
+        assert got["stacked"], (layout, rank)
     assert per_rank[-1][tp, pp, sp, ep]["out"] is not None
 
 
