@@ -31,8 +31,9 @@ each method, in GB.
 Moving a tensor keeps a host copy and replaces its `.data` by an empty tensor, so the device
 memory is really released; coming back assigns a fresh device copy to `.data`, so parameters,
 optimizer state and hooks keep their identity. Tensors that were adjacent pieces of one
-storage when they left (the dense MLP's paired gate and up weights, `rlhf.models.gate_up`)
-come back as pieces of one fresh allocation, so the pairing survives a round trip. The host
+storage when they left (the dense MLP's paired gate and up weights, `rlhf.models.gate_up`;
+an MoE layer's expert stacks, `rlhf.models.moe`) come back as pieces of one fresh allocation at
+the same relative offsets, so the pairing and the stacks survive a round trip. The host
 copies of one kind of state live in one flat buffer, allocated once at the size `host_layout`
 gives (each copy a view starting at a multiple of `HOST_ALIGN`), and on CUDA pinned by
 registering exactly those bytes: PyTorch's pinned allocator would round every block up to a
