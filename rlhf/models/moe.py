@@ -264,12 +264,14 @@ def stacked_weights(weights: Sequence[Tensor], parts: int) -> Tensor | None:
     per_part = len(weights) // parts
     block = rows * cols * first.element_size()
     base = first.data_ptr()
-    for i, w in enumerate(weights):
-        part, e = divmod(i, per_part)
-        if (w.data_ptr() != base + (e * parts + part) * block or w.shape != first.shape
-                or w.stride() != (cols, 1) or w.dtype != first.dtype
-                or w.device != first.device):
-            return None
+    # expert e's part p starts block (e * parts + p) of the stack; addresses are unique per
+    # process (CUDA's unified addressing), so these also say the weights share one allocation
+    starts = [base + (e * parts + part) * block for part in range(parts)
+              for e in range(per_part)]
+    if ([w.data_ptr() for w in weights] != starts
+            or any(w.shape != first.shape or w.stride() != (cols, 1) or w.dtype != first.dtype
+                   for w in weights)):
+        return None
     end = (first.storage_offset() + len(weights) * rows * cols) * first.element_size()
     if end > first.untyped_storage().nbytes():
         return None  # the blocks would run past the first one's storage
