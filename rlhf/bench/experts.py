@@ -63,9 +63,9 @@ def bench(args: argparse.Namespace) -> list[dict]:
     shape = {"experts": args.experts, "top_k": args.top_k, "hidden": args.hidden,
              "intermediate": args.intermediate, "tokens": args.tokens,
              "dtype": str(dtype).removeprefix("torch."), "device": device.type}
-    grouped_here = runs_grouped(x_TH, ours.experts["0"].gate_proj.weight)
+    grouped_here = runs_grouped(x_TH, ours.local_experts()[0].gate_proj.weight)
     stacked = copy.deepcopy(ours)
-    if not stack_expert_weights(list(stacked.experts.values())):
+    if not stack_expert_weights(stacked.local_experts()):
         raise RuntimeError("the block's experts could not be stacked")
     runners = {"ours_grouped_stacked": _ours(stacked, grouped=True),
                "ours_grouped": _ours(ours, grouped=True), "ours_loop": _ours(ours, grouped=False)}
@@ -112,7 +112,7 @@ def _blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     from rlhf.demo.tiny_model import _init_weights, tiny_hf_config
     from rlhf.models.config import ModelArgs
     from rlhf.models.hf_io import load_hf_weights
-    from rlhf.models.moe import split_fused_experts
+    from rlhf.models.moe import SparseMoeBlock, split_fused_experts
     from rlhf.models.transformer import CausalLM
 
     spec = TinyModelConfig(arch="qwen3_moe", num_layers=1, hidden_size=args.hidden,
@@ -130,7 +130,9 @@ def _blocks(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
         config.save_pretrained(folder)
         ours = CausalLM(ModelArgs.from_pretrained(folder))
         load_hf_weights(ours, folder)
-    return ours.model.layers["0"].mlp.to(device, dtype), hf.to(device, dtype)
+    block = ours.model.layers["0"].mlp.to(device, dtype)
+    assert isinstance(block, SparseMoeBlock)
+    return block, hf.to(device, dtype)
 
 
 def _ours(block, *, grouped: bool) -> Callable[[torch.Tensor], tuple]:

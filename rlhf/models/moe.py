@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -285,7 +286,7 @@ def _stacked(weights: Sequence[Tensor], parts: int) -> Tensor:
     if view is not None:
         return view
     per_part = len(weights) // parts
-    return torch.cat([torch.stack(weights[p * per_part:(p + 1) * per_part])
+    return torch.cat([torch.stack(list(weights[p * per_part:(p + 1) * per_part]))
                       for p in range(parts)], dim=1)
 
 
@@ -323,7 +324,7 @@ def stack_expert_weights(experts: Sequence[Expert]) -> bool:
 def stack_experts(model: nn.Module) -> int:
     """Stack each MoE layer's local experts' weights (`stack_expert_weights`) so that the
     grouped GEMMs copy nothing; returns how many layers are stacked."""
-    return sum(stack_expert_weights(list(m.experts.values())) for m in model.modules()
+    return sum(stack_expert_weights(m.local_experts()) for m in model.modules()
                if isinstance(m, SparseMoeBlock))
 
 
@@ -427,4 +428,9 @@ class SparseMoeBlock(nn.Module):
 
     def run_local_experts(self, x_NH: Tensor, counts_E: Tensor) -> Tensor:
         """This rank's experts (global index order) on copies grouped by expert."""
-        return grouped_experts(list(self.experts.values()), x_NH, counts_E, fused=self.fused)
+        return grouped_experts(self.local_experts(), x_NH, counts_E, fused=self.fused)
+
+    def local_experts(self) -> list[Expert]:
+        """The experts this rank holds (all of them without expert parallelism), in global
+        index order."""
+        return cast(list[Expert], list(self.experts.values()))

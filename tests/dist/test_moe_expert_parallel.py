@@ -43,7 +43,7 @@ def _stacked(model) -> bool:
     """Whether every MoE layer's local experts are stacked (views for the grouped GEMMs)."""
     return all(stacked_weights(_gate_up_weights(experts), 2) is not None
                and stacked_weights(_down_weights(experts), 1) is not None
-               for experts in (list(m.experts.values()) for m in model.modules()
+               for experts in (m.local_experts() for m in model.modules()
                                if isinstance(m, SparseMoeBlock)))
 
 

@@ -18,8 +18,10 @@ from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import OPTIM, SMALL, actor_loss_fn, exported, make_batch
 
 ALL = OffloadConfig(params=True, grads=True, optimizer=True)
-MOE = TinyModelConfig(arch="qwen3_moe", **{**SMALL, "num_heads": 2, "num_kv_heads": 1},
-                      num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE = TinyModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, num_heads=2,
+                      num_kv_heads=1, intermediate_size=96, vocab_size=SMALL["vocab_size"],
+                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def _stacked(engine):
     assert len(blocks) == MOE.num_layers
     return [stacked_weights(_gate_up_weights(experts), 2) is not None
             and stacked_weights(_down_weights(experts), 1) is not None
-            for experts in (list(b.experts.values()) for b in blocks)]
+            for experts in (b.local_experts() for b in blocks)]
 
 
 def _train_step(engine, seed):

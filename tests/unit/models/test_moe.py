@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 import torch
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlhf.config.schema import TinyModelConfig
 from rlhf.data.packing import pack, shifted_targets
@@ -220,7 +221,7 @@ def test_full_recompute_gives_the_same_grads(folder, packed):
         assert torch.allclose(grad, grads[1][name], atol=1e-7), name
 
 
-class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+class _HostReads(TorchDispatchMode):
     """Counts tensor -> Python scalar reads (`.item()`, `.tolist()` on the CPU dispatch to
     `_local_scalar_dense` per element, or are counted by the patched `Tensor.tolist`)."""
 
@@ -347,7 +348,7 @@ def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch, fused):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+class _Ops(TorchDispatchMode):
     """The aten ops run under it, by name."""
 
     def __init__(self):
@@ -387,7 +388,8 @@ def test_stacked_experts_run_on_views_and_equal_the_loop(monkeypatch):
     assert torch.equal(gate_up[2, 32:], experts[2].up_proj.weight)
     assert torch.equal(down[3], experts[3].down_proj.weight)
     assert stack_expert_weights(experts)  # already stacked: nothing moves
-    assert stacked_weights(_gate_up_weights(experts), 2).data_ptr() == gate_up.data_ptr()
+    again = stacked_weights(_gate_up_weights(experts), 2)
+    assert again is not None and again.data_ptr() == gate_up.data_ptr()
 
     counts = torch.tensor([3, 0, 6, 2])
     x = torch.randn(int(counts.sum()), 64)
