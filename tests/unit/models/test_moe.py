@@ -331,14 +331,18 @@ def test_grouped_experts_backward_equals_the_loop(frozen, fused, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
-def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch, fused):
+@pytest.mark.parametrize("fused, stacked", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "compiled", "stored-stacks"])
+def test_cuda_grouped_gemm_experts_match_the_loop_in_bf16(monkeypatch, fused, stacked):
     """The CUDA grouped GEMM's operand layouts, forward and both backward GEMMs, in bf16;
-    with SwiGLU between them eager and compiled (`compile: auto` on CUDA)."""
-    from rlhf.models.moe import Expert
+    with SwiGLU between them eager and compiled (`compile: auto` on CUDA); over weights
+    stacked per pass and stored stacked (views, as the engine leaves them)."""
+    from rlhf.models.moe import Expert, stack_expert_weights
 
     torch.manual_seed(0)
     experts = [Expert(64, 32).cuda().bfloat16() for _ in range(6)]
+    if stacked:
+        assert stack_expert_weights(experts)
     counts = torch.tensor([5, 0, 9, 3, 1, 6], device="cuda")
     x = torch.randn(int(counts.sum()), 64, device="cuda", dtype=torch.bfloat16)
     calls, grouped, looped = _experts_against_the_loop(experts, x, counts, frozen=False,
