@@ -78,12 +78,12 @@ def ulysses_attention(q_THD: Tensor, k_THD: Tensor, v_THD: Tensor, *,
 def heads_to_tokens(x_TCHD: Tensor, *, group: ProcessGroup | None) -> Tensor:
     """(T_local, cp, h, D) -> (cp * T_local, h, D): slot j of every rank's rows goes to rank
     j, which stacks what it receives in cp-rank order. Backward: `tokens_to_heads`."""
-    return _HeadsToTokens.apply(x_TCHD, group)
+    return _Exchange.apply(x_TCHD, group, True)
 
 
 def tokens_to_heads(x_TD: Tensor, *, group: ProcessGroup | None) -> Tensor:
     """(cp * T_local, h, D) -> (T_local, cp, h, D): the reverse of `heads_to_tokens`."""
-    return _TokensToHeads.apply(x_TD, group)
+    return _Exchange.apply(x_TD, group, False)
 
 
 def _heads_to_tokens(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -107,23 +107,16 @@ def _tokens_to_heads(x: Tensor, group: ProcessGroup | None) -> Tensor:
     return out.transpose(0, 1)  # (T_local, cp, h, D): slot j holds rank j's heads
 
 
-class _HeadsToTokens(torch.autograd.Function):
+class _Exchange(torch.autograd.Function):
+    """One all-to-all, `to_tokens` (heads_to_tokens) or back (tokens_to_heads); the backward
+    of either is the other."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _heads_to_tokens(x, group)
+    def forward(ctx, x, group, to_tokens):
+        ctx.group, ctx.to_tokens = group, to_tokens
+        return (_heads_to_tokens if to_tokens else _tokens_to_heads)(x, group)
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        return _tokens_to_heads(grad_outputs[0], ctx.group), None
-
-
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _tokens_to_heads(x, group)
-
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        return _heads_to_tokens(grad_outputs[0], ctx.group), None
+        back = _tokens_to_heads if ctx.to_tokens else _heads_to_tokens
+        return back(grad_outputs[0], ctx.group), None, None

@@ -165,6 +165,48 @@ def exported(engine) -> dict[str, torch.Tensor]:
             for bucket in engine.export_hf_weights(bucket_bytes=1 << 20) for name, t in bucket}
 
 
+def assert_same_export(engine, reference, *, start: dict[str, torch.Tensor],
+                       moved: str) -> None:
+    """`engine` exports what `reference` does (the same names in order, so export and weight
+    sync are unchanged, and the same values within fp32 tolerance), and its `moved` tensor
+    differs from `start` (the steps did update it)."""
+    got, want = exported(engine), exported(reference)
+    assert list(got) == list(want)
+    assert not torch.equal(got[moved], start[moved])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def assert_kept_through_offload_and_checkpoint(engine, fresh_engine, kept, train_step,
+                                               tmp_path: Path) -> None:
+    """A storage layout of the engine's weights (`kept(engine)`: one bool per place, e.g. the
+    MLPs' paired gate and up) comes back from a full offload with the same values, lasts a
+    training step and the offload phases after it, and is there again, with the same values,
+    in `fresh_engine()` after loading the engine's checkpoint."""
+    from rlhf.config.schema import OffloadConfig
+    from rlhf.engine.offload import Offloader
+
+    want = exported(engine)
+    offloader = Offloader(engine.state_tensors,  # enters idle: weights away
+                          config=OffloadConfig(params=True, grads=True, optimizer=True))
+    assert not any(kept(engine))  # emptied
+    offloader.enter("update")
+    assert all(kept(engine))  # back as pieces of one allocation
+    got = exported(engine)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    train_step(engine)
+    for phase in ("idle", "forward", "idle", "checkpoint"):
+        offloader.enter(phase)
+    assert all(kept(engine))
+    engine.save_checkpoint(tmp_path / "ckpt")
+    want = exported(engine)
+    fresh = fresh_engine()
+    fresh.load_checkpoint(tmp_path / "ckpt")
+    assert all(kept(fresh))
+    got = exported(fresh)
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def max_param_error(got: dict, want: dict) -> float:
     missing = set(want) ^ set(got)
     if missing:

@@ -5,18 +5,21 @@ pairing computes what training without it computes."""
 import dataclasses
 
 import pytest
-import torch
 
 import rlhf.engine.engine as engine_module
-from rlhf.config.schema import OffloadConfig
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.engine.offload import Offloader
 from rlhf.models.gate_up import paired_weight
 from rlhf.models.transformer import MLP
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from tests.unit.engine.reference import OPTIM, SMALL, actor_loss_fn, exported, make_batch
-
-ALL = OffloadConfig(params=True, grads=True, optimizer=True)
+from tests.unit.engine.reference import (
+    OPTIM,
+    SMALL,
+    actor_loss_fn,
+    assert_kept_through_offload_and_checkpoint,
+    assert_same_export,
+    exported,
+    make_batch,
+)
 
 
 def _engine(folder, optim=OPTIM):
@@ -54,27 +57,11 @@ def test_steps_keep_the_pairing_and_match_the_two_linears(folder, world, monkeyp
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     assert all(_paired(paired))  # updated in place
-    got, want = exported(paired), exported(separate)
-    assert list(got) == list(want)  # export / weight sync names unchanged
-    gate = "model.layers.0.mlp.gate_proj.weight"
-    assert not torch.equal(got[gate], start[gate])  # the steps did update the pair
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_export(paired, separate, start=start,
+                       moved="model.layers.0.mlp.gate_proj.weight")
 
 
 def test_offload_and_a_checkpoint_load_keep_the_pairing(folder, world, tmp_path):
-    engine = _engine(folder)
-    offloader = Offloader(engine.state_tensors, config=ALL)  # enters idle: weights away
-    offloader.enter("update")
-    assert all(_paired(engine))  # back as halves of one allocation
-    _train_step(engine, 0)
-    for phase in ("idle", "forward", "idle", "checkpoint"):
-        offloader.enter(phase)
-    assert all(_paired(engine))
-    engine.save_checkpoint(tmp_path / "ckpt")
-    want = exported(engine)
-    fresh = _engine(folder)
-    fresh.load_checkpoint(tmp_path / "ckpt")
-    assert all(_paired(fresh))
-    got = exported(fresh)
-    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert_kept_through_offload_and_checkpoint(
+        _engine(folder), lambda: _engine(folder), _paired,
+        lambda engine: _train_step(engine, 0), tmp_path)

@@ -9,15 +9,21 @@ import pytest
 import torch
 
 import rlhf.engine.engine as engine_module
-from rlhf.config.schema import OffloadConfig, TinyModelConfig
+from rlhf.config.schema import TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.engine.offload import Offloader
 from rlhf.models.moe import SparseMoeBlock, _down_weights, _gate_up_weights, stacked_weights
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
-from tests.unit.engine.reference import OPTIM, SMALL, actor_loss_fn, exported, make_batch
+from tests.unit.engine.reference import (
+    OPTIM,
+    SMALL,
+    actor_loss_fn,
+    assert_kept_through_offload_and_checkpoint,
+    assert_same_export,
+    exported,
+    make_batch,
+)
 
-ALL = OffloadConfig(params=True, grads=True, optimizer=True)
 MOE = TinyModelConfig(arch="qwen3_moe", num_layers=2, hidden_size=64, num_heads=2,
                       num_kv_heads=1, intermediate_size=96, vocab_size=SMALL["vocab_size"],
                       max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
@@ -78,31 +84,11 @@ def test_steps_on_the_stacks_match_the_loop_on_unstacked_experts(moe_folder, wor
             torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-5, atol=1e-6,
                                        msg=name)
     assert all(_stacked(stacked))  # updated in place
-    got, want = exported(stacked), exported(separate)
-    assert list(got) == list(want)  # export / weight sync names unchanged
-    expert = "model.layers.0.mlp.experts.1.up_proj.weight"
-    assert not torch.equal(got[expert], start[expert])  # the steps did update the stack
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+    assert_same_export(stacked, separate, start=start,
+                       moved="model.layers.0.mlp.experts.1.up_proj.weight")
 
 
 def test_offload_and_a_checkpoint_load_keep_the_stacks(moe_folder, world, tmp_path):
-    engine = _engine(moe_folder)
-    want = exported(engine)
-    offloader = Offloader(engine.state_tensors, config=ALL)  # enters idle: weights away
-    assert not any(_stacked(engine))  # emptied
-    offloader.enter("update")
-    assert all(_stacked(engine))  # back as blocks of one allocation per stack
-    got = exported(engine)
-    assert all(torch.equal(got[k], want[k]) for k in want)
-    _train_step(engine, 0)
-    for phase in ("idle", "forward", "idle", "checkpoint"):
-        offloader.enter(phase)
-    assert all(_stacked(engine))
-    engine.save_checkpoint(tmp_path / "ckpt")
-    want = exported(engine)
-    fresh = _engine(moe_folder)
-    fresh.load_checkpoint(tmp_path / "ckpt")
-    assert all(_stacked(fresh))
-    got = exported(fresh)
-    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert_kept_through_offload_and_checkpoint(
+        _engine(moe_folder), lambda: _engine(moe_folder), _stacked,
+        lambda engine: _train_step(engine, 0), tmp_path)

@@ -30,31 +30,16 @@ def test_bytes_sent_follow_the_formulas():
     assert sent["ulysses"] == (16 + 8) * 1000 * 64 * 3 // 4 * 2
 
 
-def test_one_rank_equals_plain_attention():
-    lens = [9, 1, 4]
-    shard = plan_context_shard(lens, cp=1, rank=0)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
-    cu = torch.tensor([0, 9, 10, 14], dtype=torch.int32)
-    want = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3)
-    layout = ulysses_layout(shard, varlen_layout(cu, None), None, group=None, device="cpu")
-    local = [shard_tokens(x, shard) for x in (q, k, v)]
-    got = varlen_attention(*local, cu_seqlens=torch.tensor(shard.query_bounds,
-                                                           dtype=torch.int32),
-                           max_seqlen=shard.max_query, scale=0.3, layout=layout)
-    real = shard.holds_token
-    torch.testing.assert_close(got[real], want[shard.source[real]])
-    assert (got[~real] == 0).all()  # padding rows: zeros, seen by no real token
-
-
-def test_one_rank_with_a_shared_prompt_equals_plain_attention():
-    # sequence 2 reads sequence 0's first 3 tokens as its prompt (packing's SharedPrefix)
-    lens = [9, 1, 4]
-    prefix = SharedPrefix(torch.tensor([0, 0, 0]), torch.tensor([0, 0, 3]))
+@pytest.mark.parametrize("shared", [False, True], ids=["plain", "shared-prompt"])
+def test_one_rank_equals_plain_attention(shared):
+    # shared: sequence 2 reads sequence 0's first 3 tokens as its prompt (a SharedPrefix)
+    lens, prefix_lens = [9, 1, 4], [0, 0, 3] if shared else [0, 0, 0]
+    prefix = SharedPrefix(torch.zeros(3, dtype=torch.int64), torch.tensor(prefix_lens))
+    prefix = prefix if shared else None
     cu = torch.tensor([0, 9, 10, 14], dtype=torch.int32)
     shard = plan_context_shard(lens, cp=1, rank=0, prefix_starts=[0, 0, 0],
-                               prefix_lens=[0, 0, 3])
-    gen = torch.Generator().manual_seed(1)
+                               prefix_lens=prefix_lens)
+    gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(sum(lens), h, 8, generator=gen) for h in (4, 2, 2))
     want = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3, prefix=prefix)
     layout = ulysses_layout(shard, varlen_layout(cu, prefix), prefix, group=None, device="cpu")
@@ -64,5 +49,7 @@ def test_one_rank_with_a_shared_prompt_equals_plain_attention():
                            max_seqlen=shard.max_query, scale=0.3, layout=layout)
     real = shard.holds_token
     torch.testing.assert_close(got[real], want[shard.source[real]])
-    plain = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3)
-    assert not torch.allclose(want[10:], plain[10:])  # the prompt changed sequence 2's output
+    assert (got[~real] == 0).all()  # padding rows: zeros, seen by no real token
+    if shared:  # the prompt did change sequence 2's output
+        plain = varlen_attention(q, k, v, cu_seqlens=cu, max_seqlen=9, scale=0.3)
+        assert not torch.allclose(want[10:], plain[10:])
