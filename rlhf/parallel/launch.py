@@ -86,8 +86,31 @@ def run_distributed(
         job = pickle.dumps((fn, args))
     except Exception as e:
         raise ValueError(f"fn and args must be picklable (fn a module-level function): {e}") from e
-    init_method = f"tcp://127.0.0.1:{free_port()}"
     pg_timeout_s = collective_timeout_s if collective_timeout_s is not None else timeout_s
+    for attempt in range(1, _PORT_TRIES + 1):
+        try:
+            return _launch(job, nproc, f"tcp://127.0.0.1:{free_port()}", backend=backend,
+                           timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
+        except DistributedRunError as e:
+            if attempt == _PORT_TRIES or not port_was_taken(e.remote_traceback):
+                raise
+    raise AssertionError("unreachable")
+
+
+# free_port's port is free when it returns, but another process (a Ray worker's outgoing
+# connection, another launch) may bind it before rank 0 does: such a launch is retried on a
+# new port, at most this many times in all. Nothing of `fn` has run then.
+_PORT_TRIES = 3
+
+
+def port_was_taken(remote_traceback: str) -> bool:
+    """Whether a launch failed because its rendezvous port was taken before rank 0 bound it:
+    while the ranks joined the process group, before any of them ran the job."""
+    return "EADDRINUSE" in remote_traceback and "in init_world" in remote_traceback
+
+
+def _launch(job: bytes, nproc: int, init_method: str, *, backend: str, timeout_s: float,
+            pg_timeout_s: float) -> list[Any]:
     ctx = mp.get_context(_start_method)
     procs, conns = [], []
     try:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from rlhf.parallel.launch import DistributedRunError, DistributedTimeoutError, run_distributed
+from rlhf.parallel.launch import free_port as _real_free_port
 
 
 def _sum_of_ranks(rank, world_size, offset):
@@ -85,3 +86,37 @@ def test_bad_arguments_are_rejected():
         run_distributed(_sum_of_ranks, 1, 0.0, timeout_s=0)
     with pytest.raises(ValueError, match="picklable"):
         run_distributed(lambda rank, world_size: rank, 1)
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_retried_on_a_new_one(monkeypatch):
+    import socket
+
+    from rlhf.parallel import launch
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [taken.getsockname()[1]]  # the first launch's port: held by another "process"
+    picked = []
+
+    def free_port():
+        picked.append(ports.pop() if ports else _real_free_port())
+        return picked[-1]
+
+    monkeypatch.setattr(launch, "free_port", free_port)
+    try:
+        results = run_distributed(_sum_of_ranks, 2, 0.0, timeout_s=60)
+    finally:
+        taken.close()
+    assert [r["sum"] for r in results] == [1.0, 1.0]
+    assert len(picked) == 2 and picked[0] != picked[1]  # retried once, on a new port
+
+
+def test_other_failures_are_not_retried(monkeypatch):
+    from rlhf.parallel import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "free_port", lambda: calls.append(1) or _real_free_port())
+    with pytest.raises(DistributedRunError, match="boom from rank 1"):
+        run_distributed(_raise_on_rank_1, 2, timeout_s=60)
+    assert len(calls) == 1

@@ -72,6 +72,7 @@ def test_a_wrong_routing_rule_fails(good, reference, tmp_path, single_process_wo
 def test_cp2_ep2_passes_with_the_aux_loss_over_token_shards(good):
     report = verify_model(good, tp=1, cp=2, ep=2, num_seqs=4, max_len=24, seed=0)
     assert report["layout"] == {"tp": 1, "pp": 1, "dp": 2, "nproc": 4, "ep": 2, "cp": 2,
+                                "cp_attention": "all_gather",
                                 "sequence_parallel": False}
     errors = report["errors"]
     assert report["passed"], errors
