@@ -17,7 +17,6 @@ from rlhf.config.schema import (
     JobConfig,
     TinyModelConfig,
     TrainRoleConfig,
-    ulysses_heads_problem,
 )
 from rlhf.errors import ConfigError
 from rlhf.families import find_family, model_family
@@ -252,12 +251,9 @@ def _check_parallel_vs_model(name: str, role: ForwardRoleConfig, facts: ModelFac
         if count % parallel.tp:
             yield (f"{name}.parallel.tp={parallel.tp} does not divide the model's {count} {what} "
                    f"({src}); choose a divisor")
-    if parallel.cp > 1 and parallel.cp_attention == "ulysses" and not (
-            facts.num_heads % parallel.tp or facts.num_kv_heads % parallel.tp):
-        problem = ulysses_heads_problem(facts.num_heads // parallel.tp,
-                                        facts.num_kv_heads // parallel.tp, parallel.cp)
-        if problem is not None:
-            yield (f"{name}.parallel.cp_attention=ulysses splits the attention heads over the cp "
+    problem = parallel.ulysses_problem(facts.num_heads, facts.num_kv_heads)
+    if problem is not None:
+        yield (f"{name}.parallel.cp_attention=ulysses splits the attention heads over the cp "
                    f"ranks, but the model's {problem} ({src}); set {name}.parallel.cp_attention="
                    "all_gather (any number of heads) or choose a cp that divides them")
     if parallel.ep > 1 and not facts.num_experts:

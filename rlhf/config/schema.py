@@ -309,6 +309,7 @@ def ulysses_heads_problem(num_heads: int, num_kv_heads: int, cp: int) -> str | N
     return None
 
 
+
 # "pkg.module:function" or "path/to/file.py:function"
 _MODULE_TARGET = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
@@ -363,6 +364,15 @@ class ParallelConfig:
             if min(self.layers_per_stage) < 1:
                 raise ConfigError(f"layers_per_stage entries must be at least 1, got "
                                   f"{list(self.layers_per_stage)}")
+
+    def ulysses_problem(self, num_heads: int, num_kv_heads: int) -> str | None:
+        """Why this plan's Ulysses attention cannot split a model of these head counts (cp > 1
+        and cp_attention ulysses; the tp split of the heads is checked apart); None if it can
+        or the plan does not use Ulysses."""
+        tp = self.tp
+        if self.cp == 1 or self.cp_attention != "ulysses" or num_heads % tp or num_kv_heads % tp:
+            return None
+        return ulysses_heads_problem(num_heads // tp, num_kv_heads // tp, self.cp)
 
     @property
     def model_ranks(self) -> int:

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from rlhf.config.schema import CpAttention, LoraConfig, ParallelConfig, ulysses_heads_problem
+from rlhf.config.schema import CpAttention, LoraConfig, ParallelConfig
 from rlhf.errors import ConfigError
 from rlhf.models.config import ModelArgs
 from rlhf.models.expert_sharding import apply_ep
@@ -67,13 +67,10 @@ def build_model(path: str | Path, *, mesh: ParallelMesh, parallel: ParallelConfi
     if model_cls is None:
         raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
     args = ModelArgs.from_pretrained(path)
-    if parallel.cp_attention == "ulysses" and mesh.cp_size > 1 and not (
-            args.num_heads % parallel.tp or args.num_kv_heads % parallel.tp):
-        problem = ulysses_heads_problem(args.num_heads // parallel.tp,
-                                        args.num_kv_heads // parallel.tp, mesh.cp_size)
-        if problem is not None:
-            raise ConfigError(f"parallel.cp_attention=ulysses: the model's {problem}; set "
-                              "parallel.cp_attention=all_gather (any number of heads)")
+    problem = parallel.ulysses_problem(args.num_heads, args.num_kv_heads)
+    if problem is not None:
+        raise ConfigError(f"parallel.cp_attention=ulysses: the model's {problem}; set "
+                          "parallel.cp_attention=all_gather (any number of heads)")
     chunks, stage = None, {}
     if parallel.pp > 1:
         chunks = rank_chunks(args.num_layers, pp=parallel.pp, vpp=parallel.vpp, pp_rank=mesh.pp_rank,
