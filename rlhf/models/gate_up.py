@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from rlhf.models.weight_stacks import can_stack, stack_weights, stacked_view
 from rlhf.parallel.tensor_parallel import ColumnParallelLinear
 
 
@@ -49,15 +50,8 @@ def _same_input(gate: nn.Module, up: nn.Module) -> bool:
 def paired_weight(gate_w: Tensor, up_w: Tensor) -> Tensor | None:
     """The (2I, H) weight whose halves are `gate_w` and `up_w`, a view (no copy), or None
     when they are not adjacent halves of one storage."""
-    if (gate_w.dtype != up_w.dtype or gate_w.device != up_w.device
-            or gate_w.shape != up_w.shape or gate_w.dim() != 2
-            or not gate_w.is_contiguous() or not up_w.is_contiguous()
-            or gate_w.device.type == "meta"
-            or up_w.storage_offset() != gate_w.storage_offset() + gate_w.numel()
-            or gate_w.untyped_storage().data_ptr() != up_w.untyped_storage().data_ptr()):
-        return None
-    rows, cols = gate_w.shape
-    return torch.as_strided(gate_w, (2 * rows, cols), (cols, 1))
+    stack = stacked_view([gate_w, up_w], 2)
+    return None if stack is None else stack[0]
 
 
 class GateUpMatmul(torch.autograd.Function):
@@ -102,14 +96,8 @@ def pair_linears(gate: nn.Module, up: nn.Module) -> bool:
     weights are left alone (they run apart)."""
     if not (_plain(gate) and _plain(up) and _same_input(gate, up)):
         return False
-    gate_w, up_w = _weight(gate), _weight(up)
-    if (gate_w.device.type == "meta" or gate_w.shape != up_w.shape
-            or gate_w.dtype != up_w.dtype or gate_w.device != up_w.device):
+    weights = [_weight(gate), _weight(up)]
+    if not can_stack(weights):
         return False
-    if paired_weight(gate_w, up_w) is None:
-        rows = gate_w.shape[0]
-        pair = torch.empty((2 * rows, gate_w.shape[1]), dtype=gate_w.dtype, device=gate_w.device)
-        pair[:rows].copy_(gate_w)
-        pair[rows:].copy_(up_w)
-        gate_w.data, up_w.data = pair[:rows], pair[rows:]
+    stack_weights(weights, 2)
     return True

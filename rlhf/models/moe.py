@@ -38,14 +38,14 @@ Python loop over experts and no host read of the per-expert counts (a stream syn
 On the CPU they run one at a time (`runs_grouped` says why). The weights stay one `Expert`
 module per expert (the checkpoint's names, the TP and EP splits, checkpoints, export, weight
 sync). `stack_experts` (run by the engine once the model is placed, beside the dense MLP's
-`pair_gate_up`) makes each layer's local experts' weights the blocks of those two stacks;
-while they are (`stacked_weights` checks, cheaply, at every pass), the grouped GEMMs read the
-stacks as views and return the weight grads as per-expert slices of one grad tensor: no copy
-either way. The optimizer updates parameters in place, a DCP load copies into them, and
-offloading restores the shared storage (`rlhf.engine.offload`), so the stacks last; whatever
-breaks one (a `.data` swap) makes the grouped GEMMs stack a copy per pass instead, same
-numbers. That copy is never saved for backward (`_GroupedLinear` stacks again there): saved,
-every MoE layer's copy would be held from its forward to its backward.
+`pair_gate_up`) makes each layer's local experts' weights the blocks of those two stacks
+(rlhf.models.weight_stacks); while they are (`stacked_view` checks, cheaply, at every pass),
+the grouped GEMMs read the stacks as views and return the weight grads as per-expert slices
+of one grad tensor: no copy either way. The optimizer updates parameters in place, a DCP load
+copies into them, and offloading restores the shared storage (`rlhf.engine.offload`), so the
+stacks last; whatever breaks one (a `.data` swap) makes the grouped GEMMs stack a copy per
+pass instead, same numbers. That copy is never saved for backward (`_GroupedLinear` stacks
+again there): saved, every MoE layer's copy would be held from its forward to its backward.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ from torch.distributed import ProcessGroup
 from rlhf.data.routes import ROUTES
 from rlhf.models.config import ModelArgs
 from rlhf.models.fused import gated
+from rlhf.models.weight_stacks import can_stack, stack_weights, stacked_view
 from rlhf.parallel.collectives import (
     copy_to_tp,
     gather_from_sequence,
@@ -253,36 +254,10 @@ def _down_weights(experts: Sequence[Expert]) -> list[Tensor]:
     return [e.down_proj.weight for e in experts]
 
 
-def stacked_weights(weights: Sequence[Tensor], parts: int) -> Tensor | None:
-    """The (E, parts * O, I) stack of the experts' (O, I) weights (listed part by part, E
-    each; expert e's parts one above the other) as a view of the one tensor they are the
-    blocks of, or None when they are not (then `_stacked` copies them). The one test of
-    whether a layer's experts are stacked: pointer arithmetic, no tensor read."""
-    first = weights[0]
-    if first.dim() != 2 or first.device.type == "meta":
-        return None
-    rows, cols = first.shape
-    per_part = len(weights) // parts
-    block = rows * cols * first.element_size()
-    base = first.data_ptr()
-    # expert e's part p starts block (e * parts + p) of the stack; addresses are unique per
-    # process (CUDA's unified addressing), so these also say the weights share one allocation
-    starts = [base + (e * parts + part) * block for part in range(parts)
-              for e in range(per_part)]
-    if ([w.data_ptr() for w in weights] != starts
-            or any(w.shape != first.shape or w.stride() != (cols, 1) or w.dtype != first.dtype
-                   for w in weights)):
-        return None
-    end = (first.storage_offset() + len(weights) * rows * cols) * first.element_size()
-    if end > first.untyped_storage().nbytes():
-        return None  # the blocks would run past the first one's storage
-    return torch.as_strided(first, (per_part, parts * rows, cols), (parts * rows * cols, cols, 1))
-
-
 def _stacked(weights: Sequence[Tensor], parts: int) -> Tensor:
     """(E, parts * O, I): expert e's `parts` weights (listed part by part, E each) one above
     the other, e.g. gate over up: a view when they are stacked in memory, else a copy."""
-    view = stacked_weights(weights, parts)
+    view = stacked_view(weights, parts)
     if view is not None:
         return view
     per_part = len(weights) // parts
@@ -290,7 +265,6 @@ def _stacked(weights: Sequence[Tensor], parts: int) -> Tensor:
                       for p in range(parts)], dim=1)
 
 
-@torch.no_grad()
 def stack_expert_weights(experts: Sequence[Expert]) -> bool:
     """Make the experts' gate and up weights the blocks of one (E, 2I, H) tensor (expert e's
     gate rows, then its up rows) and their down weights the blocks of one (E, H, I) tensor,
@@ -298,26 +272,11 @@ def stack_expert_weights(experts: Sequence[Expert]) -> bool:
     or experts of unequal shapes are left alone (the grouped GEMMs copy them per pass)."""
     if not experts:
         return False
-    groups = [(2, [_weight_param(e.gate_proj) for e in experts]
-               + [_weight_param(e.up_proj) for e in experts]),
-              (1, [_weight_param(e.down_proj) for e in experts])]
-    for _, weights in groups:
-        first = weights[0]
-        if first.device.type == "meta" or any(
-                w.shape != first.shape or w.dtype != first.dtype or w.device != first.device
-                for w in weights):
-            return False
+    groups = [(2, _gate_up_weights(experts)), (1, _down_weights(experts))]
+    if not all(can_stack(weights) for _, weights in groups):
+        return False
     for parts, weights in groups:
-        if stacked_weights(weights, parts) is not None:
-            continue
-        rows, cols = weights[0].shape
-        stack = torch.empty((len(experts), parts * rows, cols), dtype=weights[0].dtype,
-                            device=weights[0].device)
-        for i, w in enumerate(weights):
-            part, e = divmod(i, len(experts))
-            block = stack[e, part * rows:(part + 1) * rows]
-            block.copy_(w)
-            w.data = block
+        stack_weights(weights, parts)
     return True
 
 
@@ -326,12 +285,6 @@ def stack_experts(model: nn.Module) -> int:
     grouped GEMMs copy nothing; returns how many layers are stacked."""
     return sum(stack_expert_weights(m.local_experts()) for m in model.modules()
                if isinstance(m, SparseMoeBlock))
-
-
-def _weight_param(linear: nn.Module) -> Tensor:
-    weight = linear.weight
-    assert isinstance(weight, Tensor)
-    return weight
 
 
 def _grouped_mm(a: Tensor, b: Tensor, offs_E: Tensor) -> Tensor:

@@ -25,7 +25,8 @@ from rlhf.data.packing import pack_prompt_response
 from rlhf.data.routes import ROUTES
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import MicroBatch, TrainEngine, make_micro_batches
-from rlhf.models.moe import SparseMoeBlock, _down_weights, _gate_up_weights, stacked_weights
+from rlhf.models.moe import SparseMoeBlock, _down_weights, _gate_up_weights
+from rlhf.models.weight_stacks import stacked_view
 from rlhf.parallel.launch import run_distributed
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.dist.test_moe_parallel import COEF, SPEC, _reference, _seqs, _weights
@@ -41,8 +42,8 @@ GROUPED = (2, 1, True, 2)  # the layout whose experts run as grouped GEMMs
 
 def _stacked(model) -> bool:
     """Whether every MoE layer's local experts are stacked (views for the grouped GEMMs)."""
-    return all(stacked_weights(_gate_up_weights(experts), 2) is not None
-               and stacked_weights(_down_weights(experts), 1) is not None
+    return all(stacked_view(_gate_up_weights(experts), 2) is not None
+               and stacked_view(_down_weights(experts), 1) is not None
                for experts in (m.local_experts() for m in model.modules()
                                if isinstance(m, SparseMoeBlock)))
 

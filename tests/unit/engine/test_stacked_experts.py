@@ -12,7 +12,8 @@ import rlhf.engine.engine as engine_module
 from rlhf.config.schema import TinyModelConfig
 from rlhf.demo.tiny_model import make_tiny_model
 from rlhf.engine import TrainEngine, make_micro_batches
-from rlhf.models.moe import SparseMoeBlock, _down_weights, _gate_up_weights, stacked_weights
+from rlhf.models.moe import SparseMoeBlock, _down_weights, _gate_up_weights
+from rlhf.models.weight_stacks import stacked_view
 from rlhf.parallel.mesh import ParallelMesh, ProcessGroupCache
 from tests.unit.engine.reference import (
     OPTIM,
@@ -44,8 +45,8 @@ def _engine(folder, optim=OPTIM):
 def _stacked(engine):
     blocks = [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]
     assert len(blocks) == MOE.num_layers
-    return [stacked_weights(_gate_up_weights(experts), 2) is not None
-            and stacked_weights(_down_weights(experts), 1) is not None
+    return [stacked_view(_gate_up_weights(experts), 2) is not None
+            and stacked_view(_down_weights(experts), 1) is not None
             for experts in (b.local_experts() for b in blocks)]
 
 

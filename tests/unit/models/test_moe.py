@@ -374,25 +374,25 @@ def test_stacked_experts_run_on_views_and_equal_the_loop(monkeypatch):
         _gate_up_weights,
         grouped_experts,
         stack_expert_weights,
-        stacked_weights,
     )
+    from rlhf.models.weight_stacks import stacked_view
 
     torch.manual_seed(0)
     experts = [Expert(64, 32) for _ in range(4)]
     before = [p.detach().clone() for e in experts for p in e.parameters()]
-    assert stacked_weights(_gate_up_weights(experts), 2) is None
+    assert stacked_view(_gate_up_weights(experts), 2) is None
     assert stack_expert_weights(experts)
     assert all(torch.equal(p, b) for p, b in zip((p for e in experts for p in e.parameters()),
                                                  before))  # values kept
-    gate_up = stacked_weights(_gate_up_weights(experts), 2)
-    down = stacked_weights(_down_weights(experts), 1)
+    gate_up = stacked_view(_gate_up_weights(experts), 2)
+    down = stacked_view(_down_weights(experts), 1)
     assert gate_up is not None and down is not None
     assert gate_up.shape == (4, 64, 64) and down.shape == (4, 64, 32)
     assert torch.equal(gate_up[2, :32], experts[2].gate_proj.weight)
     assert torch.equal(gate_up[2, 32:], experts[2].up_proj.weight)
     assert torch.equal(down[3], experts[3].down_proj.weight)
     assert stack_expert_weights(experts)  # already stacked: nothing moves
-    again = stacked_weights(_gate_up_weights(experts), 2)
+    again = stacked_view(_gate_up_weights(experts), 2)
     assert again is not None and again.data_ptr() == gate_up.data_ptr()
 
     counts = torch.tensor([3, 0, 6, 2])
@@ -411,8 +411,8 @@ def test_stacked_experts_run_on_views_and_equal_the_loop(monkeypatch):
 
     with torch.no_grad():  # one weight moved out: the stack is broken, the path copies
         experts[1].up_proj.weight.data = experts[1].up_proj.weight.clone()
-    assert stacked_weights(_gate_up_weights(experts), 2) is None
-    assert stacked_weights(_down_weights(experts), 1) is not None
+    assert stacked_view(_gate_up_weights(experts), 2) is None
+    assert stacked_view(_down_weights(experts), 1) is not None
     with _Ops() as ops:
         grouped_experts(experts, x, counts)
     assert "stack.default" in ops.names
